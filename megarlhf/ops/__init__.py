@@ -1,0 +1,42 @@
+"""Fused ops. ``logprob_entropy`` is the entry point: token log-probs and entropies straight from
+hidden states and the (vocab-parallel) output weight, never materialising tokens x vocab logits.
+
+It dispatches to the Triton kernels for CUDA tensors when Triton is importable and to the chunked
+torch implementation otherwise; both share one contract (see ``fused_logprob``'s docstring).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megarlhf.ops.fused_logprob import fused_logprob_entropy
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor | None = None, *, tp_group=None, temperature: float = 1.0,
+                    chunk_size: int = 4096, compute_entropy: bool = True, backend: str = "auto"):
+    """(logprobs [N], entropy [N] or None), fp32; see ``fused_logprob.fused_logprob_entropy``.
+
+    backend: "auto" (Triton for CUDA inputs when importable, else torch), "torch" or "triton"
+    ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the torch
+    backend's vocab chunk; the Triton backend tiles by its own block sizes.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"logprob_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        use_triton = hidden.is_cuda and importlib.util.find_spec("triton") is not None
+        backend = "triton" if use_triton else "torch"
+    if backend == "triton":
+        # imported lazily: Triton decides at import time whether kernels run interpreted
+        from megarlhf.ops.triton_logprob import triton_logprob_entropy
+        return triton_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
+                                      temperature=temperature, compute_entropy=compute_entropy)
+    return fused_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
+                                 temperature=temperature, chunk_size=chunk_size,
+                                 compute_entropy=compute_entropy)
+
+
+__all__ = ["logprob_entropy", "fused_logprob_entropy"]

@@ -1,0 +1,249 @@
+"""Fused, vocab-parallel token log-probs and entropy from hidden states (torch; runs on any device).
+
+Computes, for each selected token i with target t_i and logits l_i = hidden_i @ weight.T / temperature,
+
+    logprob_i = l_i[t_i] - logsumexp(l_i)          entropy_i = logsumexp(l_i) - sum_j p_ij l_ij
+
+without ever holding tokens x vocab logits: the vocabulary is walked in chunks with an online
+(flash-softmax style) running max ``m``, sum ``s = sum exp(l - m)`` and entropy term
+``a = sum exp(l - m) * (l - m)``; entropy = log s - a / s. Backward recomputes each chunk's logits
+from the saved hidden rows and weight (nothing of size tokens x vocab is saved) and forms
+
+    dL/dl_ij = g_lp_i * (1[j = t_i] - p_ij) - g_ent_i * p_ij * (H_i + log p_ij)
+
+for upstream gradients g_lp (log-probs) and g_ent (entropy).
+
+Hand-written because neither Megatron-Core (its vocab-parallel cross-entropy needs the full local
+logits) nor a pinned library offers a chunked log-prob + entropy with gradients for both.
+
+Tensor parallelism (Megatron's layout): ``weight`` is this rank's shard of the padded vocabulary,
+rank r holding rows ``[r * V_local, (r + 1) * V_local)``; ``targets`` are global ids. Each rank reduces
+its shard to (max, sum-exp, entropy term, target logit) per token, and these are combined over
+``tp_group`` as Megatron's vocab-parallel cross-entropy does: all_reduce MAX of the max, then one
+all_reduce SUM of the rescaled partials. Outputs are identical on every TP rank.
+
+Gradient contract under TP: pass the hidden states exactly as Megatron's output layer
+(ColumnParallelLinear) sees them, i.e. the full, replicated hidden rows (no sequence parallelism).
+The op itself plays the role of ``copy_to_tensor_model_parallel_region``: in backward it all-reduces
+(SUM over ``tp_group``) the hidden-state gradient, so the returned grad_hidden is the full gradient,
+identical on every rank, and the caller must NOT all-reduce it again. grad_weight is this rank's
+shard only. ``mask`` (and therefore the selected rows) must be identical on all TP ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Initial running max for the online pass: finite so that (m_old - m_new) * s stays 0 * finite
+# (with -inf it would be -inf * 0 = nan) and exp(m_old - m_new) is exactly 0.
+NEG_BIG = -1.0e30
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                 mask: torch.Tensor | None, temperature: float, chunk_size: int) -> None:
+    """Raises ValueError naming the argument whose shape, dtype or value is wrong."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"logprob op: hidden must be [N, H] and weight [V_local, H]; got hidden "
+                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"logprob op: hidden size mismatch: hidden {tuple(hidden.shape)} vs weight "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise ValueError(f"logprob op: hidden and weight must share one float dtype; got "
+                         f"{hidden.dtype} and {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"logprob op: hidden on {hidden.device} but weight on {weight.device}")
+    if targets.shape != (hidden.shape[0],) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"logprob op: targets must be an int tensor of shape [{hidden.shape[0]}]; "
+                         f"got {targets.dtype} {tuple(targets.shape)}")
+    if mask is not None and (mask.shape != (hidden.shape[0],) or mask.dtype != torch.bool):
+        raise ValueError(f"logprob op: mask must be a bool tensor of shape [{hidden.shape[0]}]; "
+                         f"got {mask.dtype} {tuple(mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"logprob op: temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"logprob op: chunk_size must be >= 1, got {chunk_size}")
+
+
+def tp_rank_and_size(tp_group) -> tuple[int, int]:
+    """(rank, size) in ``tp_group``; (0, 1) when there is no group."""
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+                 vocab_start: int, vocab_local: int, vocab_total: int):
+    """Picks the unmasked rows; returns (rows index or None, hidden rows, local targets, in-shard).
+
+    Local targets are ``target - vocab_start``, set to 0 where the target lives on another rank;
+    ``in_shard`` says which rows own their target here.
+    """
+    idx = None
+    if mask is not None:
+        idx = mask.nonzero().squeeze(1)
+        hidden, targets = hidden[idx], targets[idx]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_total):
+        raise ValueError(f"logprob op: targets of unmasked tokens must lie in [0, {vocab_total}) "
+                         f"(the padded vocab over all TP ranks); got range "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
+    local = targets.long() - vocab_start
+    in_shard = (local >= 0) & (local < vocab_local)
+    return idx, hidden, torch.where(in_shard, local, 0).contiguous(), in_shard
+
+
+def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Puts per-selected-row values back at their token positions; masked tokens get 0."""
+    if idx is None:
+        return values
+    return values.new_zeros(n).index_put((idx,), values)
+
+
+def apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy: bool):
+    """Runs ``apply(x, local_t, in_shard, tp_size) -> (logprob, entropy)`` on the unmasked rows only.
+
+    Shared by the torch and Triton backends: row selection, target localisation to this rank's
+    vocab shard, the all-masked shortcut, and scattering results back to [N] (masked rows = 0).
+    """
+    rank, tp_size = tp_rank_and_size(tp_group)
+    v_local = weight.shape[0]
+    idx, x, local_t, in_shard = _select_rows(hidden, targets, mask, rank * v_local, v_local,
+                                             v_local * tp_size)
+    n = hidden.shape[0]
+    if x.shape[0] == 0:   # nothing selected (identical on all TP ranks): no work, no collectives
+        # zeros that still hang off the graph, so a loss built only from them can backward (to 0)
+        tie = (hidden[:0].sum() + weight[:0].sum()).float()
+        logprob = hidden.new_zeros(n, dtype=torch.float32) + tie
+        return logprob, (hidden.new_zeros(n, dtype=torch.float32) + tie if compute_entropy else None)
+    logprob, ent = apply(x, local_t, in_shard, tp_size)
+    return _scatter_rows(logprob, idx, n), (_scatter_rows(ent, idx, n) if compute_entropy else None)
+
+
+def combine_partials(m: torch.Tensor, s: torch.Tensor, a: torch.Tensor, tgt: torch.Tensor,
+                     tp_group, tp_size: int):
+    """Turns this rank's (max, sum-exp, entropy term, target logit) into global (logZ, entropy, logprob).
+
+    Megatron's order: all_reduce MAX of the max, rescale the partials to it, one all_reduce SUM.
+    Rescaling ``a`` uses sum exp(l - M) (l - M) = e^(m - M) (a + (m - M) s).
+    """
+    if tp_size > 1:
+        m_glob = m.clone()
+        dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=tp_group)
+        shift = m - m_glob
+        alpha = torch.exp(shift)
+        packed = torch.stack([alpha * s, alpha * (a + shift * s), tgt])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+        m, (s, a, tgt) = m_glob, packed.unbind(0)
+    log_s = torch.log(s)
+    logz = m + log_s
+    return logz, log_s - a / s, tgt - logz
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """fp32 logits of one vocab chunk (x is already divided by the temperature)."""
+    return torch.mm(x, weight[lo:hi].t()).float()
+
+
+def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy: bool):
+    """One pass over this rank's vocab shard: running max, sum-exp, entropy term, target logit."""
+    n = x.shape[0]
+    m = x.new_full((n,), NEG_BIG, dtype=torch.float32)
+    s = torch.zeros_like(m)
+    a = torch.zeros_like(m)
+    tgt = torch.zeros_like(m)
+    rows = torch.arange(n, device=x.device)
+    for lo in range(0, weight.shape[0], chunk_size):
+        hi = min(lo + chunk_size, weight.shape[0])
+        logits = _chunk_logits(x, weight, lo, hi)
+        hit = in_shard & (local_t >= lo) & (local_t < hi)
+        tgt += torch.where(hit, logits[rows, (local_t - lo).clamp(0, hi - lo - 1)], 0.0)
+        m_new = torch.maximum(m, logits.amax(dim=1))
+        shift = m - m_new
+        alpha = torch.exp(shift)
+        shifted = logits.sub_(m_new[:, None])           # logits - m_new, in place
+        e = torch.exp(shifted)
+        s_chunk = e.sum(dim=1)
+        if want_entropy:
+            a = alpha * (a + shift * s) + e.mul_(shifted).sum(dim=1)
+        s = alpha * s + s_chunk
+        m = m_new
+    return m, s, a, tgt
+
+
+def _grad_logits_(logits, logz, g_lp, g_ent, ent):
+    """Turns fp32 chunk logits (in place) into dL/dlogits without the target one-hot term.
+
+    -p * (g_lp + g_ent * (H + log p)), with log p = logits - logZ.
+    """
+    log_p = logits.sub_(logz[:, None])
+    p = torch.exp(log_p)
+    if g_ent is None:
+        return p.mul_(-g_lp[:, None]) if g_lp is not None else p.zero_()
+    coef = log_p.add_(ent[:, None]).mul_(g_ent[:, None])
+    if g_lp is not None:
+        coef.add_(g_lp[:, None])
+    return coef.mul_(p).neg_()
+
+
+class _FusedLogprobEntropy(torch.autograd.Function):
+    """Chunked forward/backward over selected rows; see the module docstring for the math."""
+
+    @staticmethod
+    def forward(ctx, x, weight, local_t, in_shard, tp_group, tp_size, temperature, chunk_size,
+                want_entropy):
+        xs = x / temperature if temperature != 1.0 else x
+        m, s, a, tgt = _local_partials(xs, weight, local_t, in_shard, chunk_size, want_entropy)
+        logz, ent, logprob = combine_partials(m, s, a, tgt, tp_group, tp_size)
+        ctx.save_for_backward(xs, weight, local_t, in_shard, logz, ent)
+        ctx.cfg = (tp_group, tp_size, temperature, chunk_size)
+        ctx.set_materialize_grads(False)
+        return logprob, (ent if want_entropy else ent.new_empty(0))
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        xs, weight, local_t, in_shard, logz, ent = ctx.saved_tensors
+        tp_group, tp_size, temperature, chunk_size = ctx.cfg
+        if g_ent is not None and g_ent.numel() == 0:
+            g_ent = None
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        rows = torch.arange(xs.shape[0], device=xs.device)
+        g_lp32 = None if g_lp is None else g_lp.float()
+        g_ent32 = None if g_ent is None else g_ent.float()
+        for lo in range(0, weight.shape[0], chunk_size):
+            hi = min(lo + chunk_size, weight.shape[0])
+            grad = _grad_logits_(_chunk_logits(xs, weight, lo, hi), logz, g_lp32, g_ent32, ent)
+            if g_lp32 is not None:
+                hit = in_shard & (local_t >= lo) & (local_t < hi)
+                grad[rows[hit], local_t[hit] - lo] += g_lp32[hit]
+            grad = grad.to(weight.dtype)
+            if need_x:
+                grad_x += torch.mm(grad, weight[lo:hi]).float()
+            if need_w:
+                torch.mm(grad.t(), xs, out=grad_w[lo:hi])
+        if need_x:
+            if tp_size > 1:   # the copy_to_tensor_model_parallel_region backward, done here
+                dist.all_reduce(grad_x, group=tp_group)
+            grad_x = (grad_x / temperature).to(xs.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          mask: torch.Tensor | None = None, *, tp_group=None,
+                          temperature: float = 1.0, chunk_size: int = 4096,
+                          compute_entropy: bool = True):
+    """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
+
+    hidden [N, H]; weight [V_local, H] (this rank's vocab shard, Megatron layout); targets [N] global
+    vocab ids; mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
+    Returns (logprobs, entropy or None). fp32/bf16/fp16 inputs; statistics are accumulated in fp32.
+    Under TP the hidden gradient is all-reduced inside the op (see module docstring).
+    """
+    check_inputs(hidden, weight, targets, mask, temperature, chunk_size)
+
+    def apply(x, local_t, in_shard, tp_size):
+        return _FusedLogprobEntropy.apply(x, weight, local_t, in_shard, tp_group, tp_size,
+                                          float(temperature), int(chunk_size),
+                                          bool(compute_entropy))
+    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy)
