@@ -1,0 +1,1 @@
+"""Helpers for megarlhf's own tests and benchmarks (multi-rank launching); not used at run time."""

@@ -1,0 +1,37 @@
+"""Runs a Python file under ``torchrun`` on this machine and returns what it wrote.
+
+Multi-rank tests write a small worker script, launch it with :func:`run_torchrun` (gloo, one process
+per rank) and compare the JSON results the workers leave in ``out_dir``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from parallel.runtime import free_port
+
+
+def run_torchrun(script: str | Path, nproc: int, args: list[str] | None = None,
+                 timeout_s: float = 600.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Launches ``script`` on ``nproc`` local ranks; raises with the ranks' output if any rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(script), *(args or [])]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {script} failed (exit {proc.returncode}):\n"
+                           f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_rank_results(out_dir: str | Path, nproc: int) -> list[dict]:
+    """Reads ``rank{r}.json`` for every rank, as written by :func:`write_rank_result`."""
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def write_rank_result(out_dir: str | Path, rank: int, result: dict) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))

@@ -1,0 +1,200 @@
+"""The CPU compatibility layer for Megatron-Core: the one place where megarlhf bends CUDA assumptions.
+
+Megatron-Core 0.19.2 assumes a GPU in a few dozen places (hard-coded ``device="cuda"``,
+``torch.cuda.current_device()``, ``tensor.cuda()``, ``torch.cuda.synchronize()``, CUDA streams and
+events, the CUDA RNG tracker, ``param.type() == 'torch.cuda.FloatTensor'`` checks). Stubbing
+``torch.cuda`` alone is not enough: the first CUDA tensor factory then fails with "Cannot access
+accelerator device when none is available". :func:`activate` therefore applies the patches below,
+and only when CUDA is absent; on a GPU machine it does nothing and Megatron runs unmodified.
+
+Patches (every one of them, and why):
+
+1. ``_CudaToCpu``, a process-wide ``TorchFunctionMode`` that
+   a. rewrites any ``device=`` keyword that names CUDA (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``
+      or a bare int, which is what ``torch.cuda.current_device()`` returns) to ``"cpu"``, and drops
+      ``pin_memory=True`` (pinning needs an accelerator);
+   b. rewrites CUDA device arguments of ``Tensor.to`` to ``"cpu"``;
+   c. makes ``Tensor.cuda()`` and ``Tensor.pin_memory()`` return the tensor itself;
+   d. reports ``torch.cuda.<X>Tensor`` from ``Tensor.type()`` so the optimizers' dtype checks
+      (``param.type() == 'torch.cuda.FloatTensor'``) accept CPU parameters.
+2. No-op or CPU stand-ins for ``torch.cuda`` calls that otherwise raise without a GPU:
+   ``current_device`` (0), ``set_device``, ``synchronize``, ``Stream``/``current_stream``/
+   ``default_stream``/``stream``, ``Event``, ``is_current_stream_capturing`` (False), the memory
+   statistics (0), ``nvtx.range_push``/``range_pop``.
+3. The "CUDA" RNG is the CPU default generator: ``torch.cuda.manual_seed``/``get_rng_state``/
+   ``set_rng_state`` and Megatron's ``_set_cuda_rng_state`` act on it. This keeps Megatron's RNG
+   tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) working with the
+   same semantics as on GPU: a tensor-parallel-region dropout draws from the TP-rank-specific stream.
+   Megatron's warning "CPU RNG state changed within GPU RNG context" is therefore expected (the two
+   are the same generator) and is filtered out.
+4. :func:`transformer_config_overrides` gives the ``TransformerConfig`` settings CPU needs:
+   ``use_cpu_initialization`` (no CUDA init path), every fused kernel off (they are CUDA/TE/apex
+   kernels), ``persist_layer_norm=False`` and ``batch_p2p_comm=False`` (gloo has no batched P2P).
+   Code that builds a TransformerConfig merges it in; on GPU it is empty.
+
+Not patched, because it cannot work here: context parallelism in Megatron's local attention (megarlhf
+has its own CP attention in :mod:`parallel.context_parallel`) and sequence parallelism.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MODE: "_CudaToCpu | None" = None
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU for every torch call made while it is active (patch 1)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event on CPU: every operation completes immediately."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _RngMessageFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_torch_cuda() -> None:
+    """Patches 2 and 3 on the torch.cuda side."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.is_current_stream_capturing = lambda: False
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, stat, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.nvtx.range_push = lambda msg: None
+    cuda.nvtx.range_pop = lambda: None
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+
+
+def _patch_megatron_rng() -> None:
+    """Patch 3 on the Megatron side: its private CUDA-RNG setter acts on the CPU generator."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._set_cuda_rng_state = set_rng_state
+    logging.getLogger(mrandom.__name__).addFilter(_RngMessageFilter())
+
+
+def is_active() -> bool:
+    return _MODE is not None
+
+
+def activate() -> bool:
+    """Applies every patch listed in the module docstring, once. Returns whether the layer is active.
+
+    Does nothing (and returns False) when CUDA is available.
+    """
+    global _MODE
+    if torch.cuda.is_available():
+        return False
+    if _MODE is None:
+        _patch_torch_cuda()
+        _patch_megatron_rng()
+        _MODE = _CudaToCpu()
+        _MODE.__enter__()
+    return True
+
+
+@contextlib.contextmanager
+def suspended():
+    """Temporarily lifts patch 1 (for code that must not see the device rewriting, e.g. torch.compile)."""
+    if _MODE is None:
+        yield
+        return
+    _MODE.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _MODE.__enter__()
+
+
+def transformer_config_overrides() -> dict:
+    """Patch 4: the TransformerConfig kwargs CPU needs; empty when CUDA is available."""
+    if torch.cuda.is_available():
+        return {}
+    return {
+        "use_cpu_initialization": True,
+        "gradient_accumulation_fusion": False,
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "batch_p2p_comm": False,
+    }
