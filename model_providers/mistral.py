@@ -1,0 +1,28 @@
+"""Mistral (``model_type="mistral"``): the Llama table; its config quirk is the sliding window.
+
+Mistral-7B-v0.1 configs set ``sliding_window`` (4096) below the context length, so attention past the
+window differs from full causal attention; Megatron's local attention has no window, so such configs are
+refused. Later Mistral releases set ``sliding_window: null`` and load as plain full attention; a window at
+least as long as ``max_position_embeddings`` never takes effect and is accepted too.
+"""
+from __future__ import annotations
+
+from model_providers import PROVIDERS
+from model_providers.base import ModelProvider
+from model_providers.llama import LLAMA_MAPPINGS
+
+
+@PROVIDERS.register("mistral")
+class MistralProvider(ModelProvider):
+    model_type = "mistral"
+    hf_causal_lm = "MistralForCausalLM"
+    hf_sequence_classifier = "MistralForSequenceClassification"
+    body_mappings = LLAMA_MAPPINGS
+
+    def check_supported(self) -> None:
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window is not None and window < self.hf_config.max_position_embeddings:
+            raise self._unsupported(
+                f"sliding_window={window} < max_position_embeddings={self.hf_config.max_position_embeddings} "
+                "(sliding-window attention in use)")
+        super().check_supported()

@@ -1,0 +1,128 @@
+"""Tiny random HF models of every supported architecture, written as real HF directories.
+
+Tests, examples and benchmarks cannot download anything, so they build their models here: an HF config,
+random safetensors weights (deterministic given a seed) and a byte-level BPE tokenizer trained locally
+with the ``tokenizers`` library on a small built-in corpus, saved with ``save_pretrained`` so that
+transformers, vLLM and megarlhf all read the directory like a hub checkpoint.
+
+The default shapes cover what the converters must get right: GQA (llama, qwen2, qwen3), plain multi-head
+attention (mistral), tied embeddings (qwen2, like Qwen2-0.5B) and untied ones (the others), Qwen3's q/k
+norm with a head_dim that is not hidden/heads, Llama-3 rope scaling with non-default parameters, and
+head_dim 32 (vLLM's CPU attention accepts head_dim in {32, 64, 80, ...} only).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+TOKENIZER_VOCAB_SIZE = 384
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_COMMON = dict(vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-6,
+               initializer_range=0.05, hidden_act="silu")
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(_COMMON, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2": dict(_COMMON, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen3": dict(_COMMON, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "mistral": dict(_COMMON, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, sliding_window=None, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+}
+
+QWEN2_0_5B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                        max_position_embeddings=32768)
+
+
+def tiny_corpus() -> list[str]:
+    """A small deterministic English + arithmetic corpus (enough for a few hundred BPE merges)."""
+    prose = [
+        "The quick brown fox jumps over the lazy dog.",
+        "A language model predicts the next token from the tokens before it.",
+        "Reinforcement learning improves a policy from rewards given to its answers.",
+        "The teacher asked the students to show their work and check the final answer.",
+        "Question: what is the sum of the numbers? Answer: the sum is given below.",
+        "User: please solve the problem step by step. Assistant: let us think about it.",
+    ]
+    arithmetic = [f"What is {a} + {b}? The answer is {a + b}. What is {a} times {b}? It is {a * b}."
+                  for a in range(0, 40, 3) for b in range(1, 30, 4)]
+    return prose * 20 + arithmetic
+
+
+def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """A byte-level BPE tokenizer trained on :func:`tiny_corpus`, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def tiny_config(arch: str, **overrides):
+    """The HF config of the tiny ``arch`` model, with any config field overridden."""
+    from transformers import AutoConfig
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"no tiny model for architecture {arch!r}; known: {', '.join(sorted(TINY_CONFIGS))}")
+    fields = {**copy.deepcopy(TINY_CONFIGS[arch]), **overrides}
+    return AutoConfig.for_model(arch, **fields)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic random weights: matrices ~ N(0, initializer_range), norms ~ 1 + N(0, 0.1), biases ~
+    N(0, 0.1). Norms and biases are perturbed so that a mapping that drops or mixes them is caught."""
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * noise
+        elif name.endswith(".bias"):
+            value = 0.1 * noise
+        else:
+            value = std * noise
+        param.copy_(value.to(param.dtype))
+
+
+def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **config_overrides) -> Path:
+    """Writes a tiny random ``arch`` causal LM (config, safetensors, tokenizer, generation config).
+
+    ``config_overrides`` change any config field, e.g. ``**QWEN2_0_5B_SHAPE`` with arch "qwen2".
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = train_tiny_tokenizer()
+    overrides = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     bos_token_id=None, **config_overrides)
+    config = tiny_config(arch, **overrides)
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    randomize_(model, seed)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
