@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,13 +34,13 @@ class LaunchEnv:
     launcher: str  # "torchrun", "slurm" or "none"
 
 
-def _slurm_master_addr() -> str:
-    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-    first = nodelist.split(",")[0]
-    if "[" in first:  # "node[01-04]" -> "node01"
-        prefix, rest = first.split("[", 1)
-        first = prefix + rest.split("-")[0].split("]")[0]
-    return first or "127.0.0.1"
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[012-015,020],cpu1" -> "gpu012"."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        return "127.0.0.1"
+    prefix, ranges = match.groups()
+    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
 
 
 def free_port() -> int:
@@ -65,7 +66,8 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(),
+            master_addr=env.get("MASTER_ADDR")
+            or _first_slurm_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")),
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="slurm",
         )
