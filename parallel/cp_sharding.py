@@ -1,0 +1,254 @@
+"""Which tokens each context-parallel rank holds, and how to put per-token results back in order.
+
+Context parallelism (CP) splits the sequence dimension over the ``cp`` ranks of a CP group. The split
+is Megatron's load-balanced one: every sequence of (padded) length ``L`` is cut into ``2 * cp`` equal
+chunks and CP rank ``r`` holds chunk ``r`` followed by chunk ``2 * cp - 1 - r`` (a head and a tail),
+so that every rank does the same amount of causal-attention work. Megatron's rotary embedding assumes
+exactly this order (``get_pos_emb_on_this_cp_rank`` for one sequence per row, and
+``_apply_rotary_pos_emb_thd`` for packed sequences, whose ``cu_seqlens`` are the *global* padded
+boundaries), so the tokens this module hands a rank get the right rotary positions from an unchanged
+``GPTModel``.
+
+Packed micro-batches (several sequences in one row, ``qkv_format="thd"``) are split one sequence at a
+time. A sequence whose length is not a multiple of ``2 * cp`` is padded at its end to the next
+multiple; padding tokens sit after every real token of their sequence, so the causal mask keeps them
+out of every real token's attention, and their loss mask is 0.
+
+Why hand-written: Megatron's per-document split (``megatron.core.utils.get_batch_on_this_cp_rank``)
+calls Transformer Engine's ``thd_get_partitioned_indices``, which does not exist on CPU, and neither it
+nor Megatron offers the inverse (CP-sharded per-token outputs back to the original order), which the
+RL losses and the scoring step need.
+
+Loss aggregation across CP x DP (a global token mean): each rank computes
+``sum(local_loss * local_mask) / N`` with ``N = all_reduce_sum(sum(local_mask))`` over the
+data-parallel-with-context-parallel group (:func:`global_token_mean`); the gradients of the ranks
+must then be *summed* over that group (Megatron DDP with ``calculate_per_token_loss=True``; with
+DDP's default averaging, multiply the loss by the group size first). The sum over ranks of the
+returned values is the global token mean, identical to CP=1 / DP=1 on the whole batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CPShardPlan:
+    """The token assignment of one CP rank for one (packed) micro-batch row.
+
+    ``cu_seqlens`` are the real sequence boundaries in the unpadded packed row, ``cu_seqlens_padded``
+    the boundaries after padding each sequence to a multiple of ``2 * cp_size``. ``local_index[i]``
+    is the index, in the padded packed row, of this rank's i-th local token.
+    """
+
+    cp_size: int
+    cp_rank: int
+    cu_seqlens: Tensor
+    cu_seqlens_padded: Tensor
+    local_index: Tensor
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.cu_seqlens_padded[-1])
+
+    @property
+    def local_tokens(self) -> int:
+        return self.local_index.numel()
+
+    @property
+    def max_seqlen_padded(self) -> int:
+        return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max())
+
+    def padded_position_of_original(self) -> Tensor:
+        """int64 [total_tokens]: where each original token sits in the padded packed row."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        shift = (self.cu_seqlens_padded[:-1] - self.cu_seqlens[:-1]).long()
+        return torch.arange(self.total_tokens) + torch.repeat_interleave(shift, lengths)
+
+    def local_sequence_start(self) -> Tensor:
+        """int64 [local_tokens]: padded-row index where each local token's sequence starts."""
+        seq = torch.searchsorted(self.cu_seqlens_padded.long(), self.local_index, right=True) - 1
+        return self.cu_seqlens_padded.long()[seq]
+
+    def local_position_ids(self) -> Tensor:
+        """int64 [local_tokens]: each local token's position inside its own sequence (0-based)."""
+        return self.local_index - self.local_sequence_start()
+
+    def local_is_padding(self) -> Tensor:
+        """bool [local_tokens]: True for the padding tokens this rank holds."""
+        seq = torch.searchsorted(self.cu_seqlens_padded.long(), self.local_index, right=True) - 1
+        real_length = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()[seq]
+        return self.local_position_ids() >= real_length
+
+    def for_rank(self, rank: int) -> "CPShardPlan":
+        """The same split seen from another rank of the CP group (no communication)."""
+        index = rank_token_index(self.cu_seqlens_padded, self.cp_size, rank)
+        return CPShardPlan(self.cp_size, rank, self.cu_seqlens, self.cu_seqlens_padded, index)
+
+
+def rank_token_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Tensor:
+    """Padded-row indices of CP rank ``cp_rank``'s tokens: per sequence, head chunk then tail chunk."""
+    if cp_size == 1:
+        return torch.arange(int(cu_seqlens_padded[-1]))
+    pieces = []
+    bounds = cu_seqlens_padded.long().tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        head = start + cp_rank * chunk
+        tail = start + (2 * cp_size - 1 - cp_rank) * chunk
+        pieces.append(torch.arange(head, head + chunk))
+        pieces.append(torch.arange(tail, tail + chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def make_shard_plan(cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
+                    allow_padding: bool = True) -> CPShardPlan:
+    """Plans this rank's share of a packed row with real boundaries ``cu_seqlens`` (``[0, ..., T]``).
+
+    With ``allow_padding=False`` every sequence length must already be a multiple of ``2 * cp_size``
+    (the case of Megatron's unpacked ``[batch, seq]`` input, which is never padded here).
+    """
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten()
+    validate_cp_lengths(cu, cp_size, allow_padding=allow_padding)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside the context-parallel group of size {cp_size}")
+    lengths = cu[1:] - cu[:-1]
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    padded = (lengths + multiple - 1) // multiple * multiple
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(padded, 0)])
+    index = rank_token_index(cu_padded, cp_size, cp_rank)
+    return CPShardPlan(cp_size, cp_rank, cu.to(torch.int32), cu_padded.to(torch.int32), index)
+
+
+def validate_cp_lengths(cu_seqlens: Tensor, cp_size: int, allow_padding: bool = True) -> None:
+    """Raises a ValueError that explains which sequence breaks which context-parallel constraint."""
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"context_parallel_size must be a positive integer, got {cp_size!r}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [0, end_1, ..., end_n] with at least one "
+                         f"sequence, got {cu_seqlens.tolist()}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    for i, length in enumerate(lengths):
+        if length <= 0:
+            raise ValueError(f"sequence {i} of the packed batch has length {length}: cu_seqlens must "
+                             f"be strictly increasing, got {cu_seqlens.tolist()}")
+        if cp_size > 1 and not allow_padding and length % (2 * cp_size):
+            raise ValueError(
+                f"sequence {i} has length {length}, which is not divisible by 2 * "
+                f"context_parallel_size = {2 * cp_size}: the load-balanced CP split cuts every sequence "
+                f"into 2 * cp equal chunks. Pad it to {-(-length // (2 * cp_size)) * 2 * cp_size} tokens "
+                f"or pack the batch (packed sequences are padded one by one)")
+
+
+def shard(plan: CPShardPlan, full: Tensor, pad_value: float | int = 0, seq_dim: int = 0) -> Tensor:
+    """This rank's tokens of ``full`` (original packed order along ``seq_dim``), padding filled in."""
+    if full.size(seq_dim) != plan.total_tokens:
+        raise ValueError(f"tensor has {full.size(seq_dim)} tokens along dim {seq_dim}, but the shard plan "
+                         f"was made for {plan.total_tokens} (cu_seqlens {plan.cu_seqlens.tolist()})")
+    moved = full.movedim(seq_dim, 0)
+    padded = moved.new_full((plan.padded_tokens, *moved.shape[1:]), pad_value)
+    padded[plan.padded_position_of_original()] = moved
+    return padded.index_select(0, plan.local_index).movedim(0, seq_dim)
+
+
+def unshard(plan: CPShardPlan, local: Tensor, group: Optional[dist.ProcessGroup] = None,
+            seq_dim: int = 0) -> Tensor:
+    """The inverse of :func:`shard`: gathers every CP rank's ``local`` and restores original order.
+
+    Padding tokens are dropped. Differentiable: the all-gather is autograd-aware, so a loss computed on
+    the result sends each rank the gradient of its own tokens.
+    """
+    if local.size(seq_dim) != plan.local_tokens:
+        raise ValueError(f"local tensor has {local.size(seq_dim)} tokens along dim {seq_dim}, the shard "
+                         f"plan gives this rank {plan.local_tokens}")
+    moved = local.movedim(seq_dim, 0).contiguous()
+    if plan.cp_size == 1:
+        gathered = [moved]
+    else:
+        import torch.distributed.nn.functional as dist_fn
+
+        gathered = list(dist_fn.all_gather(moved, group=group))
+    order = torch.cat([plan.for_rank(r).local_index for r in range(plan.cp_size)])
+    stacked = torch.cat(gathered, 0)
+    padded = torch.empty_like(stacked).index_copy(0, order, stacked)
+    return padded.index_select(0, plan.padded_position_of_original()).movedim(0, seq_dim)
+
+
+@dataclass
+class ShardedBatch:
+    """One CP rank's share of a packed micro-batch, ready for ``GPTModel.forward``.
+
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are ``[1, local_tokens]`` (batch dim 1, the
+    ``thd`` convention); ``packed_seq_params`` carries the global boundaries Megatron's rotary code and
+    the CP attention need.
+    """
+
+    tokens: Tensor
+    labels: Optional[Tensor]
+    loss_mask: Optional[Tensor]
+    position_ids: Tensor
+    packed_seq_params: object
+    plan: CPShardPlan
+
+
+def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] = None):
+    """Megatron ``PackedSeqParams`` (``thd``) describing the whole packed row of ``plan``.
+
+    ``max_seqlen_*`` is the longest padded sequence: Megatron sizes the rotary table with it, and a
+    value equal to the padded row length would switch its rotary code to row-offset positions.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=plan.cu_seqlens, cu_seqlens_kv=plan.cu_seqlens,
+        cu_seqlens_q_padded=plan.cu_seqlens_padded, cu_seqlens_kv_padded=plan.cu_seqlens_padded,
+        max_seqlen_q=plan.max_seqlen_padded, max_seqlen_kv=plan.max_seqlen_padded,
+        cp_group=group,
+    )
+
+
+def shard_packed_batch(tokens: Tensor, cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
+                       labels: Optional[Tensor] = None, loss_mask: Optional[Tensor] = None,
+                       pad_token_id: int = 0, group: Optional[dist.ProcessGroup] = None) -> ShardedBatch:
+    """Splits a packed row (``tokens``/``labels``/``loss_mask`` of shape ``[T]``) for one CP rank."""
+    plan = make_shard_plan(cu_seqlens, cp_size, cp_rank)
+    for name, value in (("tokens", tokens), ("labels", labels), ("loss_mask", loss_mask)):
+        if value is not None and tuple(value.shape) != (plan.total_tokens,):
+            raise ValueError(f"{name} must have shape [{plan.total_tokens}] (cu_seqlens[-1]), "
+                             f"got {tuple(value.shape)}")
+    local_mask = None
+    if loss_mask is not None:
+        local_mask = shard(plan, loss_mask, 0).unsqueeze(0)
+    return ShardedBatch(
+        tokens=shard(plan, tokens, pad_token_id).unsqueeze(0),
+        labels=None if labels is None else shard(plan, labels, pad_token_id).unsqueeze(0),
+        loss_mask=local_mask,
+        position_ids=plan.local_position_ids().unsqueeze(0),
+        packed_seq_params=packed_seq_params_for(plan, group),
+        plan=plan,
+    )
+
+
+def global_token_mean(local_values: Tensor, local_mask: Tensor,
+                      group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """This rank's share of the token mean over every rank of ``group`` (CP x DP).
+
+    Returns ``sum(local_values * local_mask) / N`` where ``N`` is the mask sum over the group (padding
+    and prompt tokens have mask 0). Summed over the group, values and gradients equal the token mean of
+    the whole batch on one rank. ``group=None`` with no process group means a single rank.
+    """
+    mask = local_mask.to(local_values.dtype)
+    count = mask.sum().detach()
+    if dist.is_available() and dist.is_initialized():
+        count = count.clone()
+        dist.all_reduce(count, group=group)
+    return (local_values * mask).sum() / count.clamp(min=1)
