@@ -1,0 +1,151 @@
+"""Tests for parallel/context_parallel.py, parallel/cp_attention.py and parallel/cp_sharding.py.
+
+References: Megatron's own local attention at CP=1 (one 2-rank launch, see the worker), a naive
+full-matrix masked softmax attention in float64 (the tiled kernel), Megatron's rotary CP split
+functions (token assignment), and hand-worked index lists.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+from parallel.context_parallel import (global_token_mean, make_shard_plan, rank_token_index, shard,
+                                       validate_context_parallel, with_cp_attention)
+from parallel.cp_attention import ContextParallelAttention, TokenLayout, _LocalTiledAttention
+
+WORKER = Path(__file__).with_name("_worker_context_parallel.py")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    run_torchrun(WORKER, 2, [str(out)], timeout_s=300)
+    return read_rank_results(out, 2)
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+def test_cp2_matches_cp1_unpacked(cp_results, comm):
+    for rank in cp_results:
+        assert rank["rotary_split_matches"]
+        assert rank[f"{comm}_unpacked_logits"] <= TOL
+        assert rank[f"{comm}_unpacked_grads"] <= TOL, rank["unpacked_grad_scale"]
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+def test_cp2_matches_cp1_packed_gqa(cp_results, comm):
+    for rank in cp_results:
+        assert rank["local_tokens"] == (16 + 32 + 8 + 20) // 2  # every sequence padded to 2*cp
+        assert rank[f"{comm}_packed_logits"] <= TOL
+        assert rank[f"{comm}_packed_loss"] <= TOL
+        assert rank[f"{comm}_packed_grads"] <= TOL, rank["packed_grad_scale"]
+
+
+def test_roundtrips_cp1_packing_and_dp_token_mean(cp_results):
+    for rank in cp_results:
+        assert rank["roundtrip_unpacked"] and rank["roundtrip_packed"]
+        assert rank["cp1_packed_logits"] <= TOL  # CP attention at cp=1 vs sequences run one by one
+        assert rank["dp_loss"] <= TOL and rank["dp_grads"] <= TOL
+
+
+def test_rank_token_index_head_and_tail_by_hand():
+    # Two sequences of padded length 8 and 4, cp=2: chunks of 2 and 1 tokens.
+    cu = torch.tensor([0, 8, 12])
+    assert rank_token_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert rank_token_index(cu, 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+
+
+def test_plan_pads_each_sequence_and_covers_every_token_once():
+    # Lengths 5, 1, 10 -> padded 8, 4, 12 -> chunks of 2, 1, 3 tokens.
+    plan = make_shard_plan([0, 5, 6, 16], cp_size=2, cp_rank=0)
+    assert plan.cu_seqlens_padded.tolist() == [0, 8, 12, 24]
+    both = torch.cat([plan.for_rank(r).local_index for r in range(2)])
+    assert sorted(both.tolist()) == list(range(24))
+    assert plan.local_position_ids().tolist() == [0, 1, 6, 7, 0, 3, 0, 1, 2, 9, 10, 11]
+    assert plan.local_is_padding().tolist() == [False, False, True, True, False, True,
+                                                False, False, False, False, True, True]
+    tokens = torch.arange(100, 116)
+    local = shard(plan, tokens, pad_value=-1)
+    assert local.tolist() == [100, 101, -1, -1, 105, -1, 106, 107, 108, 115, -1, -1]
+
+
+def test_split_matches_megatron_thd_rotary_positions():
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    freqs = torch.arange(64)
+    for cp in (2, 4):
+        plan0 = make_shard_plan([0, 9, 40, 47], cp, 0)
+        for rank in range(cp):
+            plan = plan0.for_rank(rank)
+            padded = plan.cu_seqlens_padded.tolist()
+            expected = torch.cat([
+                _get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty((end - start) // cp), freqs)
+                for start, end in zip(padded[:-1], padded[1:])])
+            assert torch.equal(plan.local_position_ids(), expected)
+
+
+@pytest.mark.parametrize("block", [3, 64])
+def test_tiled_attention_matches_naive_float64_packed_gqa(block):
+    torch.manual_seed(0)
+    cu, cp, groups, per_group, dim = (0, 8, 24, 32), 2, 2, 2, 8
+    q = torch.randn(1, groups, per_group, 32, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, groups, 1, 32, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, groups, 1, 32, dim, dtype=torch.float64, requires_grad=True)
+    idx, bounds = torch.arange(32), torch.tensor(cu)
+    start = bounds[torch.searchsorted(bounds, idx, right=True) - 1]
+    visible = (idx[None] <= idx[:, None]) & (idx[None] >= start[:, None])
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(dim)).masked_fill(~visible, -math.inf)
+    ref = torch.softmax(scores, -1) @ v
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * grad).sum(), (q, k, v))
+    layouts = [TokenLayout.of_rank(cu, cp, r) for r in range(cp)]
+    keys = TokenLayout(torch.cat([lay.index for lay in layouts]), torch.cat([lay.start for lay in layouts]))
+    total = 0
+    for lay in layouts:
+        out = _LocalTiledAttention.apply(q[..., lay.index, :], k[..., keys.index, :], v[..., keys.index, :],
+                                         lay, keys, 1 / math.sqrt(dim), block)
+        assert (out - ref[..., lay.index, :]).abs().max() < 1e-12
+        total = total + (out * grad[..., lay.index, :]).sum()
+    for mine, expected in zip(torch.autograd.grad(total, (q, k, v)), ref_grads):
+        assert (mine - expected).abs().max() < 1e-12
+
+
+def test_global_token_mean_single_rank_by_hand():
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mask = torch.tensor([1, 0, 1, 1])
+    assert global_token_mean(values, mask).item() == pytest.approx(8.0 / 3.0)
+
+
+def test_with_cp_attention_swaps_only_when_needed():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert with_cp_attention(spec, 1).submodules.self_attention.submodules.core_attention is DotProductAttention
+    swapped = with_cp_attention(spec, 2).submodules.self_attention.submodules.core_attention
+    assert swapped.func is ContextParallelAttention
+    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention  # input untouched
+    with pytest.raises(ValueError, match="no local DotProductAttention"):
+        with_cp_attention(with_cp_attention(spec, 2), 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(context_parallel_size=2, sequence_lengths=[30]), "not divisible by 2 \\* context_parallel_size = 4"),
+    (dict(context_parallel_size=2, spec_has_cp_attention=False), "needs megarlhf's CP attention"),
+    (dict(context_parallel_size=1, packed=True, spec_has_cp_attention=False), "packed sequences"),
+    (dict(context_parallel_size=2, sequence_parallel=True, on_cpu=True), "sequence_parallel is not supported"),
+    (dict(context_parallel_size=0), "positive integer"),
+    (dict(context_parallel_size=2, sequence_lengths=[8, 0], packed=True), "sequence 1 of the packed batch"),
+])
+def test_validate_context_parallel_explains(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        validate_context_parallel(**kwargs)
+
+
+def test_validate_context_parallel_accepts_valid_layouts():
+    validate_context_parallel(2, sequence_lengths=[32, 64])
+    validate_context_parallel(2, sequence_lengths=[13, 7], packed=True)  # packed sequences get padded
