@@ -1,0 +1,51 @@
+"""Naive reference for the fused log-prob op (full logits -> log_softmax -> gather; entropy from the
+full softmax) and the shared test cases, used in-process and by the torchrun workers."""
+from __future__ import annotations
+
+import torch
+
+# name -> (tokens, hidden, vocab over all TP ranks, chunk, temperature, masked fraction)
+# vocab is even (it is split over 2 TP ranks) and never a multiple of the chunk.
+CASES = {
+    "masked": (37, 24, 202, 50, 1.0, 0.3),
+    "temperature": (29, 40, 202, 32, 0.7, 0.0),
+    "chunk_exceeds_vocab": (16, 24, 90, 128, 1.3, 0.2),
+    "single_token": (1, 24, 202, 64, 1.0, 0.0),
+    "all_masked": (12, 24, 202, 50, 1.0, 1.0),
+}
+
+
+def make_case(name: str, dtype=torch.float32, seed: int = 0):
+    """Returns hidden, full weight, targets, mask, loss weights (ra, rb), chunk, temperature."""
+    n, h, v, chunk, temperature, masked = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * (1.5 / h ** 0.5)   # logits of std ~1.5
+    targets = torch.randint(0, v, (n,), generator=gen)
+    mask = None if masked == 0.0 else torch.rand(n, generator=gen) >= masked
+    if masked == 1.0:
+        targets[:] = -100   # masked tokens may carry any id (an ignore index, here)
+    ra, rb = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    return hidden.to(dtype), weight.to(dtype), targets, mask, ra, rb, chunk, temperature
+
+
+def naive_logprob_entropy(hidden, weight, targets, mask, temperature):
+    """fp32 log-probs and entropies [N] from the full logits; masked rows are 0."""
+    logits = (hidden.float() @ weight.float().t()) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    safe_t = targets.clamp(0, weight.shape[0] - 1)
+    logprob = logp.gather(1, safe_t[:, None]).squeeze(1)
+    if mask is not None:
+        logprob, entropy = logprob * mask, entropy * mask
+    return logprob, entropy
+
+
+def outputs_and_grads(fn, hidden, weight, ra, rb):
+    """Runs fn(hidden, weight) -> (logprob, entropy|None) and backprops sum(ra*lp + rb*ent)."""
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    logprob, entropy = fn(hidden, weight)
+    loss = (ra * logprob).sum() + (0.0 if entropy is None else (rb * entropy).sum())
+    loss.backward()
+    return logprob.detach(), (None if entropy is None else entropy.detach()), hidden.grad, weight.grad

@@ -1,0 +1,70 @@
+"""torchrun worker: every case of _logprob_reference for one backend, at TP=1 (full weight, no group)
+and at TP=world (this rank's vocab shard, the world group as TP group); writes max |diff| against
+the naive reference on the full, unsharded weight.
+
+Usage: _worker_logprob.py OUT_DIR BACKEND   (BACKEND torch|triton; triton on CPU needs
+TRITON_INTERPRET=1 and runs with small tiles so that rows, vocab tiles and vocab splits all have
+ragged tails).
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from _logprob_reference import CASES, make_case, naive_logprob_entropy, outputs_and_grads
+from megarlhf.ops import logprob_entropy
+from megarlhf.testing.launch import write_rank_result
+from parallel.runtime import init_distributed, shutdown
+
+
+def max_diff(a, b) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def op(backend: str, targets, mask, group, temperature: float, chunk: int):
+    if backend == "triton":
+        from megarlhf.ops.triton_logprob import triton_logprob_entropy
+        return lambda h, w: triton_logprob_entropy(h, w, targets, mask, tp_group=group,
+                                                   temperature=temperature, block_n=32,
+                                                   block_v=64, block_h=32, target_programs=4)
+    return lambda h, w: logprob_entropy(h, w, targets, mask, tp_group=group,
+                                        temperature=temperature, chunk_size=chunk, backend=backend)
+
+
+def main(out_dir: str, backend: str) -> None:
+    env = init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    result = {}
+    for name in CASES:
+        hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name)
+        ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
+                                hidden, weight, ra, rb)
+        tp1 = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk),
+                                hidden, weight, ra, rb)
+        result[f"{name}/tp1"] = {"logprob": max_diff(tp1[0], ref[0]),
+                                 "entropy": max_diff(tp1[1], ref[1]),
+                                 "grad_hidden": max_diff(tp1[2], ref[2]),
+                                 "grad_weight": max_diff(tp1[3], ref[3])}
+        v_local = weight.shape[0] // world
+        shard = slice(rank * v_local, (rank + 1) * v_local)
+        group = dist.group.WORLD if world > 1 else None
+        lp, ent, gh, gw = outputs_and_grads(op(backend, targets, mask, group, temperature, chunk),
+                                            hidden, weight[shard], ra, rb)
+        gathered = [gh]
+        if world > 1:
+            gathered = [torch.empty_like(gh) for _ in range(world)]
+            dist.all_gather(gathered, gh)
+        result[f"{name}/tp{world}"] = {
+            "logprob": max_diff(lp, ref[0]), "entropy": max_diff(ent, ref[1]),
+            "grad_hidden": max_diff(gh, ref[2]), "grad_weight": max_diff(gw, ref[3][shard]),
+            "grad_hidden_same_on_ranks": all(torch.equal(g, gh) for g in gathered),
+            "masked_outputs_zero": mask is None or bool((lp[~mask] == 0).all()
+                                                        and (ent[~mask] == 0).all()),
+            "masked_grads_zero": mask is None or bool((gh[~mask] == 0).all()),
+        }
+    write_rank_result(out_dir, env.rank, result)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
