@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny HF models (built once per session) and the torchrun parity runs (one launch
+per parallel layout, shared by the per-architecture test files)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+from model_providers.tiny_models import TINY_CONFIGS, make_tiny_model
+
+WORKER = Path(__file__).with_name("_worker_parity.py")
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """One tiny causal LM per architecture, plus ``<arch>-rm``: the same body as a
+    ``...ForSequenceClassification`` (num_labels=1) with a random ``score`` head."""
+    from transformers import AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    for seed, arch in enumerate(sorted(TINY_CONFIGS)):
+        make_tiny_model(arch, root / arch, seed=seed)
+        rm = AutoModelForSequenceClassification.from_pretrained(root / arch, num_labels=1, dtype=torch.float32)
+        with torch.no_grad():
+            rm.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(100 + seed))
+        rm.save_pretrained(root / f"{arch}-rm")
+    return root
+
+
+@pytest.fixture(scope="session")
+def parity(tiny_models, tmp_path_factory):
+    """``parity("tp2")`` -> the per-rank results of the parity worker for that layout (run once)."""
+    cache: dict[str, list[dict]] = {}
+
+    def run(layout: str) -> list[dict]:
+        if layout not in cache:
+            tp, pp = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(f"parity_{layout}")
+            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), str(tiny_models), str(out)], timeout_s=600)
+            cache[layout] = read_rank_results(out, tp * pp)
+        return cache[layout]
+
+    return run
