@@ -61,6 +61,8 @@ def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor, config: KLConfig) -> Tens
 
 
 def _clamp(kl: Tensor, config: KLConfig) -> Tensor:
+    if config.clamp_min is None and config.clamp_max is None:
+        return kl
     return torch.clamp(kl, min=config.clamp_min, max=config.clamp_max)
 
 
