@@ -65,17 +65,6 @@ def all_reduce_sum(tensor: Tensor, group) -> Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: Tensor, group) -> Tensor:
-    """Maximum of ``tensor`` over ``group``; identity when group is None."""
-    if group is None:
-        return tensor
-    if not dist.is_initialized():
-        raise RuntimeError("a process group was given but torch.distributed is not initialised")
-    tensor = tensor.clone()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
-
-
 def group_size(group) -> int:
     """Number of ranks in ``group``; 1 when group is None (single process)."""
     return 1 if group is None else dist.get_world_size(group)

@@ -22,7 +22,8 @@ class OverlongConfig:
 
     def __post_init__(self):
         if not (isinstance(self.buffer_length, int) and self.buffer_length > 0):
-            raise ValueError(f"OverlongConfig.buffer_length must be a positive int, got {self.buffer_length!r}")
+            raise ValueError(f"OverlongConfig.buffer_length must be a positive int, "
+                             f"got {self.buffer_length!r}")
         if not self.penalty_factor >= 0.0:
             raise ValueError(f"OverlongConfig.penalty_factor must be >= 0, got {self.penalty_factor}")
 
@@ -34,7 +35,8 @@ def overlong_penalty(response_lengths: Tensor, max_length: int, config: Overlong
     ``0`` if ``len <= L - C``; ``-p * (len - (L - C)) / C`` if ``L - C < len <= L``; ``-p`` if ``len > L``.
     """
     if response_lengths.dim() != 1:
-        raise ValueError(f"overlong_penalty: response_lengths must be 1-D [B], got {tuple(response_lengths.shape)}")
+        raise ValueError(f"overlong_penalty: response_lengths must be 1-D [B], "
+                         f"got {tuple(response_lengths.shape)}")
     if not max_length > config.buffer_length:
         raise ValueError(f"overlong_penalty: max_length ({max_length}) must exceed "
                          f"OverlongConfig.buffer_length ({config.buffer_length})")

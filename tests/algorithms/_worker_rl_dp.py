@@ -11,15 +11,17 @@ from _rl_dp_batch import initial_theta, micro_batches, per_token_loss
 from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, AdvantageConfig,
                                  AdvantageInputs, aggregate_loss, compute_normaliser)
 from megarlhf.testing.launch import write_rank_result
-from parallel.runtime import init_distributed
 
 MAX_RESPONSE_LENGTH = 8
 
 
 def main(out_dir: str) -> None:
-    launch = init_distributed()
+    # Plain gloo from torchrun's env: these numerics need no Megatron, and parallel.runtime's
+    # init_distributed would import Megatron-Core (its CPU layer), ~10 s per rank on a busy machine.
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
     group = dist.group.WORLD
-    batches = micro_batches(launch.rank)
+    batches = micro_batches(rank)
     normaliser = compute_normaliser([b["mask"] for b in batches], group, MAX_RESPONSE_LENGTH)
     result = {"num_tokens": normaliser.num_tokens, "num_sequences": normaliser.num_sequences,
               "factor": normaliser.grad_average_factor, "modes": {}}
@@ -44,7 +46,7 @@ def main(out_dir: str) -> None:
     for name in ("reinforce_pp", "gae"):
         out = ADVANTAGE_ESTIMATORS.get(name)(inputs, config, dp_group=group)
         result[name] = out.advantages.tolist()
-    write_rank_result(out_dir, launch.rank, result)
+    write_rank_result(out_dir, rank, result)
     dist.destroy_process_group()
 
 
