@@ -1,0 +1,115 @@
+"""The reward registry, its one call signature, the reward settings, and dotted-path user functions.
+
+Every reward in :data:`REWARDS` (and every user function named by a dotted path) has one signature::
+
+    reward_fn(sample: RewardInput, **kwargs) -> float
+
+``kwargs`` are the ``kwargs`` of the function's :class:`RewardSpec` in the run config. A reward is
+per sample so that one failing or hanging call costs that sample only (``runner.py`` runs them in a
+bounded thread pool). The learned reward model is not a registry entry: it scores a whole batch with a
+Megatron model on every rank in lockstep, so it is a separate slot, :class:`RewardModel`, that the
+trainer fills and that :class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from megarlhf.registry import Registry
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One rollout sample as a reward function sees it."""
+
+    prompt: str
+    response: str
+    ground_truth: Any = None  # the dataset's answer field (e.g. "19"), None when the data has none
+    metadata: dict[str, Any] = field(default_factory=dict)  # the dataset row's other fields
+
+
+RewardFn = Callable[..., float]
+REWARDS: Registry[RewardFn] = Registry("reward function")
+
+
+class RewardModel(Protocol):
+    """The reward-model slot: scores a batch (called on every rank, in the main thread, no timeout,
+    because a Megatron value-head model runs collectives). Returns one finite float per sample."""
+
+    def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float]: ...
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)$")
+
+
+def is_dotted_path(name: str) -> bool:
+    """True for ``pkg.mod:fn`` or ``pkg.mod.fn`` (at least one separator), the forms users name functions by."""
+    return ("." in name or ":" in name) and bool(_DOTTED.match(name))
+
+
+def load_function(path: str) -> Callable:
+    """Imports ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
+    if not is_dotted_path(path):
+        raise ValueError(f"reward function path {path!r} must look like 'pkg.module:function' or "
+                         f"'pkg.module.function'")
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is reported with the path
+        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A registered reward by name, else a user function by dotted path."""
+    if name in REWARDS:
+        return REWARDS.get(name)
+    if is_dotted_path(name):
+        return load_function(name)
+    raise ValueError(f"unknown reward function {name!r}; known: {', '.join(REWARDS.names())}, "
+                     f"or a dotted path 'pkg.module:function'")
+
+
+@dataclass
+class RewardSpec:
+    """One weighted term of the reward: a registered name or a dotted path, its weight and kwargs."""
+
+    name: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.name not in REWARDS and not is_dotted_path(self.name):
+            raise ValueError(f"unknown reward function {self.name!r}; known: {', '.join(REWARDS.names())}, "
+                             f"or a dotted path 'pkg.module:function'")
+
+
+@dataclass
+class RewardConfig:
+    """How rewards are computed (the only place their defaults live)."""
+
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_verify")])
+    timeout_s: float = 10.0  # per call; a call that runs longer gets failure_reward and a report
+    failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
+    num_workers: int = 4  # threads running reward calls concurrently
+    reward_model_path: str | None = None  # HF directory of a reward model (the trainer builds the slot)
+    reward_model_weight: float = 1.0  # weight of the reward model's score when reward_model_path is set
+
+    def __post_init__(self):
+        if not self.functions and self.reward_model_path is None:
+            raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
+        if not self.timeout_s > 0:
+            raise ValueError(f"RewardConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if not (isinstance(self.num_workers, int) and self.num_workers >= 1):
+            raise ValueError(f"RewardConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
+        names = [spec.name for spec in self.functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"RewardConfig.functions names a function twice: {names}")

@@ -1,0 +1,125 @@
+"""CombinedReward: weighted sum, failure reports, timeouts with bounded wall time, reward-model slot."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
+
+# test-local reward functions, named by dotted path like a user's
+FOREVER = threading.Event()
+
+
+def length_reward(sample, scale=1.0):
+    return scale * len(sample.response)
+
+
+def raising_reward(sample):
+    if "boom" in sample.response:
+        raise RuntimeError(f"cannot score {sample.response!r}")
+    return 1.0
+
+
+def sleeping_reward(sample):
+    if "hang" in sample.response:
+        FOREVER.wait()  # never set: sleeps forever
+    return 2.0
+
+
+def invalid_reward(sample):
+    return {"nan": float("nan"), "none": None}.get(sample.response, 1.0)
+
+
+HERE = __name__
+
+
+def _samples(*responses):
+    return [RewardInput(prompt=f"prompt {i}: " + "x" * 300, response=r, ground_truth="42")
+            for i, r in enumerate(responses)]
+
+
+def test_weights_combine():
+    config = RewardConfig(functions=[RewardSpec("numeric", weight=2.0),
+                                     RewardSpec(f"{HERE}:length_reward", weight=0.5, kwargs={"scale": 0.1})])
+    reward = CombinedReward(config)
+    responses = ["#### 42", "#### 41", "The answer is 42."]
+    result = reward(_samples(*responses))
+    want_numeric = [1.0, 0.0, 1.0]
+    want_length = [0.1 * len(r) for r in responses]
+    assert result.components["numeric"] == want_numeric
+    assert result.components[f"{HERE}:length_reward"] == pytest.approx(want_length, abs=1e-12)
+    assert result.rewards == pytest.approx([2.0 * a + 0.5 * b for a, b in zip(want_numeric, want_length)], abs=1e-12)
+    assert result.failures == [] and result.metrics["reward/failures"] == 0.0
+    assert result.metrics["reward/numeric/mean"] == pytest.approx(2 / 3)
+    reward.close()
+
+
+def test_raising_function_is_reported_and_batch_still_scored():
+    config = RewardConfig(functions=[RewardSpec(f"{HERE}:raising_reward"), RewardSpec("exact_match")],
+                          failure_reward=-1.0)
+    reward = CombinedReward(config)
+    result = reward(_samples("#### 42", "boom #### 42", "#### 7"))
+    assert result.components[f"{HERE}:raising_reward"] == [1.0, -1.0, 1.0]
+    assert result.components["exact_match"] == [1.0, 1.0, 0.0]
+    assert result.rewards == [2.0, 0.0, 1.0]
+    [failure] = result.failures
+    assert (failure.index, failure.kind, failure.name) == (1, "error", f"{HERE}:raising_reward")
+    assert "RuntimeError: cannot score 'boom #### 42'" in failure.message
+    assert failure.prompt.startswith("prompt 1: ") and failure.prompt.endswith("(310 chars)")
+    assert len(failure.prompt) < 250 and failure.response == "boom #### 42"
+    assert "sample 1" in str(failure)
+    assert result.metrics["reward/failures"] == 1.0 and result.metrics["reward/timeouts"] == 0.0
+    reward.close()
+
+
+def test_invalid_return_values_are_failures():
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:invalid_reward")]))
+    result = reward(_samples("nan", "ok", "none"))
+    assert result.rewards == [0.0, 1.0, 0.0]
+    assert [(f.index, f.kind) for f in result.failures] == [(0, "invalid"), (2, "invalid")]
+    reward.close()
+
+
+def test_hanging_function_has_bounded_wall_time():
+    timeout = 0.5
+    config = RewardConfig(functions=[RewardSpec(f"{HERE}:sleeping_reward"), RewardSpec("numeric")],
+                          timeout_s=timeout, num_workers=2, failure_reward=0.0)
+    reward = CombinedReward(config)
+    responses = ["hang", "#### 42", "hang", "#### 1", "hang", "#### 42"]
+    start = time.monotonic()
+    result = reward(_samples(*responses))
+    wall = time.monotonic() - start
+    # 3 hung calls on 2 workers: two time out together, the third after a replacement worker takes it
+    assert 2 * timeout <= wall < 2 * timeout + 1.5
+    assert result.components[f"{HERE}:sleeping_reward"] == [0.0, 2.0, 0.0, 2.0, 0.0, 2.0]
+    assert result.components["numeric"] == [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert [(f.index, f.kind) for f in result.failures] == [(0, "timeout"), (2, "timeout"), (4, "timeout")]
+    assert result.metrics["reward/timeouts"] == 3.0 and result.metrics["reward/abandoned_threads"] == 3.0
+    # the pool kept its size: a second batch is scored at normal speed
+    start = time.monotonic()
+    again = reward(_samples("#### 42", "ok"))
+    assert time.monotonic() - start < timeout and again.failures == []
+    reward.close()
+
+
+def test_reward_model_slot():
+    config = RewardConfig(functions=[RewardSpec("exact_match")], reward_model_path="/models/rm",
+                          reward_model_weight=0.25)
+    calls = []
+
+    def model(samples):
+        calls.append(len(samples))
+        return [float(len(s.response)) for s in samples]
+
+    reward = CombinedReward(config, reward_model=model)
+    result = reward(_samples("#### 42", "#### 4"))
+    assert calls == [2]
+    assert result.components["reward_model"] == [7.0, 6.0]
+    assert result.rewards == [1.0 + 0.25 * 7.0, 0.25 * 6.0]
+    reward.close()
+    with pytest.raises(ValueError, match="reward_model_path and the reward_model slot go together"):
+        CombinedReward(config)
+    with pytest.raises(ValueError, match="returned 1 scores for 2 samples"):
+        CombinedReward(config, reward_model=lambda s: [1.0])(_samples("a", "b"))
