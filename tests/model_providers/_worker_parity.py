@@ -174,8 +174,16 @@ def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
             from transformers import AutoModelForCausalLM
 
             full = gather_logits(logits)
+            hf = AutoModelForCausalLM.from_pretrained(models / arch, dtype=torch.float32)
             with torch.no_grad():
-                ref = AutoModelForCausalLM.from_pretrained(models / arch, dtype=torch.float32)(input_ids=ids).logits
+                ref = hf(input_ids=ids).logits
+            inv_freq = model.rotary_pos_emb.inv_freq
+            r["inv_freq_max_diff"] = (inv_freq - hf.model.rotary_emb.inv_freq).abs().max().item()
+            # Megatron's built-in Llama-3 scaling (original context fixed at 8192), to show it would differ.
+            unscaled = 1.0 / provider.hf_config.rope_parameters["rope_theta"] ** (
+                torch.arange(0, provider.head_dim, 2, dtype=torch.float32) / provider.head_dim)
+            builtin = model.rotary_pos_emb._apply_scaling(unscaled)
+            r["builtin_llama3_max_diff"] = (builtin - inv_freq).abs().max().item()
             r["logit_max_diff"] = (full[..., :vocab] - ref).abs().max().item()
             r["padded_logits_max_abs"] = full[..., vocab:].abs().max().item() if full.shape[-1] > vocab else 0.0
             r["logits_shape"] = list(full.shape)
