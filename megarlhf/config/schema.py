@@ -1,0 +1,208 @@
+"""The run configuration: one tree of dataclasses, the only place run defaults live.
+
+``RunConfig`` nests the settings of each part of a run. Sub-configs owned by other packages are
+reused, not repeated: ``ParallelConfig`` (parallel/), the algorithm configs (megarlhf.algorithms),
+``DataConfig`` (megarlhf.data) and ``RewardConfig`` (megarlhf.rewards). Each dataclass validates its
+own fields in ``__post_init__``; :class:`RunConfig` adds the checks that span sections. A recipe is a
+YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_config`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES, AdvantageConfig,
+                                 KLConfig, MismatchConfig, OverlongConfig, PolicyLossConfig)
+from megarlhf.data.source import DataConfig
+from megarlhf.rewards import RewardConfig
+from parallel.config import ParallelConfig
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _positive_int(owner: object, *names: str, where: str = "") -> None:
+    for name in names:
+        value = getattr(owner, name)
+        _check(isinstance(value, int) and value >= 1,
+               f"{where or type(owner).__name__}.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    path: str  # HF model directory (the actor, and the reference model)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    critic_path: str | None = None  # HF directory the critic starts from (None: the actor's path)
+
+
+@dataclass
+class ParallelLayouts:
+    """The Megatron layout of each trained/scored model (data parallel is what the world leaves)."""
+
+    actor: ParallelConfig = field(default_factory=ParallelConfig)
+    critic: ParallelConfig = field(default_factory=ParallelConfig)
+    ref: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        for name in ("actor", "critic", "ref"):
+            _positive_int(getattr(self, name), "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                          "context_parallel_size", where=f"ParallelLayouts.{name}")
+
+
+@dataclass
+class RolloutConfig:
+    n_samples: int = 8  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 1024
+    tensor_parallel_size: int = 1  # of each vLLM engine
+    gpu_memory_utilization: float = 0.5  # vLLM's share of the device memory while it is awake
+
+    def __post_init__(self):
+        _positive_int(self, "n_samples", "max_new_tokens", "tensor_parallel_size")
+        _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 1, f"RolloutConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"RolloutConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Which estimator and loss, and their settings (the sub-configs are megarlhf.algorithms')."""
+
+    estimator: str = "grpo"  # a name in ADVANTAGE_ESTIMATORS ("gae" trains a critic)
+    policy_loss: str = "ppo_clip"  # a name in POLICY_LOSSES
+    loss_aggregation: Literal[AGGREGATION_MODES] = "token_mean"
+    kl_mode: Literal["loss", "reward", "none"] = "loss"  # KL to the reference: loss term, reward penalty, off
+    entropy_coef: float = 0.0
+    value_clip: float | None = 0.2  # PPO value-loss clip range (critic only)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    overlong: OverlongConfig | None = None  # DAPO overlong reward shaping (None: off)
+
+    def __post_init__(self):
+        _check(self.estimator in ADVANTAGE_ESTIMATORS,
+               f"AlgorithmConfig.estimator: unknown advantage estimator {self.estimator!r}; known: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        _check(self.policy_loss in POLICY_LOSSES,
+               f"AlgorithmConfig.policy_loss: unknown policy loss {self.policy_loss!r}; known: {', '.join(POLICY_LOSSES.names())}")
+        _check(self.value_clip is None or self.value_clip > 0,
+               f"AlgorithmConfig.value_clip must be > 0 or null, got {self.value_clip}")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0  # reached at the end of a cosine/linear schedule
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global gradient norm (0: off)
+    critic_lr: float | None = None  # None: the actor's lr
+    use_distributed_optimizer: bool = True  # Megatron's optimizer-state sharding over data parallel
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"OptimConfig.lr must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr <= self.lr, f"OptimConfig.min_lr must be in [0, lr], got {self.min_lr}")
+        _check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+               f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        _check(self.weight_decay >= 0 and self.clip_grad >= 0,
+               f"OptimConfig.weight_decay and clip_grad must be >= 0, got {self.weight_decay}, {self.clip_grad}")
+        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+               f"OptimConfig.adam_beta1/2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # RL steps (or SFT optimizer steps)
+    global_batch_size: int = 64  # prompts per RL step (SFT: examples per step)
+    mini_batches: int = 1  # optimizer updates per RL step (the global batch is split into this many)
+    epochs_per_step: int = 1  # passes over the step's samples (PPO epochs)
+    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
+    packing: bool = True  # pack sequences into micro-batches up to the token budget
+
+    def __post_init__(self):
+        _positive_int(self, "steps", "global_batch_size", "mini_batches", "epochs_per_step", "micro_batch_tokens")
+        _check(self.global_batch_size % self.mini_batches == 0,
+               f"TrainConfig.global_batch_size ({self.global_batch_size}) must be divisible by "
+               f"mini_batches ({self.mini_batches})")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <logging.run_dir>/checkpoints
+    every: int = 50  # steps between checkpoints (0: only at the end)
+    keep_last: int | None = 3  # None: keep all
+    resume: str = "auto"  # "auto" (latest in dir, if any), "none", or a checkpoint path
+
+    def __post_init__(self):
+        _check(isinstance(self.every, int) and self.every >= 0, f"CheckpointConfig.every must be >= 0, got {self.every!r}")
+        _check(self.keep_last is None or self.keep_last >= 1,
+               f"CheckpointConfig.keep_last must be >= 1 or null, got {self.keep_last}")
+        _check(bool(self.resume), "CheckpointConfig.resume must be 'auto', 'none' or a checkpoint path")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between evaluations on data.eval_path (0: off)
+    n_samples: int = 1  # responses per eval prompt
+    pass_at_k: list[int] = field(default_factory=lambda: [1])
+    temperature: float = 0.0
+    max_prompts: int | None = None  # None: the whole eval set
+
+    def __post_init__(self):
+        _check(isinstance(self.every, int) and self.every >= 0, f"EvalConfig.every must be >= 0, got {self.every!r}")
+        _positive_int(self, "n_samples")
+        bad = [k for k in self.pass_at_k if not 1 <= k <= self.n_samples]
+        _check(not bad, f"EvalConfig.pass_at_k values must be in [1, n_samples={self.n_samples}], got {bad}")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, config.yaml, checkpoints
+    tensorboard: bool = True
+    log_every: int = 1
+
+    def __post_init__(self):
+        _positive_int(self, "log_every")
+
+
+@dataclass
+class RunConfig:
+    """Everything one RL or SFT run reads. ``model`` and ``data`` have required keys."""
+
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelLayouts = field(default_factory=ParallelLayouts)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 1234
+
+    def __post_init__(self):
+        group_estimators = ("grpo", "dr_grpo", "rloo")
+        _check(self.algorithm.estimator not in group_estimators or self.rollout.n_samples >= 2,
+               f"algorithm.estimator {self.algorithm.estimator!r} compares samples of a prompt: "
+               f"rollout.n_samples must be >= 2, got {self.rollout.n_samples}")
+        overlong = self.algorithm.overlong
+        _check(overlong is None or overlong.buffer_length < self.rollout.max_new_tokens,
+               f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
+               f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")

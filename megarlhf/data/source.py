@@ -1,0 +1,108 @@
+"""Where the data comes from: the data settings and the readers for JSONL, Parquet and ``datasets`` dirs.
+
+:func:`read_records` returns a dataset's rows as a list of dicts. Supported sources, all local:
+
+* a ``.jsonl`` / ``.json`` file with one JSON object per line (a malformed line is reported with the file
+  and line number);
+* a ``.parquet`` file (read with pyarrow);
+* a directory written by ``datasets.Dataset.save_to_disk`` (read with ``datasets.load_from_disk``; a
+  ``DatasetDict`` directory needs ``split``).
+
+The Hugging Face hub is never contacted: a path that does not exist is an error, and one that looks
+like a hub name (``owner/name``) says so. The JSONL reader is hand-written (a few lines) so that a bad
+row is reported with its line number, which ``datasets``' JSON builder does not do.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class DataConfig:
+    """Which files hold the prompts / SFT examples and how their rows are read (the only place the
+    data defaults live). A row provides either a prompt string (``prompt_key``) or chat messages
+    (``messages_key``: a list of ``{"role", "content"}``); RL rows carry a ground truth
+    (``answer_key``), SFT completion rows a response (``response_key``)."""
+
+    train_path: str  # JSONL/Parquet file or datasets directory
+    eval_path: str | None = None
+    split: str | None = None  # which split of a DatasetDict directory
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    response_key: str = "response"  # SFT completion rows
+    messages_key: str | None = None  # set to read chat messages instead of a prompt string
+    chat_template: Literal["auto", "always", "never"] = "auto"  # auto: when the tokenizer has one
+    system_prompt: str | None = None  # prepended as a system message (chat) or text (plain)
+    max_prompt_length: int = 1024  # prompts with more tokens are dropped (RL)
+    max_sequence_length: int = 4096  # SFT examples with more tokens are dropped
+    shuffle: bool = True
+
+    def __post_init__(self):
+        for name in ("max_prompt_length", "max_sequence_length"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"DataConfig.{name} must be a positive int, got {value!r}")
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _missing_path_error(path: str) -> FileNotFoundError:
+    if _HUB_NAME.match(path):
+        return FileNotFoundError(f"data path {path!r} does not exist; it looks like a Hugging Face hub name, "
+                                 f"but megarlhf reads local files only (no hub access): download the "
+                                 f"dataset and save it as JSONL, Parquet or a save_to_disk directory")
+    return FileNotFoundError(f"data path {path!r} does not exist")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: malformed JSON line ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def read_records(path: str, split: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a local JSONL / Parquet file or ``save_to_disk`` directory, as dicts."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise _missing_path_error(str(path))
+    if p.is_dir():
+        return _read_dataset_dir(p, split)
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return read_jsonl(p)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"data file {str(p)!r}: unsupported extension {suffix!r}; use .jsonl, .parquet "
+                     f"or a datasets save_to_disk directory")
+
+
+def _read_dataset_dir(path: Path, split: str | None) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        data = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise ValueError(f"data directory {str(path)!r} is not a datasets save_to_disk directory: {exc}") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split is None or split not in data:
+            raise ValueError(f"data directory {str(path)!r} holds splits {sorted(data)}; set data.split "
+                             f"to one of them (got {split!r})")
+        data = data[split]
+    return data.to_list()
