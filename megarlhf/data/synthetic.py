@@ -1,0 +1,186 @@
+"""A synthetic verifiable task for demos and tests: multi-step arithmetic word problems.
+
+A problem starts with a count (``Tom has 12 apples.``) and applies 1..``max_steps`` operations, each
+told by one of several sentence templates: add (``He buys 7 more.``), subtract, multiply (``... grows to 3
+times its size``) and exact division (``... into 4 equal bags and keeps one bag``). Names, objects,
+openings, operation sentences and questions are drawn at random, so the surface form varies while the
+arithmetic stays checkable. Every number in a prompt is written in digits, in the order the expression
+uses them, and each row also stores that expression (``((12 + 7) - 3) * 2``).
+
+Train and held-out splits are disjoint by arithmetic content, not only by wording: a problem's split is
+fixed by a hash of its start value and operation sequence, so a held-out problem never appears in train
+under another name. Rows are written as JSONL in the format users bring (``prompt``, ``answer``), plus
+SFT rows (``prompt``, ``response``) with a worked solution ending in ``The answer is N.`` or ``#### N``.
+
+Difficulty knobs: ``max_steps`` (operations per problem), ``max_value`` (operand range) and ``ops``.
+Hand-written: no offline package ships such data (PLATFORM.md: GSM8K/MATH need the hub).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+NAMES = ("Tom", "Mia", "Ravi", "Lena", "Omar", "Sofia", "Jack", "Aiko", "Noah", "Zara", "Ivan", "Emma",
+         "Kofi", "Lucia", "Ben", "Nadia")
+ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "stamps", "shells",
+         "cards", "balloons", "carrots", "buttons", "candles", "rocks", "ribbons")
+OPENINGS = ("{name} has {n} {item}.", "{name} starts with {n} {item}.", "There are {n} {item} in {name}'s bag.",
+            "{name} owns {n} {item}.", "At first, {name} has {n} {item}.")
+SENTENCES = {
+    "add": ("{name} buys {n} more {item}.", "A friend gives {name} {n} {item}.", "Then {name} finds {n} more {item}.",
+            "{name} collects another {n} {item}.", "Later, {name} wins {n} {item}."),
+    "sub": ("{name} gives {n} {item} to a friend.", "{name} loses {n} {item}.", "Then {name} sells {n} of the {item}.",
+            "{name} uses up {n} {item}.", "Later, {n} of the {item} are given away."),
+    "mul": ("The number of {item} {name} has grows to {n} times as many.", "{name} ends up with {n} times as many {item}.",
+            "Then the pile of {item} becomes {n} times as large."),
+    "div": ("{name} splits the {item} into {n} equal bags and keeps one bag.",
+            "{name} shares the {item} equally among {n} children, keeping one share.",
+            "Then only one of {n} equal parts of the {item} is left."),
+}
+QUESTIONS = ("How many {item} does {name} have now?", "How many {item} are there at the end?",
+             "How many {item} does {name} end up with?", "What is the final number of {item}?")
+SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+DEFAULT_INSTRUCTION = "Solve the problem and end with 'The answer is' followed by the number."
+
+
+@dataclass(frozen=True)
+class Problem:
+    start: int
+    steps: tuple[tuple[str, int], ...]  # (op, operand)
+    answer: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.start}|" + "|".join(f"{op}{n}" for op, n in self.steps)
+
+    @property
+    def expression(self) -> str:
+        expr = str(self.start)
+        for i, (op, n) in enumerate(self.steps):
+            expr = f"{expr} {SYMBOLS[op]} {n}" if i == 0 else f"({expr}) {SYMBOLS[op]} {n}"
+        return expr
+
+
+def _next_step(rng: random.Random, value: int, ops: tuple[str, ...], max_value: int) -> tuple[str, int, int]:
+    """(op, operand, new value) of one operation that keeps the count a positive integer."""
+    choices = [op for op in ops
+               if op == "add" or (op == "sub" and value >= 2) or (op == "mul" and value * 2 <= max_value * 4)
+               or (op == "div" and any(value % k == 0 for k in range(2, 10)))]
+    op = rng.choice(choices)
+    if op == "add":
+        n = rng.randint(1, max_value)
+        return op, n, value + n
+    if op == "sub":
+        n = rng.randint(1, value - 1)
+        return op, n, value - n
+    if op == "mul":
+        n = rng.randint(2, max(2, min(5, (max_value * 4) // value)))
+        return op, n, value * n
+    n = rng.choice([k for k in range(2, 10) if value % k == 0])
+    return op, n, value // n
+
+
+def random_problem(rng: random.Random, max_steps: int, max_value: int, ops: tuple[str, ...]) -> Problem:
+    value = start = rng.randint(2, max_value)
+    steps = []
+    for _ in range(rng.randint(1, max_steps)):
+        op, n, value = _next_step(rng, value, ops, max_value)
+        steps.append((op, n))
+    return Problem(start, tuple(steps), value)
+
+
+def in_heldout(problem: Problem, heldout_fraction: float) -> bool:
+    """The problem's split, from a hash of its arithmetic (stable across runs and machines)."""
+    digest = int(hashlib.sha256(problem.key.encode()).hexdigest()[:8], 16)
+    return digest < heldout_fraction * 0x100000000
+
+
+def render(problem: Problem, rng: random.Random, instruction: str | None) -> tuple[str, str]:
+    """(prompt, worked solution without the final-answer line) in randomly chosen words."""
+    words = {"name": rng.choice(NAMES), "item": rng.choice(ITEMS)}
+    sentences = [rng.choice(OPENINGS).format(n=problem.start, **words)]
+    work, value = [], problem.start
+    for op, n in problem.steps:
+        sentences.append(rng.choice(SENTENCES[op]).format(n=n, **words))
+        new = {"add": value + n, "sub": value - n, "mul": value * n, "div": value // n}[op]
+        work.append(f"{value} {SYMBOLS[op]} {n} = {new}.")
+        value = new
+    sentences.append(rng.choice(QUESTIONS).format(**words))
+    prompt = " ".join(sentences) + (f"\n{instruction}" if instruction else "")
+    solution = f"Start with {problem.start} {words['item']}. " + " ".join(work)
+    return prompt, solution
+
+
+def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_value: int = 20,
+                   ops: tuple[str, ...] = ("add", "sub", "mul", "div"), heldout_fraction: float = 0.2,
+                   instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is") -> list[dict]:
+    """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked)."""
+    if answer_format not in ("answer_is", "hashes"):
+        raise ValueError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    unknown = set(ops) - set(SYMBOLS)
+    if unknown or not ops or max_steps < 1 or max_value < 2:
+        raise ValueError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), max_steps={max_steps} "
+                         f"(>= 1), max_value={max_value} (>= 2)")
+    rng = random.Random(f"{seed}-{'heldout' if heldout else 'train'}")
+    rows, seen = [], set()
+    for _ in range(200 * n + 1000):
+        if len(rows) == n:
+            break
+        problem = random_problem(rng, max_steps, max_value, ops)
+        if problem.key in seen or in_heldout(problem, heldout_fraction) != heldout:
+            continue
+        seen.add(problem.key)
+        prompt, work = render(problem, rng, instruction)
+        final = f"The answer is {problem.answer}." if answer_format == "answer_is" else f"#### {problem.answer}"
+        rows.append({"prompt": prompt, "answer": str(problem.answer), "expression": problem.expression,
+                     "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}"})
+    if len(rows) < n:
+        raise ValueError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
+                         f"of {n} asked; raise max_value or max_steps")
+    return rows
+
+
+def write_jsonl(rows: list[dict], path: Path, keys: tuple[str, ...]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({k: row[k] for k in keys}) + "\n")
+    return path
+
+
+def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
+                          **knobs) -> dict[str, Path]:
+    """Writes ``train.jsonl`` and ``heldout.jsonl`` (prompt, answer, expression) and ``sft_train.jsonl``
+    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings."""
+    out = Path(out_dir)
+    train = generate_split(n_train, heldout=False, seed=seed, **knobs)
+    heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
+    return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
+            "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
+            "sft_train": write_jsonl(train, out / "sft_train.jsonl", ("prompt", "response"))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write the synthetic arithmetic task as JSONL.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-heldout", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--max-value", type=int, default=20)
+    parser.add_argument("--answer-format", choices=("answer_is", "hashes"), default="answer_is")
+    args = parser.parse_args(argv)
+    paths = write_arithmetic_task(args.out_dir, args.n_train, args.n_heldout, args.seed, max_steps=args.max_steps,
+                                  max_value=args.max_value, answer_format=args.answer_format)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
