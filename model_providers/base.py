@@ -242,6 +242,11 @@ class ModelProvider:
         )
         if rope["rope_type"] == "llama3":
             self._apply_llama3_rope_scaling(model, rope)
+        # Megatron's local spec builds its norms with torch defaults (fp32, host); give every parameter
+        # the model's dtype and device, as Transformer Engine modules and Float16Module would.
+        model.to(dtype=params_dtype)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
         return model
 
     @staticmethod

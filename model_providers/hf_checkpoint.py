@@ -211,6 +211,7 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
     bound = {b.order: b for b in _bind(model, provider.mappings(head)) if b.mapping.export}
     ctx = _tp_context(provider)
     shapes = provider.hf_tensor_shapes(head)
+    device = next(model.parameters()).device
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     for order, hf_names, dtype_name, stage in _stage_schedule(list(bound.values())):
@@ -222,7 +223,7 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
                 dist.all_gather(shards, b.param.detach().contiguous(), group=tp_group)
             tensors = [t.contiguous().clone() for t in b.mapping.kind.export(shards, ctx)]
         else:
-            tensors = [torch.empty(shapes[n], dtype=getattr(torch, dtype_name)) for n in hf_names]
+            tensors = [torch.empty(shapes[n], dtype=getattr(torch, dtype_name), device=device) for n in hf_names]
         if pp_size > 1:
             src = dist.get_global_rank(pp_group, stage)
             for t in tensors:

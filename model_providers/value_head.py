@@ -44,7 +44,7 @@ def build_value_model(provider: ModelProvider, params_dtype: torch.dtype = torch
 
     model = provider.build_model(params_dtype, tie_embeddings=False, **config_overrides)
     if model.post_process:
-        model.output_layer = ValueHead(model.config)
+        model.output_layer = ValueHead(model.config).to(model.decoder.final_layernorm.weight.device)
         if ps.get_tensor_model_parallel_world_size() > 1:
             # Replicated parameter: every TP rank must start from the same draw.
             with torch.no_grad():

@@ -157,6 +157,18 @@ def error_messages(provider, models: Path, scratch: Path) -> dict:
     return messages
 
 
+def bf16_checks(models: Path) -> dict:
+    """A bf16 model from an fp32 checkpoint: every parameter bf16, and its HF tensors equal the source's
+    rounded to bf16 (the conversion adds no error of its own)."""
+    from model_providers.hf_checkpoint import iter_hf_weights, load_hf_model
+
+    provider, model = load_hf_model(models / "qwen2", params_dtype=torch.bfloat16)
+    src = load_file(str(models / "qwen2" / "model.safetensors"))
+    return {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "not_equal": sorted(n for n, t in iter_hf_weights(model, provider)
+                                if not torch.equal(t, src[n].to(torch.bfloat16)))}
+
+
 def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
     from megatron.core import parallel_state as ps
 
@@ -196,6 +208,7 @@ def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
         from model_providers import get_provider
 
         result["errors"] = error_messages(get_provider(models / "qwen2"), models, out_dir / "broken")
+        result["bf16"] = bf16_checks(models)
     write_rank_result(out_dir, launch.rank, result)
 
 

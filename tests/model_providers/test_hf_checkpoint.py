@@ -1,6 +1,7 @@
 """HF checkpoint I/O without a model: clear errors for missing directories/files, partial (sliced) reads,
 and the streaming shard writer's HF layout (single file, or shards plus an index). The load/export paths
-through a live sharded model are checked in the parity runs (test_llama.py etc.)."""
+through a live sharded model are checked in the parity runs (test_llama.py etc.; their error messages
+and the bf16 path below)."""
 import json
 
 import pytest
@@ -60,3 +61,15 @@ def test_shard_writer_single_and_sharded(tmp_path):
     assert index["metadata"]["total_size"] == 200
     assert index["weight_map"]["t4"] == "model-00003-of-00003.safetensors"
     assert HFCheckpoint(tmp_path / "many").weight_map == index["weight_map"]
+
+
+def test_checkpoint_errors_name_the_tensor(parity):
+    errors = parity("tp1")[0]["errors"]
+    assert errors["missing_tensor"].endswith("is missing 1 tensor(s): model.layers.1.mlp.up_proj.weight")
+    assert errors["wrong_shape"].endswith("tensor model.layers.0.self_attn.k_proj.weight in model.safetensors "
+                                          "has shape [32, 128], but the config expects [64, 128]")
+
+
+def test_bf16_model_from_fp32_checkpoint(parity):
+    bf16 = parity("tp1")[0]["bf16"]
+    assert bf16 == {"param_dtypes": ["torch.bfloat16"], "not_equal": []}
