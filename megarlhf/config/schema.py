@@ -89,9 +89,11 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         _check(self.estimator in ADVANTAGE_ESTIMATORS,
-               f"AlgorithmConfig.estimator: unknown advantage estimator {self.estimator!r}; known: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+               f"AlgorithmConfig.estimator: unknown advantage estimator {self.estimator!r}; "
+               f"known: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
         _check(self.policy_loss in POLICY_LOSSES,
-               f"AlgorithmConfig.policy_loss: unknown policy loss {self.policy_loss!r}; known: {', '.join(POLICY_LOSSES.names())}")
+               f"AlgorithmConfig.policy_loss: unknown policy loss {self.policy_loss!r}; "
+               f"known: {', '.join(POLICY_LOSSES.names())}")
         _check(self.value_clip is None or self.value_clip > 0,
                f"AlgorithmConfig.value_clip must be > 0 or null, got {self.value_clip}")
 
@@ -149,7 +151,8 @@ class CheckpointConfig:
     resume: str = "auto"  # "auto" (latest in dir, if any), "none", or a checkpoint path
 
     def __post_init__(self):
-        _check(isinstance(self.every, int) and self.every >= 0, f"CheckpointConfig.every must be >= 0, got {self.every!r}")
+        _check(isinstance(self.every, int) and self.every >= 0,
+               f"CheckpointConfig.every must be an int >= 0, got {self.every!r}")
         _check(self.keep_last is None or self.keep_last >= 1,
                f"CheckpointConfig.keep_last must be >= 1 or null, got {self.keep_last}")
         _check(bool(self.resume), "CheckpointConfig.resume must be 'auto', 'none' or a checkpoint path")

@@ -31,12 +31,13 @@ ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies"
 OPENINGS = ("{name} has {n} {item}.", "{name} starts with {n} {item}.", "There are {n} {item} in {name}'s bag.",
             "{name} owns {n} {item}.", "At first, {name} has {n} {item}.")
 SENTENCES = {
-    "add": ("{name} buys {n} more {item}.", "A friend gives {name} {n} {item}.", "Then {name} finds {n} more {item}.",
-            "{name} collects another {n} {item}.", "Later, {name} wins {n} {item}."),
+    "add": ("{name} buys {n} more {item}.", "A friend gives {name} {n} {item}.",
+            "Then {name} finds {n} more {item}.", "{name} collects another {n} {item}.",
+            "Later, {name} wins {n} {item}."),
     "sub": ("{name} gives {n} {item} to a friend.", "{name} loses {n} {item}.", "Then {name} sells {n} of the {item}.",
             "{name} uses up {n} {item}.", "Later, {n} of the {item} are given away."),
-    "mul": ("The number of {item} {name} has grows to {n} times as many.", "{name} ends up with {n} times as many {item}.",
-            "Then the pile of {item} becomes {n} times as large."),
+    "mul": ("The number of {item} {name} has grows to {n} times as many.",
+            "{name} ends up with {n} times as many {item}.", "Then the pile of {item} becomes {n} times as large."),
     "div": ("{name} splits the {item} into {n} equal bags and keeps one bag.",
             "{name} shares the {item} equally among {n} children, keeping one share.",
             "Then only one of {n} equal parts of the {item} is left."),

@@ -95,8 +95,10 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: exact_match, "
                                      r"math_verify, numeric, or a dotted path"),
     # checks across sections
-    ("rollout.n_samples=1", r"algorithm\.estimator 'grpo' compares samples of a prompt: rollout\.n_samples must be >= 2"),
-    ("algorithm.overlong.buffer_length=128", r"algorithm\.overlong\.buffer_length \(128\) must be < rollout\.max_new_tokens"),
+    ("rollout.n_samples=1",
+     r"algorithm\.estimator 'grpo' compares samples of a prompt: rollout\.n_samples must be >= 2"),
+    ("algorithm.overlong.buffer_length=128",
+     r"algorithm\.overlong\.buffer_length \(128\) must be < rollout\.max_new_tokens"),
     ("eval.pass_at_k=[2]", r"eval\.pass_at_k values must be in \[1, n_samples=1\]"),
 ])
 def test_bad_values_name_the_key(recipe, override, message):

@@ -13,7 +13,8 @@ def test_chat_template_applied(tokenizer):
     config = DataConfig(train_path="-", prompt_key="question", answer_key="gold", system_prompt="Be brief.")
     data = build_prompt_dataset(ROWS[:1], tokenizer, config)
     [example] = data.examples
-    want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    want = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+            "<|im_start|>assistant\n")
     assert example.prompt == want
     assert example.prompt_ids == tokenizer(want, add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(example.prompt_ids[:1]) == ["<|im_start|>"]
