@@ -9,9 +9,6 @@ import pytest
 from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
 
 # test-local reward functions, named by dotted path like a user's
-FOREVER = threading.Event()
-
-
 def length_reward(sample, scale=1.0):
     return scale * len(sample.response)
 
@@ -22,9 +19,9 @@ def raising_reward(sample):
     return 1.0
 
 
-def sleeping_reward(sample):
+def sleeping_reward(sample, release: threading.Event):
     if "hang" in sample.response:
-        FOREVER.wait()  # never set: sleeps forever
+        release.wait()  # set only after the test has measured the wall time: sleeps "forever"
     return 2.0
 
 
@@ -84,7 +81,9 @@ def test_invalid_return_values_are_failures():
 
 def test_hanging_function_has_bounded_wall_time():
     timeout = 0.5
-    config = RewardConfig(functions=[RewardSpec(f"{HERE}:sleeping_reward"), RewardSpec("numeric")],
+    release = threading.Event()
+    config = RewardConfig(functions=[RewardSpec(f"{HERE}:sleeping_reward", kwargs={"release": release}),
+                                     RewardSpec("numeric")],
                           timeout_s=timeout, num_workers=2, failure_reward=0.0)
     reward = CombinedReward(config)
     responses = ["hang", "#### 42", "hang", "#### 1", "hang", "#### 42"]
@@ -101,6 +100,12 @@ def test_hanging_function_has_bounded_wall_time():
     start = time.monotonic()
     again = reward(_samples("#### 42", "ok"))
     assert time.monotonic() - start < timeout and again.failures == []
+    # an abandoned thread whose call finally returns leaves the pool
+    release.set()
+    deadline = time.monotonic() + 5.0
+    while reward.pool.abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reward.pool.abandoned == 0
     reward.close()
 
 
