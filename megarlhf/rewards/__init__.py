@@ -4,8 +4,8 @@ terms with a per-call timeout and reports failures.
 """
 from megarlhf.rewards import answers as _answers  # noqa: F401  (registers the built-in rewards)
 from megarlhf.rewards.answers import extract_final_answer, parse_number
-from megarlhf.rewards.base import (REWARDS, RewardConfig, RewardInput, RewardModel, RewardSpec, is_dotted_path,
-                                   load_function, resolve_reward)
+from megarlhf.rewards.api import (REWARDS, RewardConfig, RewardInput, RewardModel, RewardSpec, is_dotted_path,
+                                  load_function, resolve_reward)
 from megarlhf.rewards.runner import CombinedReward, RewardFailure, RewardResult, RewardThreadPool
 
 __all__ = [

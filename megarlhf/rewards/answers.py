@@ -1,6 +1,6 @@
 """Rule-based answer checkers: final-answer extraction, exact match, numeric match, math-verify.
 
-Registered rewards (signature in ``base.py``; each returns 1.0 for a correct answer, else 0.0):
+Registered rewards (signature in ``api.py``; each returns 1.0 for a correct answer, else 0.0):
 
 * ``exact_match``: the extracted final answer equals the ground truth after light normalisation
   (whitespace, surrounding ``$``, a trailing period, thousands separators).
@@ -21,7 +21,7 @@ import math
 import re
 from fractions import Fraction
 
-from megarlhf.rewards.base import REWARDS, RewardInput
+from megarlhf.rewards.api import REWARDS, RewardInput
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS = re.compile(r"(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*([^\n]+)", re.IGNORECASE)

@@ -1,6 +1,6 @@
 """Runs reward functions with a per-call time limit and combines them into one weighted reward.
 
-:class:`CombinedReward` turns a :class:`~megarlhf.rewards.base.RewardConfig` into a callable
+:class:`CombinedReward` turns a :class:`~megarlhf.rewards.api.RewardConfig` into a callable
 ``samples -> RewardResult``: ``reward_i = sum_f weight_f * f(sample_i) + w_rm * reward_model(samples)_i``.
 Every call ``f(sample_i)`` runs on a :class:`RewardThreadPool` worker; a call that raises, returns
 something other than a finite number, or runs longer than ``timeout_s`` gets ``failure_reward`` for that
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Any, Callable, Sequence
 
-from megarlhf.rewards.base import RewardConfig, RewardInput, RewardModel, resolve_reward
+from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward
 
 logger = logging.getLogger(__name__)
 
