@@ -58,7 +58,7 @@ def _swap(node: Any, replacement: Any) -> tuple[Any, int]:
 
 
 def with_cp_attention(spec: ModuleSpec, context_parallel_size: int, packed: bool = False,
-                      block_size: int = 512) -> ModuleSpec:
+                      block_size: int = 256) -> ModuleSpec:
     """``spec`` (a local layer or block spec) with its core attention made context-parallel.
 
     Returned unchanged (a copy) when ``context_parallel_size == 1`` and ``packed`` is False, where

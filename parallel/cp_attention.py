@@ -272,7 +272,7 @@ class ContextParallelAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None, block_size: int = 512):
+                 pg_collection: Optional[ProcessGroupCollection] = None, block_size: int = 256):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         problems = []
