@@ -25,11 +25,14 @@ class ParallelConfig:
         self.validate(world_size)
         return world_size // self.model_parallel_size
 
-    def validate(self, world_size: int) -> None:
+    def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+
+    def validate(self, world_size: int) -> None:
+        """Raises unless the layout divides ``world_size`` ranks."""
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size "

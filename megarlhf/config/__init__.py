@@ -3,10 +3,10 @@ overrides by one generic loader (:mod:`.loader`); the resolved config is saved n
 from megarlhf.config.loader import (ConfigError, apply_override, from_dict, load_config, parse_override,
                                     save_config, to_dict)
 from megarlhf.config.schema import (AlgorithmConfig, CheckpointConfig, EvalConfig, LoggingConfig, ModelConfig,
-                                    OptimConfig, ParallelLayouts, RolloutConfig, RunConfig, TrainConfig)
+                                    OptimConfig, RolloutConfig, RunConfig, TrainConfig)
 
 __all__ = [
     "ConfigError", "apply_override", "from_dict", "load_config", "parse_override", "save_config", "to_dict",
     "AlgorithmConfig", "CheckpointConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "ParallelLayouts", "RolloutConfig", "RunConfig", "TrainConfig",
+    "RolloutConfig", "RunConfig", "TrainConfig",
 ]

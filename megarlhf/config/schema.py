@@ -38,20 +38,6 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelLayouts:
-    """The Megatron layout of each trained/scored model (data parallel is what the world leaves)."""
-
-    actor: ParallelConfig = field(default_factory=ParallelConfig)
-    critic: ParallelConfig = field(default_factory=ParallelConfig)
-    ref: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def __post_init__(self):
-        for name in ("actor", "critic", "ref"):
-            _positive_int(getattr(self, name), "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                          "context_parallel_size", where=f"ParallelLayouts.{name}")
-
-
-@dataclass
 class RolloutConfig:
     n_samples: int = 8  # responses per prompt
     temperature: float = 1.0
@@ -189,7 +175,8 @@ class RunConfig:
 
     model: ModelConfig
     data: DataConfig
-    parallel: ParallelLayouts = field(default_factory=ParallelLayouts)
+    # One layout for actor, critic and reference: Megatron-Core's parallel state is process-global.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

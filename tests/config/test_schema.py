@@ -18,7 +18,7 @@ data:
   eval_path: /data/heldout.jsonl
   max_prompt_length: 256
 parallel:
-  actor: {tensor_model_parallel_size: 2}
+  tensor_model_parallel_size: 2
 rollout:
   n_samples: 4
   max_new_tokens: 128
@@ -46,14 +46,12 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     config = load_config(RunConfig, recipe, [
         "algorithm.advantage.eps=1e-5", "algorithm.policy.clip_eps_high=0.3", "algorithm.kl.estimator=k1",
         "algorithm.mismatch.tis_level=null", "algorithm.overlong={buffer_length: 32}",
-        "parallel.ref.pipeline_model_parallel_size=2", "rollout.temperature=0.7", "optim.lr=2e-6",
+        "parallel.pipeline_model_parallel_size=2", "rollout.temperature=0.7", "optim.lr=2e-6",
         "optim.schedule=cosine", "checkpoint.keep_last=null", "eval.n_samples=4", "eval.pass_at_k=[1, 4]",
         "reward.functions.1.weight=2", "seed=7"])
     assert config.model.path == "/models/tiny" and config.model.dtype == "float32"
     assert config.data.max_prompt_length == 256 and config.data.eval_path == "/data/heldout.jsonl"
-    assert config.parallel.actor == ParallelConfig(tensor_model_parallel_size=2)
-    assert config.parallel.ref == ParallelConfig(pipeline_model_parallel_size=2)
-    assert config.parallel.critic == ParallelConfig()
+    assert config.parallel == ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert config.rollout.n_samples == 4 and config.rollout.temperature == 0.7
     assert config.algorithm.advantage == AdvantageConfig(eps=1e-5)
     assert config.algorithm.policy == PolicyLossConfig(clip_eps_high=0.3)

@@ -18,6 +18,5 @@ def test_layout_not_dividing_world_names_every_size():
 @pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
                                    "context_parallel_size"])
 def test_non_positive_sizes_are_refused_by_name(field):
-    config = ParallelConfig(**{field: 0})
-    with pytest.raises(ValueError, match=f"parallel.{field} must be a positive integer"):
-        config.validate(1)
+    with pytest.raises(ValueError, match=f"ParallelConfig.{field} must be a positive integer"):
+        ParallelConfig(**{field: 0})
