@@ -1,0 +1,65 @@
+"""The ``megarlhf`` command line: one argparse parser whose sub-commands come from a registry.
+
+A sub-command is a :class:`Command` (help text, a function adding its arguments, a function running it)
+registered in :data:`COMMANDS` under its name; :func:`build_parser` turns every registered command into
+a sub-parser. Adding ``train`` or ``eval`` is one ``COMMANDS.register(name)(Command(...))`` line here.
+Command modules import their heavy dependencies (Megatron, transformers, model providers) inside
+``run`` so that ``megarlhf --help`` and argument errors answer at once.
+
+Errors a user can fix (a missing directory, an incomplete checkpoint, a layout the world size does not
+divide, an unsupported model) are printed as one line naming the problem, exit status 1; argument
+errors exit with argparse's status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megarlhf import __version__
+from megarlhf.checkpoint import convert
+from megarlhf.registry import Registry
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``megarlhf <name>`` sub-command. Registry signature: every entry is a Command."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: Registry[Command] = Registry("megarlhf command")
+COMMANDS.register("convert")(Command(
+    help="convert between HF model directories and megarlhf distributed checkpoints",
+    add_arguments=convert.add_arguments, run=convert.run))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarlhf", description="RLHF / RLVR post-training on Megatron-Core.")
+    parser.add_argument("--version", action="version", version=f"megarlhf {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS.names():
+        command = COMMANDS.get(name)
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions whose message is the whole story (bad paths, configs, layouts)."""
+    from megarlhf.checkpoint import CheckpointError
+
+    return CheckpointError, ValueError, OSError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` (default: ``sys.argv[1:]``), runs the command, returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS.get(args.command).run(args)
+    except _user_errors() as err:
+        print(f"megarlhf {args.command}: error: {err}", file=sys.stderr)
+        return 1
