@@ -50,16 +50,22 @@ def _transformer_engine_usable() -> bool:
     return True
 
 
-def build_layer_spec(config):
+def build_layer_spec(config, packed_sequences: bool = False):
     """The transformer layer spec for ``config``; the single place that chooses the modules.
 
-    Transformer Engine's spec where TE works (GPU), otherwise Megatron's local modules (CPU).
+    Transformer Engine's spec where TE works (GPU; TE brings its own context parallelism and packed
+    attention), otherwise Megatron's local modules (CPU) with megarlhf's context-parallel attention
+    swapped in when ``config.context_parallel_size > 1`` or ``packed_sequences`` (Megatron's local
+    attention refuses both).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from parallel.context_parallel import with_cp_attention
+
     if _transformer_engine_usable():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return with_cp_attention(spec, config.context_parallel_size, packed=packed_sequences)
 
 
 class ModelProvider:
@@ -216,11 +222,12 @@ class ModelProvider:
         return cache[head]
 
     def build_model(self, params_dtype: torch.dtype = torch.float32, *, tie_embeddings: bool | None = None,
-                    **config_overrides):
+                    packed_sequences: bool = False, **config_overrides):
         """This rank's pipeline stage of the ``GPTModel`` (randomly initialised; load weights after).
 
         Megatron's parallel state must be initialised (``parallel.runtime.init_parallel``).
         ``tie_embeddings=False`` overrides the config (value models never tie their head).
+        ``packed_sequences=True`` builds attention that accepts packed (``cu_seqlens``) micro-batches.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
@@ -231,7 +238,7 @@ class ModelProvider:
         rope = rope_parameters(self.hf_config)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=build_layer_spec(config),
+            transformer_layer_spec=build_layer_spec(config, packed_sequences),
             vocab_size=self.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

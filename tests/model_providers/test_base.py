@@ -77,6 +77,23 @@ def test_local_layer_spec_on_cpu_has_qk_norm_only_for_qwen3():
         assert (attention.k_layernorm is not IdentityOp) == expect_norm
 
 
+def test_local_layer_spec_uses_cp_attention_for_cp_or_packing():
+    from functools import partial
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from parallel.cp_attention import ContextParallelAttention
+
+    def core_attention(parallel, packed):
+        config = get_provider(tiny_config("llama")).transformer_config(parallel)
+        return build_layer_spec(config, packed).submodules.self_attention.submodules.core_attention
+
+    assert core_attention(ParallelConfig(), packed=False) is DotProductAttention
+    for parallel, packed in ((ParallelConfig(), True), (ParallelConfig(context_parallel_size=2), False)):
+        attention = core_attention(parallel, packed)
+        assert isinstance(attention, partial) and attention.func is ContextParallelAttention
+
+
 def test_hf_tensor_shapes_follow_transformers():
     shapes = get_provider(tiny_config("qwen3")).hf_tensor_shapes()
     assert shapes["model.layers.1.self_attn.q_proj.weight"] == (128, 64)  # 4 heads x head_dim 32
