@@ -148,6 +148,37 @@ def validate_cp_lengths(cu_seqlens: Tensor, cp_size: int, allow_padding: bool = 
                 f"or pack the batch (packed sequences are padded one by one)")
 
 
+class _GatherAlongDim(torch.autograd.Function):
+    """All-gather along ``dim``. Backward, ``reduce_grads=True``: a reduce-scatter (each rank gets the
+    sum over ranks of the gradient of its slice: right when each rank's use of the gathered tensor is
+    its own, like K/V in CP attention). ``reduce_grads=False``: each rank keeps the gradient of its
+    own slice (right when every rank computes the same function of the gathered tensor).
+    Hand-written because ``torch.distributed.nn.functional.all_gather`` is deprecated in torch 2.13,
+    its replacement lives in a private module, and neither offers the second mode."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, dim: int, group, reduce_grads: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.reduce_grads = dim, group, reduce_grads
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        parts = [part.contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), ctx.dim)]
+        if not ctx.reduce_grads:
+            return parts[dist.get_rank(ctx.group)], None, None, None
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None, None, None
+
+
+def all_gather_along(tensor: Tensor, dim: int, group: Optional[dist.ProcessGroup],
+                     reduce_grads: bool = True) -> Tensor:
+    """Concatenation of every group rank's ``tensor`` along ``dim`` (rank order), autograd-aware."""
+    return _GatherAlongDim.apply(tensor, dim, group, reduce_grads)
+
+
 def shard(plan: CPShardPlan, full: Tensor, pad_value: float | int = 0, seq_dim: int = 0) -> Tensor:
     """This rank's tokens of ``full`` (original packed order along ``seq_dim``), padding filled in."""
     if full.size(seq_dim) != plan.total_tokens:
@@ -163,21 +194,16 @@ def unshard(plan: CPShardPlan, local: Tensor, group: Optional[dist.ProcessGroup]
             seq_dim: int = 0) -> Tensor:
     """The inverse of :func:`shard`: gathers every CP rank's ``local`` and restores original order.
 
-    Padding tokens are dropped. Differentiable: the all-gather is autograd-aware, so a loss computed on
-    the result sends each rank the gradient of its own tokens.
+    Padding tokens are dropped. Differentiable for a loss that every CP rank computes identically
+    from the result (each rank keeps the gradient of its own tokens; summing parameter gradients over
+    the CP group then gives the full gradient). Per-rank losses on local tokens need no unshard.
     """
     if local.size(seq_dim) != plan.local_tokens:
         raise ValueError(f"local tensor has {local.size(seq_dim)} tokens along dim {seq_dim}, the shard "
                          f"plan gives this rank {plan.local_tokens}")
-    moved = local.movedim(seq_dim, 0).contiguous()
-    if plan.cp_size == 1:
-        gathered = [moved]
-    else:
-        import torch.distributed.nn.functional as dist_fn
-
-        gathered = list(dist_fn.all_gather(moved, group=group))
+    moved = local.movedim(seq_dim, 0)
+    stacked = moved if plan.cp_size == 1 else all_gather_along(moved, 0, group, reduce_grads=False)
     order = torch.cat([plan.for_rank(r).local_index for r in range(plan.cp_size)])
-    stacked = torch.cat(gathered, 0)
     padded = torch.empty_like(stacked).index_copy(0, order, stacked)
     return padded.index_select(0, plan.padded_position_of_original()).movedim(0, seq_dim)
 

@@ -139,6 +139,11 @@ def cp_phase(ref: dict, results: dict) -> None:
         full = unshard(plan, local_logits.detach(), cp_group, seq_dim=1)
         results[f"{comm}_unpacked_logits"] = (full - ref["unpacked_logits"]).abs().max().item()
         results[f"{comm}_unpacked_grads"] = grad_diff(model, ref["unpacked_grads"], dp_cp_group)
+        if comm == "all_gather":  # the same loss on every rank, through the differentiable unshard
+            model.zero_grad()
+            full = unshard(plan, model(shard(plan, unpacked, seq_dim=1), None, None), cp_group, seq_dim=1)
+            (full * weights).sum().backward()
+            results["unshard_grads"] = grad_diff(model, ref["unpacked_grads"], dp_cp_group)
 
         model.zero_grad()
         batch = shard_packed_batch(tokens, cu, 2, cp_rank, labels=labels, loss_mask=mask, group=cp_group)

@@ -48,6 +48,7 @@ def test_cp2_matches_cp1_packed_gqa(cp_results, comm):
 def test_roundtrips_cp1_packing_and_dp_token_mean(cp_results):
     for rank in cp_results:
         assert rank["roundtrip_unpacked"] and rank["roundtrip_packed"]
+        assert rank["unshard_grads"] <= TOL  # a replicated loss through unshard: summed grads = CP=1
         assert rank["cp1_packed_logits"] <= TOL  # CP attention at cp=1 vs sequences run one by one
         assert rank["dp_loss"] <= TOL and rank["dp_grads"] <= TOL
 
