@@ -1,0 +1,252 @@
+"""The rollout engine: a vLLM ``LLM`` living inside a training rank (SPMD, no server).
+
+:class:`RolloutEngine` owns one in-process vLLM engine and exposes what the RL loop needs from it:
+generation from token ids (n samples per prompt, seeded) returning response ids, the log-probs of the
+sampled tokens and finish reasons; prompt log-probs (the weight-sync probe); in-place weight loading
+from an iterator of HF-named tensors; and sleep / wake-up of weights and KV cache where vLLM supports it
+(GPU only; on CPU vLLM has no sleep mode and these are no-ops).
+
+Layouts (see PLATFORM.md, "vLLM inside torchrun ranks"):
+
+* ``tensor_parallel_size=1`` (the default): one engine per rank, each generating its own share of the
+  prompts. Plain ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the engine runs in this process.
+* ``tensor_parallel_size=world_size``: one engine spread over all ranks through vLLM's
+  ``external_launcher`` backend; every rank must pass the SAME prompts and gets the same outputs.
+
+Engine construction is collective over the default process group: every rank must build (and later
+drop) its engine together. torch.distributed must be initialised first when there is more than one
+rank. Construction reseeds the global RNGs inside vLLM; this class restores the caller's RNG states.
+
+Hand-written because it is megarlhf's contract with vLLM (request layout, seeding, result shape, the
+reload path that works on CPU); vLLM itself does all generation and weight loading.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample one rollout batch. ``top_k=-1`` and ``top_p=1.0`` switch those filters off.
+
+    ``seed=None`` draws from vLLM's global generator (not reproducible); a seed makes prompt ``i`` of a
+    call use seeds ``seed + i * n + j`` for its samples ``j``, so a batch is reproducible as a whole.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [("n", self.n >= 1), ("temperature", self.temperature >= 0.0), ("top_p", 0.0 < self.top_p <= 1.0),
+                  ("top_k", self.top_k == -1 or self.top_k >= 1), ("max_new_tokens", self.max_new_tokens >= 1)]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"SamplingConfig.{name}={getattr(self, name)!r} is out of range")
+
+
+@dataclass
+class RolloutBatch:
+    """Generated samples, prompt-major: sample ``k`` answers prompt ``prompt_index[k]``."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, per position
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build the vLLM engine. ``kv_cache_bytes`` is the KV cache size (CPU and GPU)."""
+
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    enforce_eager: bool = True
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 512 * 2**20
+    enable_prefix_caching: bool = True
+    # "raw_logprobs": log-softmax of the model's logits (temperature 1); "processed_logprobs": after
+    # temperature and top-k/top-p, i.e. of the distribution actually sampled from.
+    logprobs_mode: str = "raw_logprobs"
+    num_threads: int | None = None  # torch threads for this rank; vLLM forbids changing them later
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _cpu_thread_binding(tp_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a TP engine on CPU: this machine's cores split evenly per TP rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // tp_size)
+    chunks = [cores[(r * per_rank) % len(cores):(r * per_rank) % len(cores) + per_rank] for r in range(tp_size)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
+
+
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules whose weight is another module's parameter (a tied LM head), with a quant method.
+
+    vLLM's in-place reload skips them (no checkpoint tensor is addressed to them), so derived state built
+    after loading (on CPU: the oneDNN-packed copy behind ``cpu_linear``) would stay stale: a tied head
+    would keep computing logits with the old embedding. They are re-processed after every reload.
+    """
+    seen, tied = set(), []
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if any(id(p) in seen for p in params) and hasattr(module, "quant_method"):
+            tied.append(module)
+        seen.update(id(p) for p in params)
+    return tied
+
+
+class RolloutEngine:
+    """One vLLM engine for this rank (or, with TP > 1, this rank's part of a shared engine)."""
+
+    def __init__(self, hf_dir: str, config: EngineConfig = EngineConfig()):
+        rank, world = _world()
+        tp = config.tensor_parallel_size
+        if tp not in (1, world):
+            raise ValueError(f"EngineConfig.tensor_parallel_size={tp}: must be 1 (one engine per rank) or the "
+                             f"world size {world} (one engine over all ranks)")
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise FileNotFoundError(f"rollout engine: {hf_dir} is not an HF model directory (no config.json)")
+        self.config, self.rank = config, rank
+        self.on_gpu = torch.cuda.is_available()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
+        if tp > 1 and not self.on_gpu:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp))
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        kwargs = dict(model=hf_dir, dtype=config.dtype, seed=config.seed, enforce_eager=config.enforce_eager,
+                      max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_bytes,
+                      enable_prefix_caching=config.enable_prefix_caching, logprobs_mode=config.logprobs_mode,
+                      tensor_parallel_size=tp, enable_sleep_mode=self.on_gpu)
+        if tp > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"rollout prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {self.vocab_size})")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        """Samples ``sampling.n`` responses for each prompt (token ids). With TP > 1 every rank must pass
+        the same prompts."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling.validate()
+        self._check_prompts(prompts)
+        params = []
+        for i in range(len(prompts)):
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            params.append(SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=sampling.ignore_eos, seed=seed, logprobs=0, detokenize=False))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
+                                    use_tqdm=False)
+        batch = RolloutBatch()
+        for i, out in enumerate(outputs):
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                if sample.finish_reason not in FINISH_REASONS:
+                    raise RuntimeError(f"rollout prompt {i}: vLLM finished a sample with {sample.finish_reason!r}")
+                batch.prompt_index.append(i)
+                batch.prompt_ids.append(list(map(int, prompts[i])))
+                batch.response_ids.append(ids)
+                batch.logprobs.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids)])
+                batch.finish_reasons.append(sample.finish_reason)
+        return batch
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probs of tokens 1..L-1 of each sequence given its prefix (teacher forcing in vLLM)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_prompts(sequences)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
+                                    use_tqdm=False)
+        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+    # ---- weights and memory -------------------------------------------------------------------------
+    def run_in_worker(self, fn: Callable):
+        """Runs ``fn(worker)`` on this rank's vLLM worker (in this process) and returns its result."""
+        return self.llm.collective_rpc(fn)[0]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], on_arrival: Callable | None = None) -> None:
+        """Reloads the engine's weights in place from ``(hf_name, full tensor)`` pairs, then drops the
+        prefix cache (its KV entries were computed with the old weights).
+
+        ``on_arrival(name, tensor)`` is called inside the worker for every tensor as vLLM's loader takes
+        it (the weight sync checksums there). Uses the worker's ``reload_weights``: on CPU vLLM repacks
+        linear weights after loading, so writing parameters directly has no effect.
+        """
+        def arriving():
+            for name, tensor in weights:
+                if on_arrival is not None:
+                    on_arrival(name, tensor)
+                yield name, tensor
+
+        def reload(worker):
+            tied = _tied_modules(worker.model_runner.model)
+            worker.reload_weights(weights_iterator=arriving())
+            for module in tied:
+                module.quant_method.process_weights_after_loading(module)
+
+        self.run_in_worker(reload)
+        self.llm.reset_prefix_cache()
+
+    @property
+    def sleep_supported(self) -> bool:
+        """vLLM's sleep mode exists on GPU only; on CPU sleep and wake_up do nothing."""
+        return self.on_gpu
+
+    def sleep(self) -> None:
+        """Frees weights and KV cache memory (level 1: weights are offloaded to CPU, cache discarded)."""
+        if self.sleep_supported:
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Re-allocates ``tags`` ("weights", "kv_cache")."""
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"RolloutEngine.wake_up: unknown tags {sorted(unknown)}")
+        if self.sleep_supported:
+            self.llm.wake_up(tags=list(tags))

@@ -1,0 +1,261 @@
+"""Rank script for the rollout tests. Usage: _worker_rollout.py TRAINER_TP ENGINE_TP MODEL_DIR OUT_DIR
+
+On every rank: loads the tiny HF model into Megatron (trainer TP as given, DP = world / TP), builds the
+vLLM engine (ENGINE_TP=1: one per rank, each generating its share of the prompts; ENGINE_TP=world: one
+shared engine), and records
+* the sync metrics and probe difference;
+* greedy generations of the engine vs the trainer's own greedy decoding (full-logit argmax, one batched
+  forward per step) on 64 prompts;
+* sampled-token log-probs of the engine vs the trainer's teacher-forced log-probs, before training and
+  after 3 AdamW steps + a re-sync;
+* seeded sampling: the same seed twice (and, with per-rank engines, on two independent engines);
+* the colocate scheduler's offload/onload round trip (bit-exact state, same loss as without it);
+* the messages of deliberately corrupted syncs (a perturbed tensor, a skipped tensor).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.testing.launch import write_rank_result
+from parallel.config import ParallelConfig
+from parallel.runtime import init_parallel
+
+NUM_PROMPTS, NEW_TOKENS = 64, 16
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(3, 12, (NUM_PROMPTS,), generator=gen)
+    return [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def gather_objects(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def full_logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab]
+
+
+@torch.no_grad()
+def trainer_greedy(model, prompt_list: list[list[int]], vocab: int) -> list[list[int]]:
+    """Greedy decoding with the Megatron model: right-padded batch, argmax at each sequence's last token."""
+    model.eval()
+    seqs = [list(p) for p in prompt_list]
+    for _ in range(NEW_TOKENS):
+        longest = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+        logits = full_logits(model, ids, vocab)
+        for i, s in enumerate(seqs):
+            s.append(int(logits[i, len(s) - 1].argmax()))
+    return [s[len(p):] for s, p in zip(seqs, prompt_list)]
+
+
+def rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp: int, seed: int) -> dict:
+    """Engine greedy + sampled rollouts for this rank's share vs the trainer (all ranks, all prompts)."""
+    from megarlhf.rollout.engine import SamplingConfig
+    from megarlhf.rollout.logprobs import ragged_token_logprobs
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = list(range(NUM_PROMPTS)) if engine_tp > 1 else list(range(rank, NUM_PROMPTS, world))
+    mine = [prompt_list[i] for i in share]
+    greedy = engine.generate(mine, SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    sampled = engine.generate(mine, SamplingConfig(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed))
+    engine_greedy = {share[i]: r for i, r in zip(greedy.prompt_index, greedy.response_ids)}
+    all_greedy = {k: v for part in gather_objects(engine_greedy) for k, v in part.items()}
+    vocab = provider.hf_config.vocab_size
+    reference = trainer_greedy(model, prompt_list, vocab)
+    samples = [(p + r, lp) for p, r, lp in zip(sampled.prompt_ids, sampled.response_ids, sampled.logprobs)]
+    all_samples = [s for part in gather_objects(samples) for s in part]
+    trainer_lp = ragged_token_logprobs(model, [seq for seq, _ in all_samples], vocab_size=vocab)
+    diffs = [abs(t - e) for (seq, lp), tl in zip(all_samples, trainer_lp) for t, e in zip(tl[-len(lp):], lp)]
+    return {"greedy_equal": sum(all_greedy[i] == reference[i] for i in range(NUM_PROMPTS)),
+            "greedy_prompts": len(all_greedy), "sampled_tokens": len(diffs), "logprob_max_diff": max(diffs),
+            "finish_reasons": sorted(set(sampled.finish_reasons)),
+            "greedy_finish": sorted(set(greedy.finish_reasons))}
+
+
+def train_with(model, provider, opt, steps: int) -> list[float]:
+    """A few optimizer steps on a fixed batch (next-token loss); grads averaged over data-parallel ranks."""
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, provider.hf_config.vocab_size, (4, 24), generator=gen)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=ids[:, :-1], position_ids=torch.arange(23).expand(4, -1), attention_mask=None,
+                     labels=ids[:, 1:]).mean()
+        loss.backward()
+        if ps.get_data_parallel_world_size() > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                p.grad /= ps.get_data_parallel_world_size()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def logprobs_vs_naive(model, provider) -> dict:
+    """token_logprobs vs log_softmax of the full (gathered, unpadded) logits, at temperature 1 and 0.7."""
+    from megarlhf.rollout.logprobs import token_logprobs
+
+    vocab = provider.hf_config.vocab_size
+    ids = torch.randint(0, vocab, (4, 20), generator=torch.Generator().manual_seed(9))
+    logits = full_logits(model.eval(), ids, vocab)[:, :-1]
+    out = {}
+    for temp in (1.0, 0.7):
+        ref = torch.log_softmax(logits.double() / temp, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        got = token_logprobs(model, ids, vocab_size=vocab, temperature=temp, micro_batch_size=2)
+        out[f"t{temp}"] = (got.double() - ref).abs().max().item()
+    out["shape"] = list(got.shape)
+    return out
+
+
+def seeded_repeat(engine, prompt_list) -> dict:
+    from megarlhf.rollout.engine import SamplingConfig
+
+    cfg = SamplingConfig(n=3, temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=12, seed=77)
+    a, b = engine.generate(prompt_list[:8], cfg), engine.generate(prompt_list[:8], cfg)
+    other = engine.generate(prompt_list[:8], SamplingConfig(n=3, temperature=1.0, max_new_tokens=12, seed=78))
+    return {"same_seed_equal": a.response_ids == b.response_ids and a.logprobs == b.logprobs,
+            "other_seed_differs": a.response_ids != other.response_ids,
+            "samples_differ_within_prompt": a.response_ids[0] != a.response_ids[1],
+            "responses": a.response_ids}
+
+
+def corrupted_syncs(sync, model) -> dict:
+    """Messages of a sync whose stream perturbs one tensor by one ulp, and of one that drops a tensor."""
+    from megarlhf.rollout.weight_sync import WeightSyncError
+
+    engine, real_load = sync.engine, sync.engine.load_weights
+    target = "model.layers.1.mlp.down_proj.weight"
+
+    def perturb(stream):
+        for name, t in stream:
+            if name == target:
+                t = t.clone()
+                t.view(-1)[7] = torch.nextafter(t.view(-1)[7], torch.tensor(float("inf")))
+            yield name, t
+
+    def skip(stream):
+        return ((n, t) for n, t in stream if n != "model.layers.0.self_attn.k_proj.weight")
+
+    messages = {}
+    for case, corrupt in {"perturbed": perturb, "skipped": skip}.items():
+        engine.load_weights = lambda weights, on_arrival=None: real_load(corrupt(weights), on_arrival)
+        try:
+            sync.sync(model)
+            messages[case] = None
+        except WeightSyncError as err:
+            messages[case] = str(err)
+        finally:
+            engine.load_weights = real_load
+    return messages
+
+
+def snapshot(model, opt) -> dict:
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            "opt": {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())}}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    def eq(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
+                                              and x.shape == y.shape and torch.equal(x, y))
+    return (all(eq(x, y) for x, y in zip(a["params"], b["params"])) and len(a["params"]) == len(b["params"])
+            and all(eq(x, y) for x, y in zip(a["grads"], b["grads"])) and a["opt"].keys() == b["opt"].keys()
+            and all(a["opt"][i].keys() == b["opt"][i].keys() and all(eq(a["opt"][i][k], b["opt"][i][k])
+                                                                      for k in a["opt"][i]) for i in a["opt"]))
+
+
+def restore(model, opt, snap: dict) -> None:
+    with torch.no_grad():
+        for p, v, g in zip(model.parameters(), snap["params"], snap["grads"]):
+            p.data = v.clone()
+            p.grad = None if g is None else g.clone()
+    for st, saved in zip(opt.state.values(), snap["opt"].values()):
+        st.update({k: v.clone() for k, v in saved.items()})
+
+
+def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_list) -> dict:
+    """Offload -> rollout -> onload: bit-identical state; the next steps match a run without the trip."""
+    from megarlhf.rollout.colocate import ColocateScheduler, ColocateStateError, OffloadedModel
+    from megarlhf.rollout.engine import SamplingConfig
+    from model_providers.hf_checkpoint import load_hf_model
+
+    _, reference = load_hf_model(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train_with(model, provider, opt, steps=1)  # creates grads and optimizer state
+    before, ref_before = snapshot(model, opt), [p.detach().clone() for p in reference.parameters()]
+    sched = ColocateScheduler(engine, sync, OffloadedModel("actor", model, [opt]),
+                              [OffloadedModel("reference", reference)])
+    result = {"enter": sched.enter_rollout(), "state_in_rollout": sched.state.value}
+    result["actor_params_freed"] = all(p.numel() == 0 for p in model.parameters())
+    result["grads_freed"] = all(p.grad is None for p in model.parameters())
+    result["reference_freed"] = all(p.numel() == 0 for p in reference.parameters())
+    result["rollout_tokens"] = engine.generate(prompt_list[:4], SamplingConfig(max_new_tokens=8, seed=1)).num_tokens
+    try:
+        sched.enter_rollout()
+        result["illegal_enter"] = None
+    except ColocateStateError as err:
+        result["illegal_enter"] = str(err)
+    result["exit"] = sched.exit_rollout()
+    try:
+        sched.exit_rollout()
+        result["illegal_exit"] = None
+    except ColocateStateError as err:
+        result["illegal_exit"] = str(err)
+    result["state_after"] = sched.state.value
+    result["round_trip_equal"] = same_state(before, snapshot(model, opt))
+    result["reference_equal"] = all(torch.equal(a, b) for a, b in zip(ref_before, reference.parameters()))
+    result["losses_after_trip"] = train_with(model, provider, opt, steps=2)
+    restore(model, opt, before)
+    result["losses_without_trip"] = train_with(model, provider, opt, steps=2)
+    return result
+
+
+def main() -> None:
+    trainer_tp, engine_tp, model_dir, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    init_parallel(ParallelConfig(tensor_model_parallel_size=trainer_tp), seed=1234)
+    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+    from megarlhf.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from model_providers.hf_checkpoint import load_hf_model
+
+    provider, model = load_hf_model(model_dir)
+    engine = RolloutEngine(model_dir, EngineConfig(tensor_parallel_size=engine_tp, max_model_len=256,
+                                                   kv_cache_bytes=64 * 2**20))
+    sync = WeightSync(engine, provider, WeightSyncConfig(bucket_mb=0.25))
+    prompt_list = prompts(provider.hf_config.vocab_size)
+    result = {"sync0": sync.sync(model), "naive_logprobs": logprobs_vs_naive(model, provider)}
+    result["before"] = rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp, seed=3)
+    result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
+    result["sync1"] = sync.sync(model)
+    result["after"] = rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp, seed=4)
+    result["seeded"] = seeded_repeat(engine, prompt_list)
+    result["colocate"] = colocate_round_trip(engine, sync, model, provider, model_dir, prompt_list)
+    result["corrupted"] = corrupted_syncs(sync, model)
+    write_rank_result(out_dir, dist.get_rank(), result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The rollout engine: seeded sampling reproducible (same engine twice, and two independent engines on two
+ranks), different seeds differ, n samples per prompt differ, finish reasons; input validation."""
+from __future__ import annotations
+
+import pytest
+
+from megarlhf.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_seeded_sampling_is_reproducible(rollout_run, layout):
+    ranks = rollout_run(layout)
+    for rank in ranks:
+        s = rank["seeded"]
+        assert s["same_seed_equal"] and s["other_seed_differs"] and s["samples_differ_within_prompt"]
+        assert len(s["responses"]) == 8 * 3
+    assert ranks[0]["seeded"]["responses"] == ranks[1]["seeded"]["responses"]  # independent engines (tp2)
+
+
+def test_sampled_rollouts_report_both_finish_reasons(rollout_run):
+    for rank in rollout_run("tp2"):
+        assert rank["before"]["finish_reasons"] == ["length", "stop"]
+
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0),
+                                         ("max_new_tokens", 0)])
+def test_sampling_config_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingConfig.{field}="):
+        SamplingConfig(**{field: value}).validate()
+
+
+def test_engine_rejects_a_tp_size_that_is_neither_1_nor_the_world(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        RolloutEngine(str(tmp_path), EngineConfig(tensor_parallel_size=3))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        RolloutEngine(str(tmp_path))
+
