@@ -173,16 +173,15 @@ def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy:
 def _grad_logits_(logits, logz, g_lp, g_ent, ent):
     """Turns fp32 chunk logits (in place) into dL/dlogits without the target one-hot term.
 
-    -p * (g_lp + g_ent * (H + log p)), with log p = logits - logZ.
+    -p * (g_lp + g_ent * (H + log p)) with log p = logits - logZ, written as
+    p * (log p * (-g_ent) - (g_lp + g_ent * H)) so that it takes three passes over the chunk.
     """
     log_p = logits.sub_(logz[:, None])
     p = torch.exp(log_p)
     if g_ent is None:
         return p.mul_(-g_lp[:, None]) if g_lp is not None else p.zero_()
-    coef = log_p.add_(ent[:, None]).mul_(g_ent[:, None])
-    if g_lp is not None:
-        coef.add_(g_lp[:, None])
-    return coef.mul_(p).neg_()
+    bias = g_ent * ent if g_lp is None else g_lp + g_ent * ent
+    return log_p.mul_(-g_ent[:, None]).sub_(bias[:, None]).mul_(p)
 
 
 class _FusedLogprobEntropy(torch.autograd.Function):
