@@ -80,7 +80,7 @@ def _forward_kernel(X, W, LOCAL_T, IN_SHARD, M, S, A, TGT, n, V, H, stride_x, st
 
 @triton.jit
 def _backward_kernel(X, W, LOCAL_T, IN_SHARD, LOGZ, ENT, G_LP, G_ENT, GX, GW, n, V, H,
-                     stride_x, stride_w, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
+                     stride_x, stride_w, HAS_G_ENT: tl.constexpr,
                      NEED_X: tl.constexpr, NEED_W: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_n, pid_v = tl.program_id(0), tl.program_id(1)
@@ -91,20 +91,16 @@ def _backward_kernel(X, W, LOCAL_T, IN_SHARD, LOGZ, ENT, G_LP, G_ENT, GX, GW, n,
                           BLOCK_N, BLOCK_V, BLOCK_H)
     log_p = logits - tl.load(LOGZ + rows, mask=row_ok, other=0.0)[:, None]
     p = tl.exp(log_p)
-    coef = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-    if HAS_G_LP:
-        g_lp = tl.load(G_LP + rows, mask=row_ok, other=0.0)
-        coef += g_lp[:, None]
+    g_lp = tl.load(G_LP + rows, mask=row_ok, other=0.0)
+    coef = tl.zeros((BLOCK_N, BLOCK_V), tl.float32) + g_lp[:, None]
     if HAS_G_ENT:
         g_ent = tl.load(G_ENT + rows, mask=row_ok, other=0.0)
         ent = tl.load(ENT + rows, mask=row_ok, other=0.0)
         coef += g_ent[:, None] * (ent[:, None] + log_p)
-    grad = -p * coef
-    if HAS_G_LP:
-        local_t = tl.load(LOCAL_T + rows, mask=row_ok, other=-1)
-        owns = tl.load(IN_SHARD + rows, mask=row_ok, other=0) != 0
-        hit = (cols[None, :] == local_t[:, None]) & owns[:, None]
-        grad += tl.where(hit, g_lp[:, None], 0.0)
+    local_t = tl.load(LOCAL_T + rows, mask=row_ok, other=-1)
+    owns = tl.load(IN_SHARD + rows, mask=row_ok, other=0) != 0
+    hit = (cols[None, :] == local_t[:, None]) & owns[:, None]
+    grad = tl.where(hit, g_lp[:, None], 0.0) - p * coef
     grad = tl.where(row_ok[:, None] & col_ok[None, :], grad, 0.0).to(X.dtype.element_ty)
     for h0 in range(0, H, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
@@ -174,10 +170,10 @@ class _TritonLogprobEntropy(torch.autograd.Function):
         if (need_x or need_w) and (g_lp is not None or g_ent is not None):
             _backward_kernel[(triton.cdiv(n, block_n), triton.cdiv(v, block_v))](
                 xs, weight, local_t, in_shard_i8, logz, ent,
-                logz if g_lp is None else g_lp.float().contiguous(),
+                # a missing log-prob gradient is zeros (n floats); a missing entropy one is skipped
+                torch.zeros_like(logz) if g_lp is None else g_lp.float().contiguous(),
                 logz if g_ent is None else g_ent.float().contiguous(), gx, gw,
-                n, v, hid, xs.stride(0), weight.stride(0),
-                HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None,
+                n, v, hid, xs.stride(0), weight.stride(0), HAS_G_ENT=g_ent is not None,
                 NEED_X=need_x, NEED_W=need_w,
                 BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h)
         grad_x = grad_w = None

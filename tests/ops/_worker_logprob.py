@@ -21,14 +21,16 @@ def max_diff(a, b) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def op(backend: str, targets, mask, group, temperature: float, chunk: int):
+def op(backend: str, targets, mask, group, temperature: float, chunk: int, entropy: bool = True):
     if backend == "triton":
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
         return lambda h, w: triton_logprob_entropy(h, w, targets, mask, tp_group=group,
                                                    temperature=temperature, block_n=32,
-                                                   block_v=64, block_h=32, target_programs=4)
+                                                   block_v=64, block_h=32, target_programs=4,
+                                                   compute_entropy=entropy)
     return lambda h, w: logprob_entropy(h, w, targets, mask, tp_group=group,
-                                        temperature=temperature, chunk_size=chunk, backend=backend)
+                                        temperature=temperature, chunk_size=chunk, backend=backend,
+                                        compute_entropy=entropy)
 
 
 def main(out_dir: str, backend: str) -> None:
@@ -45,6 +47,16 @@ def main(out_dir: str, backend: str) -> None:
                                  "entropy": max_diff(tp1[1], ref[1]),
                                  "grad_hidden": max_diff(tp1[2], ref[2]),
                                  "grad_weight": max_diff(tp1[3], ref[3])}
+        if name == "temperature":   # log-probs only: no entropy term in forward or backward
+            no_ent = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk, False),
+                                       hidden, weight, ra, rb)
+            ref_lp = outputs_and_grads(lambda h, w: (naive_logprob_entropy(
+                h, w, targets, mask, temperature)[0], None), hidden, weight, ra, rb)
+            result[f"{name}/tp1_logprob_only"] = {
+                "logprob": max_diff(no_ent[0], ref_lp[0]),
+                "entropy": float(no_ent[1] is not None),   # 1.0 fails the check: none expected
+                "grad_hidden": max_diff(no_ent[2], ref_lp[2]),
+                "grad_weight": max_diff(no_ent[3], ref_lp[3])}
         v_local = weight.shape[0] // world
         shard = slice(rank * v_local, (rank + 1) * v_local)
         group = dist.group.WORLD if world > 1 else None
