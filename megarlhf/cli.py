@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -58,6 +59,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default: ``sys.argv[1:]``), runs the command, returns the exit status."""
     args = build_parser().parse_args(argv)
+    # Import-time notices of the libraries (no Apex / Transformer Engine on CPU, their internal
+    # deprecations) tell a user of the command nothing they can act on.
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     try:
         return COMMANDS.get(args.command).run(args)
     except _user_errors() as err:

@@ -1,0 +1,121 @@
+"""Distributed checkpoints (megarlhf/checkpoint/distributed.py): resharding across TP/PP, atomic saves,
+clear errors. The references are the HF safetensors file (bit-exact weights after every load), HF
+transformers' logits, and the logits of the model that was saved."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarlhf.checkpoint import CheckpointError, checkpoint_metadata, is_complete_checkpoint
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+
+WORKER = Path(__file__).with_name("_worker_checkpoint.py")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from model_providers.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_model("qwen2", root / "qwen2", seed=3)  # tied embeddings, qkv biases, GQA
+    make_tiny_model("llama", root / "llama", seed=4)
+    return root
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(tiny, tmp_path):
+    run_torchrun(WORKER, 2, ["reshard", str(tiny / "qwen2"), str(tmp_path)], timeout_s=600)
+    ranks = read_rank_results(tmp_path / "results", 2)
+    marker = ranks[0]["marker"]
+    assert marker["saved_with"] == {"world_size": 2, "tensor_model_parallel_size": 2,
+                                    "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
+    assert marker["metadata"] == {"step": 7} and marker["has_extra_state"]
+    assert marker["model"]["num_layers"] == 2 and marker["model"]["params_dtype"] == "float32"
+    assert ranks[0]["saved_vs_hf"] < 1e-4  # the saved model is the HF model
+    for layout in ("tp1", "pp2", "tp2_from_pp2"):
+        for rank in ranks:
+            r = rank[layout]
+            assert not r["weights_equal_before_load"], layout  # the fresh model really was different
+            assert r["weights_equal"], layout  # every tensor bit-identical to the HF file after loading
+            assert r["extra_state"] == {"step": 7, "sampler": {"epoch": 1, "offset": 96}, "rng": [0, 1, 2, 3]}
+            if r["last_stage"]:
+                assert r["vs_saved"] < 1e-5, (layout, r["vs_saved"])
+                assert r["vs_hf"] < 1e-4, (layout, r["vs_hf"])
+    # TP=2 pads the vocab (384) to 512, TP=1 does not: the embedding was resharded across paddings.
+    assert ranks[0]["tp1"]["padded_vocab"] == 384 and ranks[0]["tp2_from_pp2"]["padded_vocab"] == 512
+    assert [r["pp2"]["last_stage"] for r in ranks] == [False, True]
+
+
+def test_interrupted_saves_leave_previous_checkpoint_loadable(tiny, tmp_path):
+    # Own session: the killed save leaves Megatron's multiprocessing Manager orphaned; its group is ended below.
+    log = tmp_path / "kill.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(WORKER), "kill", str(tiny / "qwen2"), str(tmp_path)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            returncode = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    ckpt = tmp_path / "ckpt"
+    partial = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.tmp-")]
+    assert len(partial) == 1 and (partial[0] / "metadata.json").is_file()  # Megatron had written its files
+    with pytest.raises(CheckpointError, match="partial save"):
+        checkpoint_metadata(partial[0])
+    saved = json.loads((tmp_path / "hashes.json").read_text())
+    now = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
+           for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    assert now == saved  # the last good checkpoint is untouched, byte for byte
+    assert is_complete_checkpoint(ckpt)
+
+    atomic = subprocess.run([sys.executable, str(WORKER), "atomic", str(tiny / "qwen2"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert atomic.returncode == 0, atomic.stderr[-6000:]
+    r = read_rank_results(tmp_path / "results", 1)[0]
+    assert r["after_kill_step"] == 1 and r["after_kill_equal"]
+    assert r["failed_save_raised"]
+    assert r["after_failure_step"] == 1 and r["after_failure_equal"]
+    assert "ckpt" in r["siblings_after_failure"]
+    assert any(n.startswith("ckpt.tmp-") for n in r["siblings_after_failure"])
+    assert "rename it back" in r["between_renames_error"] and ".old-" in r["between_renames_error"]
+    assert r["renamed_back_step"] == 1
+    assert r["overwrite_step"] == 4 and r["overwrite_equal"]
+    assert r["siblings_after_overwrite"] == ["ckpt"]  # leftovers of failed saves removed
+    errors = r["errors"]
+    assert "no checkpoint at" in errors["missing"] and str(tmp_path / "nope") in errors["missing"]
+    assert "incomplete checkpoint at" in errors["incomplete"] and "megarlhf_checkpoint.json" in errors["incomplete"]
+    assert "already exists" in errors["exists"] and "overwrite" in errors["exists"]
+    assert "does not fit this model" in errors["wrong_model"] and "num_layers: checkpoint 2, model 4" in errors[
+        "wrong_model"]
+    assert "not JSON-serialisable" in errors["not_json"]
+
+
+def test_metadata_errors_without_distributed(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint_metadata(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        checkpoint_metadata(tmp_path / "file")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "megarlhf_checkpoint.json").write_text("{truncated")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        checkpoint_metadata(bad)
+    (bad / "megarlhf_checkpoint.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="not a megarlhf checkpoint marker"):
+        checkpoint_metadata(bad)
+    (bad / "megarlhf_checkpoint.json").write_text(json.dumps({"format": "megarlhf.dist_checkpoint",
+                                                              "format_version": 99}))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        checkpoint_metadata(bad)
+    assert not is_complete_checkpoint(bad)
