@@ -1,0 +1,128 @@
+"""The experience batch: the sequences of one RL step on this data-parallel rank, and per-token fields.
+
+Layout (the one every trainer function reads and writes): ``input_ids`` [B, L] holds prompt + response
+tokens, right-padded; ``lengths`` [B] the real lengths. Every per-token field is [B, L] and
+*token-aligned*: ``field[b, t]`` belongs to token ``input_ids[b, t]``, e.g. ``old_logprobs[b, t] =
+log pi_old(input_ids[b, t] | input_ids[b, :t])`` and ``values[b, t]`` the critic's value of the state
+before token t is generated (both computed from the hidden state at t - 1). Column 0 is never a response
+token (a prompt has at least one token), and padding may hold anything: it is masked everywhere.
+
+Hand-written because it is the project's own contract between the RL driver, the scorer and the trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+PER_TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+
+
+@dataclass
+class ExperienceBatch:
+    """Sequences and their per-token fields (see the module docstring for the layout)."""
+
+    input_ids: Tensor  # [B, L] int64, right-padded
+    lengths: Tensor  # [B] int64, prompt + response tokens
+    response_mask: Tensor  # [B, L] bool, True on response tokens
+    rollout_logprobs: Tensor | None = None  # [B, L] from the rollout engine
+    old_logprobs: Tensor | None = None  # [B, L] actor before this step's update
+    ref_logprobs: Tensor | None = None  # [B, L] frozen reference
+    values: Tensor | None = None  # [B, L] critic before this step's update
+    advantages: Tensor | None = None  # [B, L]
+    returns: Tensor | None = None  # [B, L] critic targets
+    group_ids: Tensor | None = None  # [B] prompt ids (samples of one prompt share an id)
+
+    def __post_init__(self):
+        where = "ExperienceBatch"
+        if not isinstance(self.input_ids, Tensor) or self.input_ids.dim() != 2:
+            raise ValueError(f"{where}: input_ids must be a [B, L] tensor")
+        batch, width = self.input_ids.shape
+        self.input_ids = self.input_ids.long()
+        self.lengths = torch.as_tensor(self.lengths, dtype=torch.long)
+        if tuple(self.lengths.shape) != (batch,):
+            raise ValueError(f"{where}: lengths has shape {tuple(self.lengths.shape)}, expected ({batch},)")
+        if batch and (int(self.lengths.min()) < 2 or int(self.lengths.max()) > width):
+            raise ValueError(f"{where}: lengths must lie in [2, {width}] (input_ids width); got "
+                             f"[{int(self.lengths.min())}, {int(self.lengths.max())}]")
+        if tuple(self.response_mask.shape) != (batch, width):
+            raise ValueError(f"{where}: response_mask has shape {tuple(self.response_mask.shape)}, "
+                             f"expected {(batch, width)}")
+        self.response_mask = self.response_mask.bool()
+        beyond = torch.arange(width)[None, :] >= self.lengths[:, None]
+        if bool(self.response_mask[:, 0].any()) or bool((self.response_mask & beyond).any()):
+            raise ValueError(f"{where}: response_mask marks column 0 or a position past a sequence's length "
+                             f"(column 0 is always prompt; padding is never response)")
+        for name in PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (batch, width):
+                raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {(batch, width)}")
+        if self.group_ids is not None and tuple(self.group_ids.shape) != (batch,):
+            raise ValueError(f"{where}: group_ids has shape {tuple(self.group_ids.shape)}, expected ({batch},)")
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                       pad_id: int = 0, rollout_logprobs: Sequence[Sequence[float]] | None = None,
+                       group_ids: Sequence[int] | None = None) -> "ExperienceBatch":
+        """Builds a batch from token lists; ``rollout_logprobs[i]`` (one per response token) land on the
+        response positions."""
+        if len(prompts) != len(responses) or not prompts:
+            raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
+                             f"responses (need the same non-zero number)")
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        width = max(lengths)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+        lps = None if rollout_logprobs is None else torch.zeros(len(prompts), width)
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            if len(prompt) < 1:
+                raise ValueError(f"ExperienceBatch.from_sequences: prompt {i} is empty")
+            ids[i, :lengths[i]] = torch.tensor([*prompt, *response], dtype=torch.long)
+            mask[i, len(prompt):lengths[i]] = True
+            if lps is not None:
+                if len(rollout_logprobs[i]) != len(response):
+                    raise ValueError(f"ExperienceBatch.from_sequences: rollout_logprobs[{i}] has "
+                                     f"{len(rollout_logprobs[i])} entries for {len(response)} response tokens")
+                lps[i, len(prompt):lengths[i]] = torch.tensor(list(rollout_logprobs[i]), dtype=torch.float32)
+        groups = None if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long)
+        return cls(ids, torch.tensor(lengths), mask, rollout_logprobs=lps, group_ids=groups)
+
+    def select(self, rows: Tensor | Sequence[int]) -> "ExperienceBatch":
+        """The rows ``rows`` (in that order), trimmed to their longest sequence."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        width = int(self.lengths[rows].max()) if rows.numel() else 2
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        picked = {}
+        for name, value in fields.items():
+            if value is None:
+                picked[name] = None
+            elif name in ("lengths", "group_ids"):
+                picked[name] = value[rows]
+            else:
+                picked[name] = value[rows, :width]
+        return ExperienceBatch(**picked)
+
+    def replace(self, **fields) -> "ExperienceBatch":
+        """A copy with some fields replaced (e.g. ``batch.replace(old_logprobs=lp)``)."""
+        return dataclasses.replace(self, **fields)
+
+    def split(self, num_parts: int) -> list["ExperienceBatch"]:
+        """``num_parts`` contiguous, near-equal parts in row order (mini-batches); each part non-empty."""
+        if not 1 <= num_parts <= self.batch_size:
+            raise ValueError(f"ExperienceBatch.split: cannot split {self.batch_size} sequences into "
+                             f"{num_parts} non-empty mini-batches")
+        return [self.select(part) for part in torch.arange(self.batch_size).tensor_split(num_parts)]
+
+    def require(self, where: str, *names: str) -> None:
+        """Raises naming the per-token fields ``where`` needs that are missing."""
+        missing = [name for name in names if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{where}: the experience batch has no {', '.join(missing)} "
+                             f"(fill them before calling {where})")

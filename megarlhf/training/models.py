@@ -1,0 +1,137 @@
+"""Actor, critic and reference models of a run, built from a ``RunConfig``.
+
+* actor: the causal LM from ``model.path`` wrapped in Megatron's ``DistributedDataParallel``, with
+  ``get_megatron_optimizer`` (Adam with decoupled weight decay; plain or distributed optimizer from
+  ``optim.use_distributed_optimizer``; gradient clipping at ``optim.clip_grad``) and Megatron's
+  ``OptimizerParamScheduler`` (linear warmup from 0 over ``optim.warmup_steps`` optimizer steps, then
+  constant / cosine / linear decay to ``optim.min_lr`` over the run's optimizer steps).
+* critic: the value-head model from ``model.critic_path`` (or ``model.path``), same machinery, its own
+  learning rate (``optim.critic_lr``, default the actor's).
+* reference: the causal LM from ``model.path``, eval mode, no gradients, no DDP, no optimizer.
+
+Every model is built for packed sequences (``packed_sequences=True``) with ``variable_seq_lengths=True``
+(micro-batches differ in length, so pipeline stages exchange shapes); the trainable ones get
+``finalize_model_grads_func`` (DP all-reduce, PP embedding sync) and DDP's ``no_sync``. DDP averages
+gradients over the data-parallel x context-parallel group (``calculate_per_token_loss=False``): the
+loss shares of :mod:`megarlhf.training.step` are scaled for exactly that.
+
+Hand-written because it is the project's assembly of Megatron parts from its own config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarlhf.config.schema import RunConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainModel:
+    """A model of the run: Megatron stage (DDP-wrapped when trainable), provider, optimizer, scheduler."""
+
+    role: str  # "actor", "critic" or "reference"
+    model: torch.nn.Module
+    provider: Any  # model_providers.base.ModelProvider
+    optimizer: Any = None  # Megatron optimizer (None for the reference)
+    scheduler: Any = None  # Megatron OptimizerParamScheduler (None for the reference)
+
+    @property
+    def kind(self) -> str:
+        return "values" if self.role == "critic" else "logprobs"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.provider.hf_config.vocab_size)
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+
+def params_dtype(config: RunConfig) -> torch.dtype:
+    if config.model.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={config.model.dtype!r}: the trainer supports {sorted(DTYPES)} "
+                         f"(float16 would need dynamic loss scaling, which megarlhf does not implement)")
+    return DTYPES[config.model.dtype]
+
+
+def rl_optimizer_steps(config: RunConfig) -> int:
+    """Optimizer steps of a whole RL run: steps x mini-batches x epochs (the lr schedule's length)."""
+    return config.train.steps * config.train.mini_batches * config.train.epochs_per_step
+
+
+def _model_overrides() -> dict:
+    return dict(packed_sequences=True)
+
+
+def _variable_lengths(model):
+    """Micro-batches differ in length: pipeline stages exchange shapes. Set after construction because
+    TransformerConfig's validation rejects the flag with the (unused, dense-model) MoE dispatcher default."""
+    model.config.variable_seq_lengths = True
+    return model
+
+
+def _wrap_trainable(role: str, model, provider, config: RunConfig, lr: float, total_steps: int) -> TrainModel:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim, dtype = config.optim, params_dtype(config)
+    tconfig = model.config
+    ddp = DistributedDataParallel(
+        tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=optim.use_distributed_optimizer),
+        model)
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(optim.min_lr, lr), weight_decay=optim.weight_decay,
+                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                        use_distributed_optimizer=optim.use_distributed_optimizer),
+        [ddp])
+    decay_steps = max(total_steps, optim.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else lr, max_lr=lr, min_lr=min(optim.min_lr, lr),
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim.schedule,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps,
+        wd_incr_style="constant")
+    return TrainModel(role, ddp, provider, optimizer, scheduler)
+
+
+def build_actor(config: RunConfig, total_steps: int | None = None) -> TrainModel:
+    """The actor from ``model.path``; ``total_steps``: optimizer steps of the lr schedule (default
+    :func:`rl_optimizer_steps`). Megatron's parallel state must be initialised."""
+    from model_providers.hf_checkpoint import load_hf_model
+
+    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
+    _variable_lengths(model)
+    steps = rl_optimizer_steps(config) if total_steps is None else total_steps
+    return _wrap_trainable("actor", model, provider, config, config.optim.lr, steps)
+
+
+def build_critic(config: RunConfig, total_steps: int | None = None) -> TrainModel:
+    """The critic (value head) from ``model.critic_path`` or ``model.path``, with ``optim.critic_lr``."""
+    from model_providers.value_head import load_value_model
+
+    path = config.model.critic_path or config.model.path
+    provider, model = load_value_model(path, params_dtype(config), **_model_overrides())
+    _variable_lengths(model)
+    lr = config.optim.critic_lr or config.optim.lr
+    steps = rl_optimizer_steps(config) if total_steps is None else total_steps
+    return _wrap_trainable("critic", model, provider, config, lr, steps)
+
+
+def build_reference(config: RunConfig) -> TrainModel:
+    """The frozen reference policy from ``model.path`` (eval mode, ``requires_grad=False``)."""
+    from model_providers.hf_checkpoint import load_hf_model
+
+    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
+    _variable_lengths(model)
+    model.eval()
+    model.requires_grad_(False)
+    return TrainModel("reference", model, provider)

@@ -1,0 +1,200 @@
+"""Scoring and the RL update steps: actor and critic, over mini-batches and epochs.
+
+* :func:`compute_logprobs` / :func:`compute_values`: forward-only per-token log-probs (actor, reference)
+  and values (critic) of an :class:`ExperienceBatch`, [B, L] token-aligned, at the response tokens.
+* :func:`actor_update`: the experience (this DP rank's share) is split into ``train.mini_batches``
+  contiguous mini-batches, passed over ``train.epochs_per_step`` times; each mini-batch is one optimizer
+  step whose per-token loss is
+
+      policy_loss(name = algorithm.policy_loss)  [x TIS weights]
+      + kl_loss(logprobs, ref_logprobs)           if algorithm.kl_mode == "loss"
+      - entropy_coef * entropy                     if algorithm.entropy_coef != 0
+
+  aggregated in ``algorithm.loss_aggregation`` with the mini-batch's global normaliser (counts over all
+  micro-batches and DP ranks). Rollout/trainer mismatch correction (``algorithm.mismatch``: truncated
+  IS weights and/or gap masking) compares the trainer's ``old_logprobs`` with ``rollout_logprobs`` once,
+  before the first step, when the batch has rollout log-probs.
+* :func:`critic_update`: the PPO value loss (clipped at ``algorithm.value_clip``) with the same
+  mini-batch / epoch / aggregation scheme.
+
+Metrics (means over the optimizer steps of the call; token-level ones are global token means):
+``actor/pg_loss`` (the aggregated policy loss), ``actor/loss`` (everything), ``actor/kl_loss``,
+``actor/ppo_kl``, ``actor/clip_fraction``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` (of
+the last step), ``actor/skipped_steps``, and the ``mismatch/*`` metrics; ``critic/value_loss``,
+``critic/value_clip_fraction``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped_steps``.
+
+Hand-written because it is the project's composition of the registered numerics and Megatron's step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, entropy_bonus,
+                                 kl_loss, rollout_correction, value_loss)
+from megarlhf.config.schema import RunConfig
+from megarlhf.training.experience import ExperienceBatch
+from megarlhf.training.forward import forward_only
+from megarlhf.training.models import TrainModel
+from megarlhf.training.step import StepResult, dp_group, loss_normaliser, micro_batches_for, optimizer_step
+
+ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy"]
+CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
+
+
+def sampling_temperature(config: RunConfig) -> float:
+    """Log-probs are taken at the rollout's sampling temperature (1 for greedy rollouts)."""
+    return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+
+
+def compute_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig,
+                     entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs [B, L] of ``batch``'s response tokens under ``model`` (and entropies if asked)."""
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config)
+    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), kind="logprobs",
+                       vocab_size=model.vocab_size, temperature=sampling_temperature(config), entropy=entropy)
+    return (out["logprobs"], out["entropy"]) if entropy else out["logprobs"]
+
+
+def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
+    """Critic values [B, L] at ``batch``'s response tokens."""
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config)
+    return forward_only(critic.model, mbs, tuple(batch.input_ids.shape), kind="values",
+                        vocab_size=critic.vocab_size)["values"]
+
+
+def _normaliser(mask: Tensor, config: RunConfig):
+    return loss_normaliser(mask, max_response_length=config.rollout.max_new_tokens)
+
+
+def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
+    """The per-rank mismatch metrics made global: token-weighted means, max of the max."""
+    count = float(mask.sum())
+    names = sorted(k for k in metrics if not k.endswith("_max"))
+    sums = torch.tensor([float(metrics[k]) * count for k in names] + [count], dtype=torch.float64)
+    peak = torch.tensor([float(metrics["mismatch/logprob_abs_diff_max"])], dtype=torch.float64)
+    group = dp_group()
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    total = max(sums[-1].item(), 1.0)
+    return {**{k: sums[i].item() / total for i, k in enumerate(names)},
+            "mismatch/logprob_abs_diff_max": peak.item()}
+
+
+def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig):
+    algo = config.algorithm
+    normaliser = _normaliser(mask, config)
+    factor = float(normaliser.grad_average_factor)
+    policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+
+    def loss_fn(mb, out):
+        rows, width = mb.rows, mb.width
+        m = mask[rows, :width]
+        lp = out["logprobs"]
+        result = policy_loss(PolicyLossInputs(
+            lp, mini.old_logprobs[rows, :width], mini.advantages[rows, :width], m,
+            None if is_weights is None else is_weights[rows, :width]), algo.policy)
+        per_token = result.loss
+        kl = torch.zeros_like(per_token)
+        if algo.kl_mode == "loss":
+            kl = kl_loss(lp, mini.ref_logprobs[rows, :width], m, algo.kl)
+            per_token = per_token + kl
+        if algo.entropy_coef:
+            per_token = per_token + entropy_bonus(out["entropy"], m, algo.entropy_coef)
+        share = aggregate_loss(per_token, m, algo.loss_aggregation, normaliser)
+        tokens = float(m.sum())
+        with torch.no_grad():
+            metrics = {
+                "loss": share.item() / factor,
+                "pg_loss": aggregate_loss(result.loss, m, algo.loss_aggregation, normaliser).item() / factor,
+                "kl_loss": aggregate_loss(kl, m, algo.loss_aggregation, normaliser).item() / factor,
+                "tokens": tokens,
+                "clip_fraction": float(result.metrics["policy/clip_fraction"]) * tokens,
+                "ppo_kl": float(result.metrics["policy/ppo_kl"]) * tokens,
+                "entropy": float(torch.where(m, out["entropy"], 0.0).sum()),
+            }
+        return share, metrics
+
+    return loss_fn
+
+
+def _mean_of_steps(role: str, results: list[StepResult], per_token: tuple[str, ...], per_step: tuple[str, ...]):
+    done = [r for r in results if not r.skipped]
+    out = {f"{role}/skipped_steps": float(len(results) - len(done)), f"{role}/lr": results[-1].lr}
+    for name in per_step:
+        out[f"{role}/{name}"] = sum(r.metrics[name] for r in results) / len(results)
+    for name in per_token:
+        out[f"{role}/{name}"] = sum(r.metrics[name] / max(r.metrics["tokens"], 1.0) for r in results) / len(results)
+    out[f"{role}/grad_norm"] = (sum(r.grad_norm for r in done) / len(done)) if done else math.nan
+    return out
+
+
+def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
+                 on_nonfinite: str = "abort") -> dict[str, float]:
+    """Trains the actor on this DP rank's ``batch`` (needs old_logprobs, advantages, and ref_logprobs
+    when ``kl_mode == "loss"``); returns the metrics of the module docstring, identical on every rank."""
+    algo = config.algorithm
+    needed = ["old_logprobs", "advantages"] + (["ref_logprobs"] if algo.kl_mode == "loss" else [])
+    batch.require("actor_update", *needed)
+    mask, is_weights, metrics = batch.response_mask, None, {}
+    if batch.rollout_logprobs is not None:
+        corrected = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, mask, algo.mismatch)
+        metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
+        mask, is_weights = corrected.response_mask, corrected.is_weights
+    batch = batch.replace(response_mask=mask)
+    entropy = True
+    results = []
+    for _ in range(config.train.epochs_per_step):
+        for rows in torch.arange(batch.batch_size).tensor_split(config.train.mini_batches):
+            if rows.numel() == 0:
+                raise ValueError(f"actor_update: {batch.batch_size} sequences on this rank cannot fill "
+                                 f"train.mini_batches={config.train.mini_batches} mini-batches")
+            mini = batch.select(rows)
+            weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
+            mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
+            results.append(optimizer_step(
+                actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config), ACTOR_SUMS,
+                loss_name="loss", temperature=sampling_temperature(config), entropy=entropy,
+                on_nonfinite=on_nonfinite))
+    metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
+                                  ("loss", "pg_loss", "kl_loss")))
+    return metrics
+
+
+def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig):
+    algo = config.algorithm
+    normaliser = _normaliser(mini.response_mask, config)
+    factor = float(normaliser.grad_average_factor)
+
+    def loss_fn(mb, out):
+        rows, width = mb.rows, mb.width
+        m = mini.response_mask[rows, :width]
+        result = value_loss(out["values"], mini.values[rows, :width], mini.returns[rows, :width], m,
+                            algo.value_clip)
+        share = aggregate_loss(result.loss, m, algo.loss_aggregation, normaliser)
+        tokens = float(m.sum())
+        return share, {"value_loss": share.item() / factor, "tokens": tokens,
+                       "value_clip_fraction": float(result.metrics["value/clip_fraction"]) * tokens}
+
+    return loss_fn
+
+
+def critic_update(critic: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
+                  on_nonfinite: str = "abort") -> dict[str, float]:
+    """Trains the critic on this DP rank's ``batch`` (needs values and returns)."""
+    batch.require("critic_update", "values", "returns")
+    results = []
+    for _ in range(config.train.epochs_per_step):
+        for rows in torch.arange(batch.batch_size).tensor_split(config.train.mini_batches):
+            if rows.numel() == 0:
+                raise ValueError(f"critic_update: {batch.batch_size} sequences on this rank cannot fill "
+                                 f"train.mini_batches={config.train.mini_batches} mini-batches")
+            mini = batch.select(rows)
+            mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
+            results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config), CRITIC_SUMS,
+                                          loss_name="value_loss", on_nonfinite=on_nonfinite))
+    return _mean_of_steps("critic", results, ("value_clip_fraction",), ("value_loss",))
