@@ -1,0 +1,117 @@
+"""Run metrics: one JSON object per step in ``metrics.jsonl``, the same scalars in TensorBoard, and a
+console progress line with the key figures.
+
+Only global rank 0 writes. A resumed run cuts ``metrics.jsonl`` back to the steps its checkpoint had
+completed, so an interrupted-and-resumed run leaves the same file as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "response_len/mean",
+                "time/step_s")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Every record of a ``metrics.jsonl`` file, in order (an absent file has none)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _finite_or_none(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class MetricsRecorder:
+    """Records per-step metrics for a run directory (a no-op on ranks other than 0)."""
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, rank: int = 0,
+                 resume_after_step: int | None = None, console_keys: Iterable[str] = CONSOLE_KEYS,
+                 stream=None):
+        self.active = rank == 0
+        self.total_steps = total_steps
+        self.console_keys = tuple(console_keys)
+        self.stream = stream or sys.stdout
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._writer = None
+        self._start = time.time()
+        if not self.active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_after_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
+                                         purge_step=None if resume_after_step is None else resume_after_step + 1)
+
+    def _truncate_after(self, step: int | None) -> None:
+        """Keeps the records of steps <= ``step`` (all of them for None; none for a fresh run at -1)."""
+        if step is None:
+            return
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Appends ``{"step": step, **metrics}``; non-finite values are written as null."""
+        if not self.active:
+            return
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, float(value), step)
+            self._writer.flush()
+        self._print(step, record)
+
+    def _print(self, step: int, record: dict) -> None:
+        done = step + 1
+        width = 20
+        filled = int(width * done / max(self.total_steps, 1))
+        elapsed = time.time() - self._start
+        figures = "  ".join(f"{k}={record[k]:.4g}" for k in self.console_keys if record.get(k) is not None)
+        bar = "#" * filled + "." * (width - filled)
+        print(f"[{bar}] step {done}/{self.total_steps}  {figures}  ({elapsed:.0f} s)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def plot_curves(metrics_path: str | Path, out_png: str | Path,
+                keys: Iterable[str] = ("reward/mean", "eval/accuracy")) -> Path:
+    """Draws one panel per key (steps on x) from ``metrics.jsonl`` into a PNG; keys never logged are skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    series = {k: [(r["step"], r[k]) for r in records if r.get(k) is not None] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        raise ValueError(f"{metrics_path} has none of the metrics {list(keys)} to plot")
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.5), squeeze=False)
+    for ax, (key, points) in zip(axes[0], series.items()):
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,53 @@
+"""megarlhf.metrics: jsonl records, TensorBoard scalars, resume truncation, console line, curves PNG."""
+import io
+import math
+
+import pytest
+
+from megarlhf.metrics import MetricsRecorder, plot_curves, read_metrics
+
+
+def test_records_jsonl_tensorboard_and_console(tmp_path):
+    out = io.StringIO()
+    rec = MetricsRecorder(tmp_path, total_steps=2, stream=out)
+    rec.log(0, {"reward/mean": 0.25, "actor/pg_loss": -0.5, "bad": math.nan})
+    rec.log(1, {"reward/mean": 0.75, "eval/accuracy": 0.5})
+    rec.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "actor/pg_loss": -0.5, "bad": None, "reward/mean": 0.25},
+        {"step": 1, "eval/accuracy": 0.5, "reward/mean": 0.75}]
+    lines = out.getvalue().splitlines()
+    assert "step 1/2" in lines[0] and "reward/mean=0.25" in lines[0]
+    assert "step 2/2" in lines[1] and "eval/accuracy=0.5" in lines[1]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 0.25), (1, 0.75)]
+
+
+def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
+    rec = MetricsRecorder(tmp_path, total_steps=4, tensorboard=False, stream=io.StringIO())
+    for step in range(3):
+        rec.log(step, {"x": float(step)})
+    resumed = MetricsRecorder(tmp_path, total_steps=4, tensorboard=False, resume_after_step=0,
+                              stream=io.StringIO())
+    resumed.log(1, {"x": 10.0})
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 0.0), (1, 10.0)]
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    rec = MetricsRecorder(tmp_path / "run", total_steps=1, rank=1)
+    rec.log(0, {"x": 1.0})
+    assert not (tmp_path / "run").exists()
+
+
+def test_plot_curves_writes_png_and_refuses_empty(tmp_path):
+    rec = MetricsRecorder(tmp_path, total_steps=3, tensorboard=False, stream=io.StringIO())
+    for step in range(3):
+        rec.log(step, {"reward/mean": step / 3, **({"eval/accuracy": 0.5} if step == 2 else {})})
+    png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="none of the metrics"):
+        plot_curves(tmp_path / "metrics.jsonl", tmp_path / "x.png", keys=["absent"])
