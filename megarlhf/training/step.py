@@ -7,9 +7,10 @@ stages, and then gates the update:
 
 * the summed loss must be finite, and every gradient element must be finite (checked on every rank,
   agreed over all ranks with one all-reduce);
-* if not, ``on_nonfinite="abort"`` raises :class:`NonFiniteError` naming what was non-finite: the loss,
-  the parameters holding non-finite values, the parameters whose gradients are (this rank's names); ``"skip"`` zeroes the gradients, does no optimizer and
-  no scheduler step (parameters, optimizer state and lr are untouched) and reports ``skipped=True``.
+* if not, ``on_nonfinite="abort"`` raises :class:`NonFiniteError` naming what was non-finite: the
+  loss, the parameters holding non-finite values, the parameters with non-finite gradients (this
+  rank's names); ``"skip"`` zeroes the gradients, takes no optimizer and no scheduler step (parameters,
+  optimizer state and lr are untouched) and reports ``skipped=True``.
 
 Otherwise Megatron's optimizer steps (clipping at ``optim.clip_grad``) and the lr scheduler advances.
 

@@ -10,6 +10,7 @@ gate (skip and abort); one SFT step vs HF cross-entropy on the response tokens.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +19,14 @@ from megarlhf.testing.launch import write_rank_result
 from parallel.config import ParallelConfig
 from parallel.runtime import init_parallel
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))
 from _batch import experience, hf_logprobs, hf_values, noise, run_config  # noqa: E402
 
 TEMPERATURE = 0.8
+
+
+def norm(grads) -> float:
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +50,7 @@ def megatron_grads(trainable, head: str) -> dict[str, torch.Tensor]:
 
 
 def forward_checks(cfg, batch, hf) -> dict:
-    from megarlhf.training import build_actor, compute_logprobs, compute_values
+    from megarlhf.training import build_actor, compute_logprobs
 
     actor = build_actor(cfg)
     ref_lp, ref_ent = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
@@ -61,7 +66,7 @@ def forward_checks(cfg, batch, hf) -> dict:
 
 
 def actor_checks(cfg, batch, hf) -> dict:
-    from megarlhf.training import actor_update, build_actor
+    from megarlhf.training import actor_update, build_actor, build_micro_batches
 
     actor = build_actor(cfg)
     lp0, _ = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
@@ -91,11 +96,10 @@ def actor_checks(cfg, batch, hf) -> dict:
         "kl_loss": [metrics["actor/kl_loss"], float((kl * m).sum() / n)],
         "entropy": [metrics["actor/entropy"], float((ent * m).sum() / n)],
         "clip_fraction": [metrics["actor/clip_fraction"], float(clipped.sum() / n)],
-        "grad_norm": [metrics["actor/grad_norm"], float(torch.sqrt(sum((g ** 2).sum() for g in hf_grads.values())))],
+        "grad_norm": [metrics["actor/grad_norm"], norm(hf_grads.values())],
         "grad_rel_diff": {name: rel(mg[name], hf_grads[name]) for name in hf_grads},
         "is_weight_mean": [metrics["mismatch/is_weight_mean"], float((tis * m).sum() / n)],
-        "micro_batches": len(__import__("megarlhf.training", fromlist=["x"]).build_micro_batches(
-            batch.input_ids, batch.lengths, m, cfg.train.micro_batch_tokens)),
+        "micro_batches": len(build_micro_batches(batch.input_ids, batch.lengths, m, cfg.train.micro_batch_tokens)),
         "metric_names": sorted(metrics),
     }
 
@@ -118,7 +122,7 @@ def critic_checks(cfg, batch, hf_rm) -> dict:
     mg = megatron_grads(critic, "value")
     return {"values_vs_hf": float((values - values_hf.detach())[m].abs().max()),
             "value_loss": [metrics["critic/value_loss"], float(loss)],
-            "grad_norm": [metrics["critic/grad_norm"], float(torch.sqrt(sum((g ** 2).sum() for g in hf_grads.values())))],
+            "grad_norm": [metrics["critic/grad_norm"], norm(hf_grads.values())],
             "grad_rel_diff": {name: rel(mg[name], hf_grads[name]) for name in hf_grads}}
 
 
@@ -179,8 +183,8 @@ def sft_checks(cfg, batch, hf) -> dict:
     logits = hf(input_ids=batch.input_ids).logits.float()[:, :-1]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     loss.backward()
-    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters()))
-    return {"loss": [metrics["sft/loss"], float(loss)], "grad_norm": [metrics["sft/grad_norm"], float(norm)],
+    return {"loss": [metrics["sft/loss"], float(loss)],
+            "grad_norm": [metrics["sft/grad_norm"], norm(p.grad for p in hf.parameters())],
             "tokens": [metrics["sft/tokens"], int(batch.response_mask.sum())]}
 
 
