@@ -120,6 +120,36 @@ def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None 
     return launch
 
 
+def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int = 1234,
+                       backend: str | None = None) -> LaunchEnv:
+    """Like :func:`init_parallel`, but Megatron's groups cover only the trainer ranks ``[0, num_trainer_ranks)``.
+
+    For the disaggregated rollout mode: the remaining ranks hold rollout engines and no Megatron state.
+    Every rank must call this (``torch.distributed.new_group`` is collective over the default group even
+    for ranks outside the new group); Megatron's ``local_world_size`` makes its rank generator lay out
+    TP/PP/CP/DP over the trainer ranks only, so on engine ranks no Megatron group is set and
+    ``parallel_state.model_parallel_is_initialized()`` is False.
+    """
+    from megatron.core import parallel_state
+
+    world_size = read_launch_env().world_size
+    if not 1 <= num_trainer_ranks < world_size:
+        raise ValueError(f"init_disaggregated: num_trainer_ranks={num_trainer_ranks} must leave at least one of "
+                         f"the {world_size} ranks for rollout engines and keep at least one trainer")
+    config.validate(num_trainer_ranks)
+    launch = init_distributed(backend)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        local_world_size=num_trainer_ranks,
+    )
+    seed_everything(seed)
+    return launch
+
+
 def seed_everything(seed: int) -> None:
     """Seeds Python, NumPy and torch reproducibly per rank, Megatron-style.
 

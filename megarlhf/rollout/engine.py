@@ -89,6 +89,9 @@ class EngineConfig:
     # temperature and top-k/top-p, i.e. of the distribution actually sampled from.
     logprobs_mode: str = "raw_logprobs"
     num_threads: int | None = None  # torch threads for this rank; vLLM forbids changing them later
+    # False: vLLM's engine core runs in a child process (spawned) with its own one-rank torch.distributed
+    # world, so that building it is not collective over this job's default group (disaggregated mode).
+    in_process: bool = True
 
 
 def _world() -> tuple[int, int]:
@@ -134,7 +137,12 @@ class RolloutEngine:
             raise FileNotFoundError(f"rollout engine: {hf_dir} is not an HF model directory (no config.json)")
         self.config, self.rank = config, rank
         self.on_gpu = torch.cuda.is_available()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
+        if not config.in_process:
+            # a forked child would inherit this process's torch.distributed state; functions for
+            # run_in_worker have to be pickled to reach the child
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if tp > 1 and not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp))
         if config.num_threads is not None:
