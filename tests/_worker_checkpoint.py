@@ -117,10 +117,28 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def atomic(hf_dir: Path, work: Path) -> None:
+def error_messages(model, hf_dir: Path, ckpt: Path, work: Path) -> dict:
+    """The CheckpointError messages of bad loads and saves (None where nothing was raised)."""
     from megatron.core import dist_checkpointing
 
     from model_providers import get_provider
+
+    incomplete = work / "incomplete"
+    incomplete.mkdir()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(incomplete))  # Megatron's files, no marker
+    other = get_provider(hf_dir.parent / "llama").build_model()
+    return {
+        "missing": _error(lambda: load_checkpoint(work / "nope", model)),
+        "incomplete": _error(lambda: load_checkpoint(incomplete, model)),
+        "exists": _error(lambda: save_checkpoint(ckpt, model)),
+        "wrong_model": _error(lambda: load_checkpoint(ckpt, other)),
+        "not_json": _error(lambda: save_checkpoint(work / "x", model, metadata={"t": torch.ones(1)})),
+    }
+
+
+def atomic(hf_dir: Path, work: Path) -> None:
+    from megatron.core import dist_checkpointing
+
     from model_providers.hf_checkpoint import load_hf_model
 
     launch = init_parallel(ParallelConfig())
@@ -186,17 +204,7 @@ def atomic(hf_dir: Path, work: Path) -> None:
     result["overwrite_equal"] = all(torch.equal(a, b) for a, b in zip(_params(fresh), _params(model)))
     result["siblings_after_overwrite"] = sorted(p.name for p in work.iterdir() if p.name.startswith("ckpt"))
 
-    incomplete = work / "incomplete"
-    incomplete.mkdir()
-    real_save({"model": model.sharded_state_dict()}, str(incomplete))  # a bare Megatron checkpoint, no marker
-    other = get_provider(hf_dir.parent / "llama").build_model()
-    result["errors"] = {
-        "missing": _error(lambda: load_checkpoint(work / "nope", fresh)),
-        "incomplete": _error(lambda: load_checkpoint(incomplete, fresh)),
-        "exists": _error(lambda: save_checkpoint(ckpt, model)),
-        "wrong_model": _error(lambda: load_checkpoint(ckpt, other)),
-        "not_json": _error(lambda: save_checkpoint(work / "x", model, metadata={"t": torch.ones(1)})),
-    }
+    result["errors"] = error_messages(model, hf_dir, ckpt, work)
     write_rank_result(work / "results", launch.rank, result)
     shutdown()
 

@@ -17,12 +17,15 @@ def test_every_registered_command_has_a_subparser():
     assert (args.command, args.direction, args.hf, args.out, args.tp, args.pp, args.dtype, args.overwrite) == (
         "convert", "hf-to-megatron", "a", "b", 2, 1, None, False)
     args = parser.parse_args(["convert", "megatron-to-hf", "--ckpt", "c", "--out", "d", "--dtype", "bfloat16"])
-    assert (args.ckpt, args.hf_config, args.dtype) == ("c", None, "bfloat16")
+    assert (args.ckpt, args.hf_config, args.dtype, args.max_shard_mib) == ("c", None, "bfloat16", None)
+    args = parser.parse_args(["convert", "megatron-to-hf", "--ckpt", "c", "--out", "d", "--max-shard-mib", "256"])
+    assert args.max_shard_mib == 256
 
 
 @pytest.mark.parametrize("argv", [[], ["convert"], ["train"], ["convert", "hf-to-megatron", "--hf", "a"],
                                   ["convert", "megatron-to-hf", "--ckpt", "c", "--out", "d", "--tp", "two"],
-                                  ["convert", "megatron-to-hf", "--ckpt", "c", "--out", "d", "--dtype", "fp8"]])
+                                  ["convert", "megatron-to-hf", "--ckpt", "c", "--out", "d", "--dtype", "fp8"],
+                                  ["convert", "hf-to-megatron", "--hf", "a", "--out", "b", "--max-shard-mib", "9"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -59,3 +62,9 @@ def test_missing_and_incomplete_checkpoints(tmp_path, capsys):
     (missing / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     assert cli.main(["convert", "megatron-to-hf", "--ckpt", str(missing), "--out", str(tmp_path / "o")]) == 1
     assert f"incomplete checkpoint at {missing}" in capsys.readouterr().err
+
+
+def test_non_positive_parallel_size(tmp_path, capsys):
+    assert cli.main(["convert", "hf-to-megatron", "--hf", str(tmp_path), "--out", str(tmp_path / "o"),
+                     "--tp", "0"]) == 1
+    assert "tensor_model_parallel_size must be a positive integer, got 0" in capsys.readouterr().err

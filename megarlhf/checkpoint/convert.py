@@ -86,19 +86,24 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
 
 
 def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config_dir: str | None = None,
-                   dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+                   dtype: torch.dtype | None = None, max_shard_bytes: int | None = None,
+                   overwrite: bool = False) -> Path:
     """Exports the distributed checkpoint at ``ckpt_dir`` as an HF directory at ``out_dir``.
 
     Collective; loads at the current TP/PP. The HF config and tokenizer come from the checkpoint's ``hf/``
     folder unless ``hf_config_dir`` names another directory. ``dtype`` defaults to the checkpoint's.
+    ``max_shard_bytes`` caps each safetensors file (default: the exporter's); rank 0 holds one file's
+    tensors at a time, so a smaller cap lowers the export's peak memory.
     """
     from model_providers import get_provider
     from model_providers.hf_checkpoint import export_hf_checkpoint
 
     ckpt, out = Path(ckpt_dir).absolute(), Path(out_dir).absolute()
     info = checkpoint_metadata(ckpt)
-    hf_dir = Path(hf_config_dir).absolute() if hf_config_dir else ckpt / info["metadata"].get("hf_config_dir",
-                                                                                            HF_SUBDIR)
+    if hf_config_dir:
+        hf_dir = Path(hf_config_dir).absolute()
+    else:
+        hf_dir = ckpt / info["metadata"].get("hf_config_dir", HF_SUBDIR)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"no HF config at {hf_dir / 'config.json'}: the checkpoint {ckpt} was not written "
                               "by hf-to-megatron; name the model's HF config directory explicitly")
@@ -108,7 +113,9 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, h
     provider = get_provider(hf_dir)
     model = provider.build_model(DTYPES[saved_dtype], perform_initialization=False)
     load_checkpoint(ckpt, model)
-    return export_hf_checkpoint(model, provider, out, source_dir=hf_dir, dtype=dtype, overwrite=overwrite)
+    shard_cap = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return export_hf_checkpoint(model, provider, out, source_dir=hf_dir, dtype=dtype, overwrite=overwrite,
+                                **shard_cap)
 
 
 # ---- the ``convert`` command -------------------------------------------------------------------------
@@ -123,8 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--out", required=True, help="HF model directory to create")
     to_hf.add_argument("--hf-config", default=None,
                        help="HF directory with config.json/tokenizer (default: the checkpoint's hf/ folder)")
+    to_hf.add_argument("--max-shard-mib", type=int, default=None,
+                       help="largest safetensors file in MiB (default 5120); smaller lowers peak memory")
     for sub in (to_mcore, to_hf):
-        sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run (default 1)")
+        # The layout of the conversion run only; checkpoints reshard on load.
+        sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run (default 1; the "
+                         "checkpoint loads at any size)")
         sub.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this run (default 1)")
         sub.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                          help="tensor dtype (default: keep the source's)")
@@ -149,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-megatron":
             path = hf_to_megatron(args.hf, args.out, dtype=dtype, overwrite=args.overwrite)
         else:
+            cap = None if args.max_shard_mib is None else args.max_shard_mib * 2**20
             path = megatron_to_hf(args.ckpt, args.out, hf_config_dir=args.hf_config, dtype=dtype,
-                                  overwrite=args.overwrite)
+                                  max_shard_bytes=cap, overwrite=args.overwrite)
     finally:
         shutdown()
     if launch.rank == 0:
