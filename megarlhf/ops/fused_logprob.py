@@ -28,6 +28,9 @@ The op itself plays the role of ``copy_to_tensor_model_parallel_region``: in bac
 (SUM over ``tp_group``) the hidden-state gradient, so the returned grad_hidden is the full gradient,
 identical on every rank, and the caller must NOT all-reduce it again. grad_weight is this rank's
 shard only. ``mask`` (and therefore the selected rows) must be identical on all TP ranks.
+
+Logits must be finite: to drop vocab rows (Megatron's padding) give them a large finite negative
+logit such as -1e30 (it contributes exactly 0); -inf would turn the entropy terms into 0 * inf.
 """
 from __future__ import annotations
 

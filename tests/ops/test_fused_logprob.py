@@ -167,3 +167,24 @@ def test_dispatch_and_bad_inputs():
         fused_logprob_entropy(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="share one float dtype"):
         fused_logprob_entropy(hidden.double(), weight, targets)
+
+
+def test_padded_vocab_bias_column():
+    """Megatron's padded vocab rows removed by a (ones, 0 / -1e30) column pair, as the rollout
+    scorer does: outputs and gradients equal the naive op on the unpadded vocabulary (logits of
+    -1e30 stay finite through the online rescaling and the entropy terms)."""
+    hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case("temperature")
+    vocab, pad = weight.shape[0], 30      # the padded rows fill the last chunk entirely
+    padded = torch.cat([weight, torch.randn(pad, weight.shape[1])])
+    bias = torch.cat([torch.zeros(vocab), torch.full((pad,), -1.0e30)])[:, None]
+
+    def fused(h, w):
+        h1 = torch.cat([h, torch.ones(h.shape[0], 1)], dim=1)
+        return fused_logprob_entropy(h1, torch.cat([w, bias], dim=1), targets, mask,
+                                     temperature=temperature, chunk_size=vocab)
+    got = outputs_and_grads(fused, hidden, padded, ra, rb)
+    ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
+                            hidden, weight, ra, rb)
+    assert _max(got[0], ref[0]) <= 1e-5 and _max(got[1], ref[1]) <= 1e-5
+    assert _max(got[2], ref[2]) <= 1e-4 and _max(got[3][:vocab], ref[3]) <= 1e-4
+    assert not got[3][vocab:].any()
