@@ -8,8 +8,9 @@ Why the engine runs out of process: building an in-process vLLM engine is collec
 default process group (vLLM's world group spans every rank of it, ``vllm/distributed/parallel_state.py``
 ``init_distributed_environment`` -> ``init_world_group(range(world))`` and ``_node_count`` broadcasts
 over it), so trainer ranks would have to join vLLM's start-up. With ``EngineConfig(in_process=False)``
-the engine core is a spawned child with its own one-rank torch.distributed world, and the engine rank
-only talks to the trainers over megarlhf's own groups.
+vLLM's engine core and worker are spawned child processes of the engine rank with their own one-rank
+torch.distributed world, and the engine rank only talks to the trainers over megarlhf's own groups.
+Bytes reach the worker through vLLM's ``collective_rpc`` (pickled), one bucket per call.
 
 Groups (created by every rank in the constructor): ``trainers`` = the trainer ranks, and ``channel`` =
 {trainer rank 0, the *source*} + the engine ranks. Engine ranks sit in :meth:`DisaggregatedRollout.serve`
@@ -323,7 +324,7 @@ class DisaggregatedRollout:
             vocab = self.provider.hf_config.vocab_size
             from megarlhf.rollout.logprobs import token_logprobs
 
-            probe = (self.probe.tolist(), token_logprobs(model, self.probe, vocab_size=vocab))
+            probe = (self.probe.tolist(), token_logprobs(model, self.probe, vocab_size=vocab).cpu())
         if source:
             self._channel_bcast(probe)
         diffs = self._trainer_verdict([], "probe forward")
