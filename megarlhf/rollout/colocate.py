@@ -8,24 +8,31 @@
 the actor's grads and optimizer state; wake the engine's weights; sync the actor into the engine
 (verified, see :mod:`megarlhf.rollout.weight_sync`); offload the actor's params (they were the sync
 source, so they go last); wake the engine's KV cache. ``exit_rollout``: the engine sleeps, every
-offloaded tensor comes back. Any other order raises :class:`ColocateStateError`.
+offloaded storage comes back. Any other order raises :class:`ColocateStateError`.
 
-Offload (:class:`OffloadedModel`) packs a model's params, grads and optimizer-state tensors byte for
-byte into ONE compact buffer (pinned CPU memory on GPU machines, a plain CPU buffer on CPU) and frees
-the originals (``param.data`` becomes an empty tensor, grads and state entries are dropped); onload
-allocates fresh tensors on the original device and copies the bytes back, so the round trip is
-bit-exact. Engine sleep / wake-up are vLLM's own (GPU only; on CPU vLLM has no sleep mode, so they do
-nothing and only the trainer side moves).
+Offload (:class:`OffloadedModel`) moves **storages**, not tensors. Megatron's DDP keeps parameters (with
+the distributed optimizer) and gradients (``param.main_grad``) as views into contiguous buffers, and its
+optimizers keep fp32 main params and shard views of those buffers; replacing a tensor would silently
+break that aliasing. So every tensor of the model's training state is collected (module params, their
+``.grad`` and ``.main_grad``; DDP's ``param_data`` / ``grad_data`` buffers; every inner torch optimizer's
+params, their grads and its ``state`` tensors, through Megatron's ``ChainedOptimizer`` and wrappers),
+deduplicated by underlying storage (views share one), each storage's bytes are copied into ONE compact
+buffer per offload call (pinned CPU memory on GPU machines, a plain CPU buffer on CPU) and the storage
+is resized to 0, which frees its memory. Onload resizes each storage back and copies the bytes in:
+every view (param, main_grad, buffer, optimizer shard) stays a view of the same storage, and the round
+trip is bit-exact by construction. Module buffers (rotary tables, ...) stay resident: they are small
+and not training state. Megatron's own ``offload_grad_buffers`` / ``offload_to_cpu`` are not used:
+they assume CUDA and cover only part of this state.
 
-Covered state: module parameters and their ``.grad``, and the tensors of a torch optimizer's ``state``
-(or of ``optimizer.optimizer`` when wrapped, as Megatron's optimizers are). Not covered: Megatron DDP's
-contiguous grad buffers (``param.main_grad``) and a mixed-precision optimizer's fp32 main-param copies;
-the trainer must use plain grads or release those buffers itself.
+The actor is offloaded in two calls: first everything except the storages that back its parameters
+(a storage shared by a parameter and other state, e.g. the distributed optimizer's fp32 shard of an
+fp32 param buffer, belongs to the parameter phase), then, after the sync, the parameter storages.
 
-Only the colocated mode exists; a disaggregated mode (separate engine ranks, weights broadcast over a
-process group) is not implemented.
+Engine sleep / wake-up are vLLM's own (GPU only; on CPU vLLM has no sleep mode, so they do nothing and
+only the trainer side moves). This module is the colocated mode; the disaggregated mode (separate
+engine ranks, weights broadcast over a process group) is :mod:`megarlhf.rollout.disaggregated`.
 
-Hand-written because it is megarlhf's scheduling policy; the memory moves are plain tensor copies.
+Hand-written because it is megarlhf's scheduling policy; the memory moves are plain storage copies.
 """
 from __future__ import annotations
 
@@ -45,96 +52,149 @@ class Residency(enum.Enum):
     ENGINE_RESIDENT = "engine_resident"
 
 
-@dataclass
-class _Slot:
-    """Where one offloaded tensor lives in the buffer and how to put it back."""
-
-    kind: str  # "param", "grad" or "state"
-    owner: object  # the parameter (param, grad) or the optimizer-state dict (state)
-    key: str | None
-    source: torch.Tensor  # this tensor's bytes: a view into the model's offload buffer
-    dtype: torch.dtype
-    shape: torch.Size
-    device: torch.device
-
-
-def _torch_optimizer(optimizer):
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if not isinstance(inner, torch.optim.Optimizer):
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer``: itself, the members of a Megatron ``ChainedOptimizer``
+    (``chained_optimizers``), or what a Megatron optimizer wraps (``.optimizer``); none for a stub."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for member in chained for inner in torch_optimizers(member)]
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None and getattr(optimizer, "is_stub_optimizer", False):
+        return []  # Megatron's placeholder on a rank that owns no parameters
+    if inner is None:
         raise TypeError(f"offload: {type(optimizer).__name__} is not a torch optimizer and wraps none")
-    return inner
+    return torch_optimizers(inner)
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+def _ddp_buffers(module: torch.nn.Module) -> list:
+    """Megatron DDP's contiguous param/grad buffers. ``vars`` because DDP's ``buffers`` list attribute
+    shadows ``nn.Module.buffers()``."""
+    found = []
+    for sub in module.modules():
+        for name in ("buffers", "expert_parallel_buffers"):
+            value = vars(sub).get(name)
+            if isinstance(value, list):
+                found += [b for b in value if hasattr(b, "grad_data")]
+    return found
+
+
+def _param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return list(module.parameters()) + [b.param_data for b in _ddp_buffers(module) if b.param_data is not None]
+
+
+def _rest_tensors(module: torch.nn.Module, optimizers: list) -> list[torch.Tensor]:
+    """Grads (``.grad``, ``.main_grad``, DDP grad buffers) and every optimizer tensor (params, grads, state)."""
+    params = list(module.parameters())
+    found = [b.grad_data for b in _ddp_buffers(module) if b.grad_data is not None]
+    for opt in (inner for o in optimizers for inner in torch_optimizers(o)):
+        params += [p for group in opt.param_groups for p in group["params"]]
+        for state in opt.state.values():
+            found += [v for v in state.values() if torch.is_tensor(v)]
+    for p in params:
+        found += [t for t in (p, p.grad, getattr(p, "main_grad", None)) if torch.is_tensor(t)]
+    return found
+
+
+def _storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
+    return str(storage.device), storage.data_ptr()
+
+
+def unique_storages(tensors, exclude=frozenset()) -> dict[tuple[str, int], torch.UntypedStorage]:
+    """The distinct resident storages behind ``tensors`` (views share one; empty or already freed ones
+    are skipped), keyed by (device, data pointer), minus the keys in ``exclude``."""
+    found = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = _storage_key(storage)
+        if storage.nbytes() > 0 and key not in exclude:
+            found.setdefault(key, storage)
+    return found
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+def _synchronize(storages) -> None:
+    if any(s.device.type == "cuda" for s in storages):
+        torch.cuda.synchronize()  # the non-blocking copies must land before storages are freed / used
+
+
+@dataclass
+class _Phase:
+    """One offload call: the compact buffer and, per freed storage, where its bytes lie in it."""
+
+    buffer: torch.Tensor
+    entries: list[tuple[torch.UntypedStorage, int, int]]  # (storage, offset, nbytes)
 
 
 @dataclass
 class OffloadedModel:
-    """A model (and optionally its optimizers) that can be packed into one buffer and restored."""
+    """A model (and optionally its optimizers) whose training-state storages can be freed and restored."""
 
     name: str
     module: torch.nn.Module
     optimizers: list = field(default_factory=list)
-    slots: list[_Slot] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(default_factory=list)  # one per offload call (actor: two)
+    phases: list[_Phase] = field(default_factory=list)
     params_offloaded: bool = False
+    rest_offloaded: bool = False
 
-    def _collect(self, include_params: bool, include_rest: bool) -> list[tuple[str, object, str | None, torch.Tensor]]:
-        found, seen = [], set()
-        for param in self.module.parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            if include_params:
-                found.append(("param", param, None, param.data))
-            if include_rest and param.grad is not None:
-                found.append(("grad", param, None, param.grad))
-        if include_rest:
-            for opt in self.optimizers:
-                for state in _torch_optimizer(opt).state.values():
-                    found += [("state", state, k, v) for k, v in sorted(state.items()) if torch.is_tensor(v)]
-        return found
+    @classmethod
+    def of(cls, train_model) -> "OffloadedModel":
+        """From a :class:`megarlhf.training.TrainModel` (its DDP model and Megatron optimizer, if any)."""
+        optimizers = [] if train_model.optimizer is None else [train_model.optimizer]
+        return cls(train_model.role, train_model.model, optimizers)
+
+    def storages(self, *, params: bool = True, rest: bool = True) -> dict[tuple[str, int], torch.UntypedStorage]:
+        """The resident storages an offload with these flags would free. A storage shared by a parameter
+        and other state belongs to the parameters."""
+        param_storages = unique_storages(_param_tensors(self.module))
+        chosen = dict(param_storages) if params else {}
+        if rest:
+            chosen.update(unique_storages(_rest_tensors(self.module, self.optimizers), exclude=param_storages))
+        return chosen
 
     def offload(self, *, params: bool = True, rest: bool = True) -> int:
-        """Moves params (``params``) and/or grads + optimizer state (``rest``) into one buffer; returns bytes."""
-        if params and self.params_offloaded:
-            raise ColocateStateError(f"offload: the params of {self.name} are already offloaded")
-        found = self._collect(params, rest)
-        total = sum(t.numel() * t.element_size() for *_, t in found)
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        offset = 0
-        for kind, owner, key, tensor in found:
-            nbytes = tensor.numel() * tensor.element_size()
-            source = buffer[offset:offset + nbytes]
-            source.copy_(_bytes_of(tensor))
-            self.slots.append(_Slot(kind, owner, key, source, tensor.dtype, tensor.shape, tensor.device))
+        """Frees the storages of the params (``params``) and/or of grads + optimizer state (``rest``),
+        their bytes packed into one buffer; returns the bytes moved."""
+        if (params and self.params_offloaded) or (rest and self.rest_offloaded):
+            raise ColocateStateError(f"offload: the {'params' if params and self.params_offloaded else 'state'} "
+                                     f"of {self.name} are already offloaded")
+        storages = list(self.storages(params=params, rest=rest).values())
+        fixed = [s for s in storages if not s.resizable()]
+        if fixed:
+            raise ValueError(f"offload: {len(fixed)} storage(s) of {self.name} cannot be resized (memory-mapped "
+                             f"or borrowed tensors, e.g. {fixed[0].nbytes()} bytes on {fixed[0].device}); "
+                             f"copy them into torch-allocated tensors first")
+        total = sum(s.nbytes() for s in storages)
+        pinned = torch.cuda.is_available()
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        entries, offset = [], 0
+        for storage in storages:
+            nbytes = storage.nbytes()
+            buffer[offset:offset + nbytes].copy_(_bytes_view(storage, nbytes), non_blocking=pinned)
+            entries.append((storage, offset, nbytes))
             offset += nbytes
-        for kind, owner, key, tensor in found:  # free the originals only once everything is copied
-            if kind == "param":
-                owner.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-            elif kind == "grad":
-                owner.grad = None
-            else:
-                owner[key] = None
-        self.buffers.append(buffer)
+        _synchronize(storages)
+        for storage in storages:  # free only once every byte is copied
+            storage.resize_(0)
+        self.phases.append(_Phase(buffer, entries))
         self.params_offloaded = self.params_offloaded or params
+        self.rest_offloaded = self.rest_offloaded or rest
         return total
 
     def onload(self) -> int:
-        """Puts every offloaded tensor back on its device, bit for bit; returns the bytes moved."""
-        for slot in sorted(self.slots, key=lambda s: s.kind != "param"):  # a grad needs its param's shape
-            tensor = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
-            if tensor.numel():
-                tensor.view(-1).view(torch.uint8).copy_(slot.source)
-            if slot.kind == "param":
-                slot.owner.data = tensor
-            elif slot.kind == "grad":
-                slot.owner.grad = tensor
-            else:
-                slot.owner[slot.key] = tensor
-        moved = sum(b.numel() for b in self.buffers)
-        self.slots, self.buffers, self.params_offloaded = [], [], False
+        """Reallocates every freed storage on its device and copies its bytes back; returns the bytes moved."""
+        pinned = torch.cuda.is_available()
+        for phase in self.phases:
+            for storage, offset, nbytes in phase.entries:
+                storage.resize_(nbytes)
+                _bytes_view(storage, nbytes).copy_(phase.buffer[offset:offset + nbytes], non_blocking=pinned)
+        _synchronize([storage for phase in self.phases for storage, *_ in phase.entries])
+        moved = sum(phase.buffer.numel() for phase in self.phases)
+        self.phases, self.params_offloaded, self.rest_offloaded = [], False, False
         return moved
 
 
