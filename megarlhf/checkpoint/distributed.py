@@ -29,6 +29,28 @@ the marker and the clear errors are megarlhf's.
 
 ``extra_state``: plain picklable objects (step counters, sampler state, ...) that are the same on every
 rank; they go into ``common.pt`` (rank 0's copy) and come back from :func:`load_checkpoint`.
+
+Training state (optional, for resuming a run). With ``optimizer``/``scheduler`` the Megatron optimizer's
+state and the ``OptimizerParamScheduler``'s state are saved next to the weights: a plain optimizer through
+its own ``sharded_state_dict``, the DistributedOptimizer in the ``fully_reshardable`` format (the default
+``fully_sharded_model_space`` cannot be saved: ``ShardedTensor.flattened_range is not supported``), so
+optimizer state reshards across TP/PP/DP like the weights. ``companions`` adds further models with their
+own optimizers (a PPO critic): their checkpoint keys are prefixed ``<name>.``, while the main model keeps
+the model-only key layout, so every reader of model checkpoints (:func:`load_checkpoint` without an
+optimizer, the HF export) also reads the main model of a training checkpoint. ``rank_state`` is a
+per-rank object (RNG states) written to ``rank_state/rank<r>.pt`` inside the temporary directory, so it
+is published atomically with the rest; :func:`load_rank_state` reads this rank's copy back.
+
+The DistributedOptimizer with torch's own Adam (always the case without Transformer Engine or apex) has
+four loading bugs in megatron-core 0.19.2, each worked around here: (1) a never-stepped optimizer cannot
+build its loading state dict (``len(steps) == 1`` assertion): its state is primed first by one step at
+lr 0 (parameters unchanged); (2) ``fully_reshardable`` loading raises ``KeyError: 'step'``: the
+per-parameter setter is told that 'step' is not in the loaded tensors; (3) with fp32 parameters the main
+parameter is a view of a leaf that requires grad and the in-place copy outside ``no_grad`` raises: the
+parameter state is loaded under ``torch.no_grad()``; (4) after loading, every parameter's 'step' is the
+same tensor, which Adam then advances once per parameter per step (wrong bias correction): each
+parameter gets its own copy. A never-stepped optimizer is saved primed and marked ``fresh``; loading such
+a checkpoint empties the state again, so the next step is a first step as in an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -37,6 +59,8 @@ import json
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,6 +70,9 @@ import torch.distributed as dist
 MARKER_FILE = "megarlhf_checkpoint.json"
 FORMAT = "megarlhf.dist_checkpoint"
 FORMAT_VERSION = 1
+RANK_STATE_DIR = "rank_state"
+# Megatron's DistributedOptimizer checkpoint format that reshards across TP, PP and DP.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # TransformerConfig fields that decide tensor shapes: a mismatch is reported before Megatron's own error.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
@@ -53,6 +80,15 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, incompatible with the model, or cannot be written."""
+
+
+@dataclass
+class Companion:
+    """A further model saved in the same checkpoint, with its optimizer and lr scheduler (None: not saved)."""
+
+    model: torch.nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
 
 
 def _require_distributed(action: str) -> None:
@@ -143,16 +179,89 @@ def _layout() -> dict:
     return layout
 
 
+def _inner_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter group set)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(megatron_optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(megatron_optimizer, DistributedOptimizer)
+
+
+def _is_fresh(optimizer) -> bool:
+    """True when no inner optimizer holds state yet (no step was taken)."""
+    return all(len(inner.optimizer.state) == 0 for inner in _inner_optimizers(optimizer))
+
+
+def _prime(optimizer) -> None:
+    """Gives a never-stepped DistributedOptimizer its state (bug 1): one step with zero gradients at lr 0
+    (Megatron's own initialiser), which leaves the parameters exactly as they are."""
+    for inner in _inner_optimizers(optimizer):
+        if not _is_distributed(inner) or len(inner.optimizer.state):
+            continue
+        groups = inner.optimizer.param_groups
+        saved_lr = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = 0.0
+        try:
+            inner._init_optimizer_states_with_dummy_values()
+        finally:
+            for group, lr in zip(groups, saved_lr):
+                group["lr"] = lr
+
+
+def _clear_state(optimizer) -> None:
+    for inner in _inner_optimizers(optimizer):
+        inner.optimizer.state.clear()
+
+
+def _optimizer_kind(optimizer) -> str:
+    return "distributed" if any(_is_distributed(inner) for inner in _inner_optimizers(optimizer)) else "plain"
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers: the wrappers would add ``module.`` to every key,
+    and a checkpoint must not depend on how the model was wrapped when it was saved."""
+    from model_providers.hf_checkpoint import unwrap
+
+    return unwrap(model)
+
+
+def _part_sharded_state(model, optimizer, scheduler, prefix: str, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    model_state = _unwrapped(model).sharded_state_dict()
+    if prefix:
+        add_prefix_for_sharding(model_state, prefix)
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                          metadata=dict(_OPTIMIZER_METADATA))
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    return state
+
+
+def _part_marker(model, optimizer, scheduler, fresh: bool) -> dict:
+    return {"model": _model_summary(model), "scheduler": scheduler is not None,
+            "optimizer": None if optimizer is None else {"kind": _optimizer_kind(optimizer), "fresh": fresh}}
+
+
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_state: dict | None = None, *,
                     metadata: dict | None = None, files: Mapping[str, str | os.PathLike] | None = None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, optimizer: Any = None, scheduler: Any = None,
+                    companions: Mapping[str, Companion] | None = None, rank_state: Any = None) -> Path:
     """Saves this rank's shards of ``model`` as a distributed checkpoint at ``directory``, atomically.
 
     Collective: every rank of the job calls it with its own model stage/shard. ``model`` is anything with
     Megatron's ``sharded_state_dict()`` (a GPTModel, or Megatron DDP around one). ``metadata`` must be
     JSON-serialisable and lands in the marker file; ``extra_state`` see the module docstring. ``files`` maps
     relative paths inside the checkpoint to files that rank 0 copies in before publishing. An existing
-    checkpoint at ``directory`` is an error unless ``overwrite``. Returns the final path.
+    checkpoint at ``directory`` is an error unless ``overwrite``. ``optimizer`` / ``scheduler`` (the model's
+    Megatron optimizer and OptimizerParamScheduler), ``companions`` and ``rank_state`` (tensors, numbers,
+    strings, tuples, lists and dicts only) see the module docstring. Returns the final path.
     """
     from megatron.core import dist_checkpointing
 
@@ -169,24 +278,47 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
         raise CheckpointError(f"files to add to checkpoint {final} do not exist: {missing}")
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"{final} exists and is not a directory")
+    companions = dict(companions or {})
+    bad = [name for name in companions if not name.isidentifier()]
+    if bad:
+        raise CheckpointError(f"companion model names must be identifiers, got {bad}")
     token = _shared_token()
     tmp = final.with_name(f"{final.name}.tmp-{token}")
     if _rank() == 0:
         _remove_leftovers(final)
         tmp.mkdir(parents=True)
     _barrier()
-    state: dict[str, Any] = {"model": model.sharded_state_dict()}
-    if extra_state is not None:
-        state["extra_state"] = extra_state
-    dist_checkpointing.save(state, str(tmp))
+    parts = {"": Companion(model, optimizer, scheduler), **companions}
+    fresh = {name: part.optimizer is not None and _is_fresh(part.optimizer) for name, part in parts.items()}
+    markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name])
+               for name, part in parts.items()}
+    try:
+        for name, part in parts.items():
+            if fresh[name]:
+                _prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its state dict (bug 1)
+        state = _part_sharded_state(model, optimizer, scheduler, "", is_loading=False)
+        state["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
+                                                         is_loading=False) for name, part in companions.items()}
+        if extra_state is not None:
+            state["extra_state"] = extra_state
+        dist_checkpointing.save(state, str(tmp))
+    finally:
+        for name, part in parts.items():
+            if fresh[name]:
+                _clear_state(part.optimizer)
+    if rank_state is not None:
+        (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
+        torch.save(rank_state, tmp / RANK_STATE_DIR / f"rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
         from megarlhf import __version__
 
+        main = markers.pop("")
         marker = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": __version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "saved_with": _layout(), "model": _model_summary(model),
+            "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
+            "scheduler": main["scheduler"], "companions": markers, "rank_state": rank_state is not None,
             "has_extra_state": extra_state is not None, "metadata": metadata or {},
         }
         for relative, source in (files or {}).items():
@@ -249,11 +381,92 @@ def _check_model_matches(info: dict, model: torch.nn.Module, path: Path) -> None
         raise CheckpointError(f"checkpoint at {path} does not fit this model ({'; '.join(diffs)})")
 
 
-def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, strict: bool = True) -> dict | None:
+@contextmanager
+def _step_not_in_loaded_tensors(inner):
+    """Bug 2: ``_set_main_param_and_optimizer_states`` copies every state tensor of the live optimizer,
+    'step' included, but the fully_reshardable loader leaves 'step' out of the loaded tensors (it travels in
+    the param groups). Marking it absent (None is skipped by the setter) lets the copy go through."""
+    original = inner._set_main_param_and_optimizer_states
+    inner._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
+    try:
+        yield
+    finally:
+        del inner._set_main_param_and_optimizer_states
+
+
+def _own_step_tensors(inner) -> None:
+    """Bug 4: Megatron gives every parameter the same 'step' tensor, which torch's Adam advances once per
+    parameter per step; each parameter gets its own copy."""
+    for state in inner.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def _load_optimizer(optimizer, loaded) -> None:
+    inners = _inner_optimizers(optimizer)
+    states = [loaded] if len(inners) == 1 else [state for _, state in sorted(loaded.items())]
+    for inner, state in zip(inners, states):
+        if not _is_distributed(inner):
+            inner.load_state_dict(state)
+            _own_step_tensors(inner)
+            continue
+        param_state = state.pop("param_state", None)
+        sharding = state.pop("param_state_sharding_type", None)
+        inner.load_state_dict(state)  # param groups (lr, betas, step) without the parameter state
+        _own_step_tensors(inner)
+        if param_state is None:
+            continue
+        if sharding != "fully_reshardable":
+            raise CheckpointError(f"optimizer state in sharding format {sharding!r}; megarlhf writes "
+                                  "'fully_reshardable'")
+        with torch.no_grad(), _step_not_in_loaded_tensors(inner):  # bugs 3 and 2
+            inner.load_parameter_state_from_fully_reshardable(param_state)
+    if len(inners) > 1:
+        optimizer._synchronize_steps()
+        for inner in inners:
+            _own_step_tensors(inner)
+
+
+def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions: dict) -> None:
+    """Every optimizer, scheduler and companion asked for must be in the checkpoint (and the other way
+    round for companions: a checkpoint of actor + critic does not resume an actor-only run)."""
+    problems = []
+    if optimizer is not None and not info.get("optimizer"):
+        problems.append("it holds no optimizer state for the model")
+    if scheduler is not None and not info.get("scheduler"):
+        problems.append("it holds no lr scheduler state for the model")
+    saved = info.get("companions", {})
+    if set(saved) != set(companions):
+        problems.append(f"it holds the companion models {sorted(saved)}, this run has {sorted(companions)}")
+    for name in set(saved) & set(companions):
+        part = companions[name]
+        if part.optimizer is not None and not saved[name].get("optimizer"):
+            problems.append(f"it holds no optimizer state for {name!r}")
+        if part.scheduler is not None and not saved[name].get("scheduler"):
+            problems.append(f"it holds no lr scheduler state for {name!r}")
+    if problems:
+        raise CheckpointError(f"checkpoint at {path} does not fit this run: {'; '.join(problems)}")
+
+
+def _apply_part(loaded: dict, part: Companion, marker: dict, strict: bool) -> None:
+    _unwrapped(part.model).load_state_dict(loaded["model"], strict=strict)
+    if part.optimizer is not None:
+        _load_optimizer(part.optimizer, loaded["optimizer"])
+        if (marker.get("optimizer") or {}).get("fresh"):
+            _clear_state(part.optimizer)  # saved before its first step: the next step is a first step again
+    if part.scheduler is not None:
+        part.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, strict: bool = True,
+                    optimizer: Any = None, scheduler: Any = None,
+                    companions: Mapping[str, Companion] | None = None) -> dict | None:
     """Loads the checkpoint at ``directory`` into ``model`` (this rank's shards, any TP/PP layout).
 
     Collective. Returns the ``extra_state`` it was saved with (None if none). Every parameter the model
     expects must be in the checkpoint; with ``strict`` the model must also accept every loaded entry.
+    ``optimizer``, ``scheduler`` and ``companions`` (as saved by :func:`save_checkpoint`) are loaded in
+    place too; they must all be in the checkpoint, and a checkpoint with companions needs them all.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -263,12 +476,46 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, str
     path = Path(directory).absolute()
     info = checkpoint_metadata(path)
     _check_model_matches(info, model, path)
+    companions = dict(companions or {})
+    if optimizer is not None or scheduler is not None or companions:
+        _check_parts_match(info, path, optimizer, scheduler, companions)
+    for name, part in companions.items():
+        _check_model_matches(info["companions"][name], part.model, path)
+    parts = {"": Companion(model, optimizer, scheduler), **companions}
+    for part in parts.values():
+        if part.optimizer is not None:
+            _prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its loading state dict (bug 1)
+    request = _part_sharded_state(model, optimizer, scheduler, "", is_loading=True)
+    if companions:
+        request["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
+                                                           is_loading=True) for name, part in companions.items()}
     try:
         # RAISE_UNEXPECTED: a model tensor absent from the checkpoint is an error; checkpoint entries the
-        # model does not ask for (e.g. optimizer state) are fine.
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path),
-                                         strict=StrictHandling.RAISE_UNEXPECTED)
+        # caller does not ask for (e.g. optimizer state) are fine.
+        loaded = dist_checkpointing.load(request, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as err:
         raise CheckpointError(f"cannot load checkpoint at {path} into this model: {err}") from err
-    model.load_state_dict(loaded["model"], strict=strict)
+    _apply_part(loaded, parts[""], info, strict)
+    for name, part in companions.items():
+        _apply_part(loaded["companions"][name], part, info["companions"][name], strict)
     return loaded.get("extra_state") if info.get("has_extra_state") else None
+
+
+def load_rank_state(directory: str | os.PathLike) -> Any:
+    """This rank's ``rank_state`` from the complete checkpoint at ``directory``.
+
+    Requires the world size the checkpoint was saved with (rank r reads the object rank r wrote).
+    """
+    _require_distributed("load_rank_state")
+    path = Path(directory).absolute()
+    info = checkpoint_metadata(path)
+    if not info.get("rank_state"):
+        raise CheckpointError(f"checkpoint at {path} holds no per-rank state")
+    saved_world, world = info["saved_with"]["world_size"], dist.get_world_size()
+    if saved_world != world:
+        raise CheckpointError(f"checkpoint at {path} holds per-rank state of {saved_world} ranks; this job has "
+                              f"{world}: per-rank state (RNG streams) only loads at the same world size")
+    file = path / RANK_STATE_DIR / f"rank{_rank()}.pt"
+    if not file.is_file():
+        raise CheckpointError(f"incomplete checkpoint at {path}: {file.name} is missing from {RANK_STATE_DIR}/")
+    return torch.load(file, weights_only=True)
