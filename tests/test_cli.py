@@ -10,9 +10,13 @@ import pytest
 from megarlhf import cli
 
 
-def test_every_registered_command_has_a_subparser():
+def test_every_registered_command_has_a_subparser(capsys):
     parser = cli.build_parser()
-    assert cli.COMMANDS.names() == ["convert"]
+    assert "convert" in cli.COMMANDS.names()
+    for name in cli.COMMANDS.names():
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([name, "--help"])
+        assert exit_info.value.code == 0 and f"usage: megarlhf {name}" in capsys.readouterr().out
     args = parser.parse_args(["convert", "hf-to-megatron", "--hf", "a", "--out", "b", "--tp", "2"])
     assert (args.command, args.direction, args.hf, args.out, args.tp, args.pp, args.dtype, args.overwrite) == (
         "convert", "hf-to-megatron", "a", "b", 2, 1, None, False)
