@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.registry import Registry
+from megarlhf.trainers import commands as trainer_commands
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,18 @@ COMMANDS: Registry[Command] = Registry("megarlhf command")
 COMMANDS.register("convert")(Command(
     help="convert between HF model directories and megarlhf distributed checkpoints",
     add_arguments=convert.add_arguments, run=convert.run))
+COMMANDS.register("train")(Command(
+    help="RL training (GRPO, PPO, DAPO, ... as the recipe says)",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_train))
+COMMANDS.register("sft")(Command(
+    help="supervised fine-tuning (loss on response tokens)",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_sft))
+COMMANDS.register("eval")(Command(
+    help="accuracy / pass@k of model.path on data.eval_path",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_eval))
+COMMANDS.register("export")(Command(
+    help="write the actor of a run checkpoint as an HF directory",
+    add_arguments=trainer_commands.add_export_arguments, run=trainer_commands.run_export))
 
 
 def build_parser() -> argparse.ArgumentParser:

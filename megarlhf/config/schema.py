@@ -15,6 +15,7 @@ from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY
                                  KLConfig, MismatchConfig, OverlongConfig, PolicyLossConfig)
 from megarlhf.data.source import DataConfig
 from megarlhf.rewards import RewardConfig
+from megarlhf.rollout.disaggregated import RolloutPlacementConfig
 from parallel.config import ParallelConfig
 
 
@@ -46,9 +47,16 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     tensor_parallel_size: int = 1  # of each vLLM engine
     gpu_memory_utilization: float = 0.5  # vLLM's share of the device memory while it is awake
+    kv_cache_mb: int = 512  # KV cache of each engine (CPU engines size it from this)
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast engine start, slower decoding
+    weight_sync_bucket_mb: int = 256  # Megatron -> vLLM weights travel in buckets of at most this size
+    # colocate (engines on every rank, trainer state offloaded around rollouts) or disaggregated
+    # (engines on the last placement.num_engine_ranks ranks, weights broadcast to them)
+    placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
 
     def __post_init__(self):
-        _positive_int(self, "n_samples", "max_new_tokens", "tensor_parallel_size")
+        _positive_int(self, "n_samples", "max_new_tokens", "tensor_parallel_size", "kv_cache_mb",
+                      "weight_sync_bucket_mb")
         _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k >= 1, f"RolloutConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
@@ -121,6 +129,8 @@ class TrainConfig:
     epochs_per_step: int = 1  # passes over the step's samples (PPO epochs)
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
     packing: bool = True  # pack sequences into micro-batches up to the token budget
+    on_nonfinite: Literal["abort", "skip"] = "abort"  # a NaN/Inf loss or gradient: stop, or skip the batch
+    step0_logprob_tolerance: float = 1e-3  # step-0 gate: max |trainer - rollout| log-prob gap allowed
 
     def __post_init__(self):
         _positive_int(self, "steps", "global_batch_size", "mini_batches", "epochs_per_step", "micro_batch_tokens")

@@ -1,0 +1,1 @@
+"""The trainers: the RL driver (GRPO, PPO, DAPO, ...), SFT and evaluation, and their run state."""

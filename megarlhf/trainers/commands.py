@@ -1,0 +1,85 @@
+"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``eval`` and ``export``.
+
+Each takes a YAML recipe and ``key.sub=value`` overrides (see :mod:`megarlhf.config`) and runs the same
+way single-process or under ``torchrun --nproc-per-node N -m megarlhf ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe (a RunConfig; see examples/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-6")
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    add_recipe_arguments(parser)
+    parser.add_argument("--out", required=True, help="HF directory to write")
+
+
+def _config(args: argparse.Namespace):
+    from megarlhf.config import RunConfig, load_config
+
+    return load_config(RunConfig, args.recipe, args.overrides)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.rl import train_rl
+
+    train_rl(_config(args))
+    return 0
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.sft import train_sft
+
+    train_sft(_config(args))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluates ``model.path`` on ``data.eval_path`` and prints the metrics as one JSON line."""
+    from megarlhf.rewards import CombinedReward
+    from megarlhf.trainers.evaluate import evaluate
+    from megarlhf.trainers.rollout_phase import build_rollout_phase, serve_engine_rank
+    from megarlhf.trainers.run import start_run
+    from megarlhf.training import build_reference
+
+    config = _config(args)
+    if not config.data.eval_path:
+        raise ValueError("megarlhf eval needs data.eval_path (the held-out prompts)")
+    run = start_run(config)
+    if run.is_engine_rank:
+        serve_engine_rank(config)
+        return 0
+    prompts = run.load_prompts(config.data.eval_path)
+    policy = build_reference(config)  # frozen weights: the engine is synced from them and verified
+    phase = build_rollout_phase(config, policy, [])
+    reward = CombinedReward(config.reward)
+    metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.dp_rank, run.dp_size,
+                       (run.tokenizer.eos_token_id,))
+    reward.close()
+    phase.close()
+    if run.is_main:
+        print(json.dumps(metrics), flush=True)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory."""
+    from megarlhf.trainers.run import start_run
+    from megarlhf.trainers.run_checkpoint import RunCheckpointer
+    from megarlhf.training import build_actor
+    from model_providers.hf_checkpoint import export_hf_checkpoint
+
+    config = _config(args)
+    run = start_run(config)
+    actor = build_actor(config)
+    if RunCheckpointer(config, {"actor": actor}).resume() is None:
+        raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
+                                f"run_dir={config.logging.run_dir!r})")
+    out = export_hf_checkpoint(actor.model, actor.provider, args.out, source_dir=config.model.path, overwrite=True)
+    run.log(f"exported to {out}")
+    return 0

@@ -1,0 +1,86 @@
+"""What every trainer does first: start the ranks, prepare the run directory, load tokenizer and data.
+
+:func:`start_run` initialises torch.distributed and Megatron's groups for ``config.parallel``, writes the
+resolved config to ``<run_dir>/config.yaml`` (rank 0), and loads the tokenizer of ``model.path`` and the
+datasets, so that a bad path or a malformed row fails before any model is built.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarlhf.config import save_config
+from megarlhf.config.schema import RunConfig
+from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
+from parallel.runtime import LaunchEnv, init_disaggregated, init_parallel, read_launch_env
+
+
+@dataclass
+class RunContext:
+    config: RunConfig
+    launch: LaunchEnv
+    run_dir: Path
+    tokenizer: object
+    dp_rank: int
+    dp_size: int
+    is_engine_rank: bool  # disaggregated placement: this rank only serves a rollout engine
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.rank == 0
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    def log(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
+
+    def load_prompts(self, path: str) -> PromptDataset:
+        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data)
+        if len(dataset) == 0:
+            raise ValueError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
+                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
+        if dataset.num_dropped:
+            self.log(f"{path}: dropped {dataset.num_dropped} prompts longer than data.max_prompt_length")
+        return dataset
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={model_path!r} is not an HF model directory (no config.json there)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def start_run(config: RunConfig) -> RunContext:
+    """Initialises the ranks for ``config`` and returns the run's context.
+
+    With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
+    ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
+    """
+    from megatron.core import parallel_state as ps
+
+    tokenizer = load_tokenizer(config.model.path)
+    placement, world = config.rollout.placement, read_launch_env().world_size
+    if placement.mode == "disaggregated":
+        trainers = placement.num_trainer_ranks(world)
+        launch = init_disaggregated(config.parallel, trainers, seed=config.seed)
+    else:
+        placement.validate(world)
+        trainers = world
+        launch = init_parallel(config.parallel, seed=config.seed)
+    is_engine = launch.rank >= trainers
+    run_dir = Path(config.logging.run_dir)
+    if launch.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / "config.yaml")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dp_rank, dp_size = (0, 1) if is_engine else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    return RunContext(config=config, launch=launch, run_dir=run_dir, tokenizer=tokenizer, dp_rank=dp_rank,
+                      dp_size=dp_size, is_engine_rank=is_engine)

@@ -1,0 +1,55 @@
+"""Supervised fine-tuning on the same Megatron models: chat or completion data, loss on response tokens.
+
+Each step draws ``train.global_batch_size`` examples (seeded, resumable, split over data-parallel
+replicas) and takes one optimizer step on the global token-mean negative log-likelihood of the
+response tokens (:func:`megarlhf.training.sft_step`). Checkpoints, metrics and the final HF export
+work as in the RL driver.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megarlhf.config.schema import RunConfig
+from megarlhf.data.sampler import PromptSampler
+from megarlhf.data.sft import load_sft_dataset
+from megarlhf.metrics import MetricsRecorder, plot_curves
+from megarlhf.trainers.run import start_run
+from megarlhf.trainers.run_checkpoint import RunCheckpointer
+from megarlhf.training import build_actor, sft_step
+from model_providers.hf_checkpoint import export_hf_checkpoint
+
+
+def train_sft(config: RunConfig) -> Path:
+    """Runs ``config.train.steps`` SFT steps (resuming if asked); returns the exported HF directory."""
+    run = start_run(config)
+    dataset = load_sft_dataset(config.data.train_path, run.tokenizer, config.data)
+    steps = config.train.steps
+    actor = build_actor(config, total_steps=steps)
+    checkpointer = RunCheckpointer(config, {"actor": actor})
+    sampler = PromptSampler(len(dataset), config.train.global_batch_size, config.seed, config.data.shuffle,
+                            run.dp_rank, run.dp_size)
+    resumed = checkpointer.resume()
+    first_step = 0
+    if resumed is not None:
+        sampler.load_state_dict(resumed["sampler"])
+        first_step = resumed["step"]
+    recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
+                               rank=run.launch.rank, resume_after_step=first_step - 1,
+                               console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
+    for step in range(first_step, steps):
+        start = time.perf_counter()
+        examples = [dataset[i] for i in sampler.next_batch()]
+        metrics = sft_step(actor, examples, config, on_nonfinite=config.train.on_nonfinite, pad_id=run.pad_id)
+        metrics["time/step_s"] = time.perf_counter() - start
+        if step % config.logging.log_every == 0 or step == steps - 1:
+            recorder.log(step, metrics)
+        if checkpointer.should_save(step, steps - 1):
+            checkpointer.save(step, {"step": step + 1, "sampler": sampler.state_dict()})
+    recorder.close()
+    export_dir = export_hf_checkpoint(actor.model, actor.provider, run.run_dir / "hf", source_dir=config.model.path,
+                                      overwrite=True)
+    if run.is_main:
+        plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("sft/loss",))
+    run.log(f"exported the fine-tuned model to {export_dir}")
+    return export_dir
