@@ -209,9 +209,10 @@ def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_li
     sched = ColocateScheduler(engine, sync, OffloadedModel("actor", model, [opt]),
                               [OffloadedModel("reference", reference)])
     result = {"enter": sched.enter_rollout(), "state_in_rollout": sched.state.value}
-    result["actor_params_freed"] = all(p.numel() == 0 for p in model.parameters())
-    result["grads_freed"] = all(p.grad is None for p in model.parameters())
-    result["reference_freed"] = all(p.numel() == 0 for p in reference.parameters())
+    # Offload frees storages in place (tensors keep their shapes so that views stay valid).
+    result["actor_params_freed"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    result["grads_freed"] = all(p.grad.untyped_storage().nbytes() == 0 for p in model.parameters())
+    result["reference_freed"] = all(p.untyped_storage().nbytes() == 0 for p in reference.parameters())
     result["rollout_tokens"] = engine.generate(prompt_list[:4], SamplingConfig(max_new_tokens=8, seed=1)).num_tokens
     try:
         sched.enter_rollout()

@@ -218,6 +218,7 @@ def test_round_trip_with_megatron_and_vllm(rollout_run, layout):
         assert c["rollout_tokens"] > 0 and c["enter"]["weight_sync/probe_max_abs_diff"] <= 1e-4
         assert "cannot enter_rollout while engine_resident" in c["illegal_enter"]
         assert "cannot exit_rollout while trainer_resident" in c["illegal_exit"]
+        assert c["actor_params_freed"] and c["grads_freed"] and c["reference_freed"]
         assert c["round_trip_equal"] and c["reference_equal"]
         assert c["losses_after_trip"] == c["losses_without_trip"]
         assert c["enter"]["colocate/offload_bytes"] == c["exit"]["colocate/onload_bytes"] > 0
