@@ -46,11 +46,13 @@ four loading bugs in megatron-core 0.19.2, each worked around here: (1) a never-
 build its loading state dict (``len(steps) == 1`` assertion): its state is primed first by one step at
 lr 0 (parameters unchanged); (2) ``fully_reshardable`` loading raises ``KeyError: 'step'``: the
 per-parameter setter is told that 'step' is not in the loaded tensors; (3) with fp32 parameters the main
-parameter is a view of a leaf that requires grad and the in-place copy outside ``no_grad`` raises: the
-parameter state is loaded under ``torch.no_grad()``; (4) after loading, every parameter's 'step' is the
-same tensor, which Adam then advances once per parameter per step (wrong bias correction): each
-parameter gets its own copy. A never-stepped optimizer is saved primed and marked ``fresh``; loading such
-a checkpoint empties the state again, so the next step is a first step as in an uninterrupted run.
+parameter is a view of a leaf that requires grad, so its in-place copy raises outside ``no_grad``: the
+``dp_reshardable`` loader has that bug, the ``fully_reshardable`` one used here runs under ``no_grad``
+itself (checked by disabling ours), and megarlhf loads under ``torch.no_grad()`` as well; (4) after
+loading, every parameter's 'step' is the same tensor, which Adam then advances once per parameter per
+step (wrong bias correction): each parameter gets its own copy. A never-stepped optimizer is saved
+primed and marked ``fresh``; loading such a checkpoint empties the state again, so the next step is a
+first step as in an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -419,7 +421,7 @@ def _load_optimizer(optimizer, loaded) -> None:
         if sharding != "fully_reshardable":
             raise CheckpointError(f"optimizer state in sharding format {sharding!r}; megarlhf writes "
                                   "'fully_reshardable'")
-        with torch.no_grad(), _step_not_in_loaded_tensors(inner):  # bugs 3 and 2
+        with torch.no_grad(), _step_not_in_loaded_tensors(inner):  # bug 3 (see the module docstring), bug 2
             inner.load_parameter_state_from_fully_reshardable(param_state)
     if len(inners) > 1:
         optimizer._synchronize_steps()

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -198,19 +199,35 @@ def reshard_check(model_dir: str, critic_dir: str, dp2_work: Path, work: Path) -
     config = make_config(model_dir, critic_dir, work / "reshard", resume=str(dp2_work / "checkpoints" / "step_2"))
     models = build(config)
     extra = RunCheckpointer(config, models).resume()
+    warnings = list(records)
     state = snapshot(models)
     steps = [rl_step(models, config, step) for step in range(SAVE_AT + 1, STEPS + 1)]
     final = snapshot(models)
+    # Controls: the same resume with Adam's state dropped after loading (what losing it would do), and
+    # the DP=1 run that was never interrupted (the DP=1 vs DP=2 rounding difference).
+    config.checkpoint.dir = str(work / "reshard_control")
+    lost = build(config)
+    RunCheckpointer(config, lost).resume()
+    for inner in lost["actor"].optimizer.chained_optimizers:
+        inner.optimizer.state.clear()
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        rl_step(lost, config, step)
     dp2_final = torch.load(dp2_work / "final_actor.pt")
+    dp1_final = torch.load(work / "final_actor_dp1.pt")
     try:
         load_rank_state(dp2_work / "checkpoints" / "step_2")
         rank_state_error = None
     except CheckpointError as err:
         rank_state_error = str(err)
-    diff = max(float((a - b).abs().max()) for a, b in zip(final["actor/params"], dp2_final))
-    return {"extra_state": extra, "warnings": records, "metrics": steps, "final_param_max_diff": diff,
+
+    def diff(params):
+        return max(float((a - b).abs().max()) for a, b in zip(params, dp2_final))
+
+    return {"extra_state": extra, "warnings": warnings, "metrics": steps, "rank_state_error": rank_state_error,
+            "final_param_max_diff": diff(final["actor/params"]), "dp1_vs_dp2_max_diff": diff(dp1_final),
+            "lost_optimizer_max_diff": diff(snapshot(lost)["actor/params"]),
             "adam_step_at_resume": float(state["actor/step"][0]), "lr_at_resume": state["actor/lr"],
-            "scheduler_steps_at_resume": state["actor/scheduler_steps"], "rank_state_error": rank_state_error}
+            "scheduler_steps_at_resume": state["actor/scheduler_steps"]}
 
 
 def actor_only(config) -> dict:
@@ -321,13 +338,17 @@ def main() -> None:
         write_rank_result(out_dir, dist.get_rank(), {"distributed": dp2_mode(model_dir, critic_dir, work)})
         return
     dp2_work, kill_dir = Path(sys.argv[6]), Path(sys.argv[7])
-    result = {}
+    result, started = {}, time.perf_counter()
     for name, distributed in (("distributed", True), ("plain", False)):
         result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed), name)
-        result[name].pop("_final_actor")
+        final = result[name].pop("_final_actor")
+        if distributed:
+            torch.save(final, work / "final_actor_dp1.pt")
+    result["seconds_equivalence"] = time.perf_counter() - started
     result["reshard"] = reshard_check(model_dir, critic_dir, dp2_work, work)
     result["selection"] = selection_checks(model_dir, critic_dir, work, result["distributed"]["path"])
     result["after_kill"] = after_kill(model_dir, critic_dir, kill_dir)
+    result["seconds_total"] = time.perf_counter() - started
     write_rank_result(out_dir, 0, result)
 
 
