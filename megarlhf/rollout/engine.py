@@ -150,7 +150,11 @@ class RolloutEngine:
         kwargs = dict(model=hf_dir, dtype=config.dtype, seed=config.seed, enforce_eager=config.enforce_eager,
                       max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_bytes,
                       enable_prefix_caching=config.enable_prefix_caching, logprobs_mode=config.logprobs_mode,
-                      tensor_parallel_size=tp, enable_sleep_mode=self.on_gpu)
+                      tensor_parallel_size=tp, enable_sleep_mode=self.on_gpu,
+                      # A prompt whose prefill is split over scheduler steps makes vLLM rewind the
+                      # seeded request's generator offset, which CPU generators cannot do ("CPU
+                      # Generator does not use offset"): on CPU prompts are scheduled whole.
+                      enable_chunked_prefill=self.on_gpu)
         if tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())

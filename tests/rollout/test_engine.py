@@ -35,3 +35,25 @@ def test_engine_rejects_a_tp_size_that_is_neither_1_nor_the_world(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         RolloutEngine(str(tmp_path))
 
+
+
+def test_seeded_batch_larger_than_one_scheduler_step(tiny_qwen2, tmp_path):
+    """More prompt tokens than vLLM schedules in one step: on CPU prompts must not be split across steps
+    (vLLM would rewind a seeded CPU generator and fail); samples stay reproducible."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json
+        from megarlhf.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+        engine = RolloutEngine({str(tiny_qwen2)!r}, EngineConfig(max_model_len=256, kv_cache_bytes=64 * 2**20))
+        prompts = [[(7 * i + j) % 300 + 3 for j in range(100)] for i in range(64)]  # 6400 prompt tokens
+        sampling = SamplingConfig(n=2, max_new_tokens=4, seed=11)
+        first, second = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
+        print(json.dumps([len(first.response_ids), first.response_ids == second.response_ids]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[128, true]"
