@@ -1,11 +1,11 @@
-"""The main job on a CPU machine (until the RL trainer lands): HF checkpoints in, TP=2 Megatron, HF out.
+"""HF checkpoints in, TP=2 Megatron-Core, HF out: parity with transformers for every supported architecture.
 
 For each supported architecture it makes a tiny random HF checkpoint with a locally trained tokenizer,
 then launches 2 ranks with torchrun that load it straight into a tensor-parallel (TP=2) Megatron-Core
 GPTModel, compare its logits with HF transformers on the same prompts, export it back to an HF
 directory, and check the exported tensors are bit-identical to the originals.
 
-    python examples/demo.py [--out runs/demo]
+    python examples/parity_demo.py [--out runs/parity]
 """
 import argparse
 import os
@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-WORKER = Path(__file__).with_name("demo_parity_worker.py")
+WORKER = Path(__file__).with_name("parity_demo_worker.py")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/demo", help="where the checkpoints and exports go")
+    parser.add_argument("--out", default="runs/parity", help="where the checkpoints and exports go")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (= number of ranks)")
     args = parser.parse_args()
 

@@ -1,4 +1,4 @@
-"""Rank script of examples/demo.py: load each HF checkpoint at TP=N, compare with HF, export, verify."""
+"""Rank script of examples/parity_demo.py: load each HF checkpoint at TP=N, compare with HF, export, verify."""
 import argparse
 from pathlib import Path
 

@@ -63,8 +63,9 @@ def tiny_corpus() -> list[str]:
     return prose * 20 + arithmetic
 
 
-def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
-    """A byte-level BPE tokenizer trained on :func:`tiny_corpus`, as a transformers fast tokenizer."""
+def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer trained on ``corpus`` (default :func:`tiny_corpus`), as a transformers
+    fast tokenizer. A task's own texts as corpus give it whole-word tokens (shorter sequences)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +74,7 @@ def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(tiny_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(tiny_corpus() if corpus is None else corpus, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
@@ -106,14 +107,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    tokenizer_corpus: list[str] | None = None, tokenizer_vocab_size: int = TOKENIZER_VOCAB_SIZE,
                     **config_overrides) -> Path:
     """Writes a tiny random ``arch`` causal LM (config, safetensors, tokenizer, generation config).
 
-    ``config_overrides`` change any config field, e.g. ``**QWEN2_0_5B_SHAPE`` with arch "qwen2".
+    ``config_overrides`` change any config field, e.g. ``**QWEN2_0_5B_SHAPE`` with arch "qwen2";
+    ``tokenizer_corpus`` / ``tokenizer_vocab_size`` choose what the tokenizer is trained on.
     """
     from transformers import AutoModelForCausalLM
 
-    tokenizer = train_tiny_tokenizer()
+    tokenizer = train_tiny_tokenizer(tokenizer_vocab_size, tokenizer_corpus)
     overrides = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=None, **config_overrides)
     config = tiny_config(arch, **overrides)
