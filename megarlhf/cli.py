@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
+from megarlhf.planner import command as plan_command
 from megarlhf.registry import Registry
 from megarlhf.trainers import commands as trainer_commands
 
@@ -49,6 +50,9 @@ COMMANDS.register("eval")(Command(
 COMMANDS.register("export")(Command(
     help="write the actor of a run checkpoint as an HF directory",
     add_arguments=trainer_commands.add_export_arguments, run=trainer_commands.run_export))
+COMMANDS.register("plan")(Command(
+    help="dry run: per-rank memory plan of a recipe on a layout (no GPU, no weights needed)",
+    add_arguments=plan_command.add_arguments, run=plan_command.run))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,225 @@
+"""Per-rank memory of an RL run: what each model, the activations and the rollout engine hold, per phase.
+
+:func:`plan_memory` turns a :class:`RunConfig`, a model shape and the launch (world size, device memory)
+into a :class:`MemoryPlan`: one :class:`StagePlan` per pipeline stage (every rank of a stage holds the
+same bytes: TP splits evenly, DP and CP replicate), each with its components and the three phases of
+the colocate schedule:
+
+* ``train``     (steps 7-9) actor + reference + critic resident; the engine asleep (GPU: vLLM sleep level
+                1 frees its weights and KV cache) -- on CPU vLLM cannot sleep, so it stays resident;
+* ``sync``      (step 3) the actor's parameters still resident (grads, optimizer and the other models are
+                offloaded first), the engine's weights awake, one weight-sync bucket in flight;
+* ``generate``  (step 4) the engine's weights and KV cache; the trainer state is offloaded to host memory.
+
+What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's parameters, see
+:meth:`ModelShape.params_per_rank`; S = optimizer shards = DP x CP with the distributed optimizer, else 1):
+
+* weights ``P * d``; gradients ``P * 4`` (Megatron DDP reduces gradients in fp32: ``grad_reduce_in_fp32``);
+* optimizer: Adam's two moments in fp32 plus an fp32 master copy when the weights are bf16,
+  ``P * (8 + 4 [bf16]) / S``;
+* activations of one micro-batch of ``T = max(train.micro_batch_tokens, longest sequence) / CP`` tokens,
+  times the micro-batches in flight on the stage (1F1B: ``PP - stage``). Per token and layer
+  (t = TP, q = heads x head_dim / t, g = KV heads x head_dim / t, F = FFN size):
+  ``d * (2h + 3q + 3g + 4 head_dim + 5F/t) + 4 * (4h + q + heads/t)``. These are the tensors autograd
+  saves in Megatron-Core's local layer spec with megarlhf's packed attention: each of the two RMSNorms
+  keeps its fp32 upcast input and normalised input and its output; the QKV output, roped q and k, the
+  attention's fp32 output and log-sum-exp and the output projection's input; fc1's 2F output and three
+  F-wide SwiGLU tensors; RoPE's cos/sin. They were counted exactly on CPU (tests/planner) in fp32 and
+  bf16. With full recomputation only each layer's input (``d * h``) is kept, plus one layer's
+  activations while it is recomputed. The final norm keeps ``8h`` bytes per token, and the fused
+  log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
+* engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
+  a sync bucket is ``max(rollout.weight_sync_bucket_mb, the largest HF tensor)``.
+
+Not counted (the ``reserve``, a per-rank allowance the caller chooses): CUDA context, NCCL buffers,
+allocator fragmentation, vLLM's own activation and sampler workspace, and on CPU the Python/torch runtime.
+
+Hand-written because this is the project's own memory model of its own schedule; no library plans
+Megatron training and a colocated vLLM engine together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarlhf.config.schema import RunConfig
+from megarlhf.planner.shapes import ModelShape
+
+GIB = 2**30
+MIB = 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LOGPROB_CHUNK = 4096  # megarlhf.ops' default vocabulary chunk
+PHASES = ("train", "sync", "generate")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the recipe does not say: how many ranks, how much memory each has, what is set aside."""
+
+    world_size: int
+    device_memory_gib: float = 80.0
+    device: str = "gpu"  # "gpu" (vLLM sleeps; offload frees device memory) or "cpu" (everything stays)
+    reserve_gib: float = 3.0
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.world_size}")
+        if self.device not in ("gpu", "cpu"):
+            raise ValueError(f"--device must be 'gpu' or 'cpu', got {self.device!r}")
+        if self.device_memory_gib <= 0 or self.reserve_gib < 0:
+            raise ValueError(f"--gpu-mem-gib must be > 0 and --reserve-gib >= 0, got "
+                             f"{self.device_memory_gib}, {self.reserve_gib}")
+
+
+@dataclass
+class StagePlan:
+    """The bytes of every rank of one pipeline stage."""
+
+    stage: int
+    components: dict[str, int]
+    phases: dict[str, int]
+    activations_recompute: int  # the activations term if full recomputation were on
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+
+@dataclass
+class MemoryPlan:
+    shape: ModelShape
+    launch: Launch
+    data_parallel_size: int
+    stages: list[StagePlan]
+    kv_tokens: int  # tokens the KV cache holds
+    max_model_len: int
+    sequences_per_engine: int  # sequences each engine generates per step
+    host_offload: int  # bytes per rank moved to host memory during generation (GPU)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return int((self.launch.device_memory_gib - self.launch.reserve_gib) * GIB)
+
+    @property
+    def peak(self) -> int:
+        return max(s.peak for s in self.stages)
+
+    def problems(self) -> list[str]:
+        """Why this plan cannot run (empty when it fits)."""
+        found = []
+        worst = max(self.stages, key=lambda s: s.peak)
+        if worst.peak > self.capacity:
+            found.append(f"stage {worst.stage} needs {worst.peak / GIB:.2f} GiB in its {worst.peak_phase} phase, "
+                         f"more than the {self.capacity / GIB:.2f} GiB available per rank "
+                         f"({self.launch.device_memory_gib:g} GiB - {self.launch.reserve_gib:g} GiB reserve)")
+        if self.kv_tokens < self.max_model_len:
+            found.append(f"the KV cache holds {self.kv_tokens} tokens, less than one sequence of max_model_len="
+                         f"{self.max_model_len} (data.max_prompt_length + rollout.max_new_tokens): vLLM refuses "
+                         f"to start")
+        return found
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+
+def activation_elements_per_token_layer(shape: ModelShape, tp: int) -> tuple[int, int]:
+    """(elements at the activation dtype, fp32 elements) autograd saves per token per layer."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, g = shape.num_heads * hd // tp, shape.num_kv_heads * hd // tp
+    return 2 * h + 3 * q + 3 * g + 4 * hd + 5 * shape.ffn_size // tp, 4 * h + q + shape.num_heads // tp
+
+
+def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_model_len: int,
+                 head: str) -> tuple[int, int]:
+    """(activation bytes, with full recomputation) of one rank of ``stage`` during a training step."""
+    par = config.parallel
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    tokens = -(-max(config.train.micro_batch_tokens, max_model_len) // cp)
+    layers = shape.num_layers // pp
+    in_flight = pp - stage
+    elems, fp32_elems = activation_elements_per_token_layer(shape, tp)
+    per_layer = tokens * (elems * d + fp32_elems * 4)
+    if cp > 1:  # the all-gathered K and V of the whole sequence
+        per_layer += tokens * 2 * (cp - 1) * shape.num_kv_heads * shape.head_dim // tp * d
+    head_bytes = 0
+    if stage == pp - 1:
+        vocab_chunk = 1 if head == "value" else min(LOGPROB_CHUNK, shape.padded_vocab(tp) // tp)
+        head_bytes = tokens * (8 * shape.hidden_size + 3 * vocab_chunk * 4)
+    full = in_flight * layers * per_layer + head_bytes
+    recompute = in_flight * layers * tokens * shape.hidden_size * d + per_layer + head_bytes
+    return full, recompute
+
+
+def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards: int, head: str) -> dict[str, int]:
+    par = config.parallel
+    params = shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, head)
+    master = 4 if d < 4 else 0  # bf16 weights get an fp32 master copy; fp32 weights are their own
+    optim_shards = shards if config.optim.use_distributed_optimizer else 1
+    return {"weights": params * d, "grads": params * 4, "optimizer": params * (8 + master) // optim_shards}
+
+
+def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp: int, max_model_len: int,
+           engine: dict[str, int]) -> StagePlan:
+    d = DTYPE_BYTES[config.model.dtype]
+    shards = dp * config.parallel.context_parallel_size
+    par = config.parallel
+    comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
+    uses_ref = config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0
+    comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size,
+                                                       par.pipeline_model_parallel_size, stage) * d if uses_ref else 0)
+    critic = _trainable(shape, config, stage, d, shards, "value") if config.algorithm.uses_critic else {}
+    comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
+    act, act_recompute = _activations(shape, config, stage, d, max_model_len, "lm")
+    if config.algorithm.uses_critic:  # the critic trains after the actor: the larger of the two counts
+        critic_act, critic_recompute = _activations(shape, config, stage, d, max_model_len, "value")
+        act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
+    comp["activations"] = act
+    comp.update(engine)
+    trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_")))
+    if launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
+        everything = trainer_state + act + sum(engine.values())
+        phases = {"train": everything, "sync": everything, "generate": everything}
+    else:
+        phases = {
+            "train": trainer_state + act,
+            "sync": comp["actor_weights"] + engine["engine_weights"] + engine["engine_sync_bucket"],
+            "generate": engine["engine_weights"] + engine["engine_kv_cache"],
+        }
+    return StagePlan(stage, comp, phases, act_recompute)
+
+
+def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryPlan:
+    """The per-rank memory plan of ``config`` on ``launch.world_size`` ranks (raises on a bad layout)."""
+    par = config.parallel
+    par.validate(launch.world_size)
+    shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    dp = par.data_parallel_size(launch.world_size)
+    if config.train.global_batch_size % dp:
+        raise ValueError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
+                         f"data-parallel size {dp} ({launch.world_size} ranks / TP x PP x CP "
+                         f"{par.model_parallel_size})")
+    engine_tp = config.rollout.tensor_parallel_size
+    if engine_tp not in (1, launch.world_size):
+        raise ValueError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
+                         f"world size {launch.world_size}")
+    d = DTYPE_BYTES[config.model.dtype]
+    max_model_len = config.data.max_prompt_length + config.rollout.max_new_tokens
+    engine = {"engine_weights": shape.total_params() * d // engine_tp,
+              "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
+              "engine_sync_bucket": max(config.rollout.weight_sync_bucket_mb * MIB, shape.largest_tensor() * d)}
+    stages = [_stage(shape, config, launch, s, dp, max_model_len, engine) for s in range(par.pipeline_model_parallel_size)]
+    kv_tokens = config.rollout.kv_cache_mb * MIB // (shape.kv_elements_per_token() * d // engine_tp)
+    prompts_per_rank = -(-config.train.global_batch_size // dp // par.model_parallel_size)
+    per_engine = (config.train.global_batch_size if engine_tp > 1 else prompts_per_rank) * config.rollout.n_samples
+    host = max(s.phases["train"] - s.components["activations"] for s in stages) if launch.device == "gpu" else 0
+    plan = MemoryPlan(shape, launch, dp, stages, kv_tokens, max_model_len, per_engine, host_offload=host)
+    if kv_tokens < per_engine * max_model_len and kv_tokens >= max_model_len:
+        plan.notes.append(f"the KV cache holds {kv_tokens // max_model_len} full-length sequences of the "
+                          f"{per_engine} each engine generates per step: vLLM queues the rest (slower rollouts, "
+                          f"not an error)")
+    return plan

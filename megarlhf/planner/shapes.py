@@ -1,0 +1,160 @@
+"""A model's shape without its weights: read from an HF ``config.json`` or a named public preset.
+
+The memory planner needs only the architecture numbers (hidden size, layers, heads, vocabulary, ...).
+:func:`resolve_shape` finds them in this order: an explicit ``--arch`` (a preset name or a path to a
+``config.json`` / model directory), ``<model.path>/config.json`` when the checkpoint is present, or a
+preset whose name is the last component of ``model.path`` (so a recipe pointing at
+``checkpoints/Qwen2.5-7B-Instruct`` plans without the checkpoint being downloaded).
+
+The presets are the public ``config.json`` values of the models the shipped recipes name; their
+parameter counts (tests/planner) match the published totals. :meth:`ModelShape.params_per_rank` counts
+one rank's parameters the way Megatron-Core shards them: column/row-parallel attention and MLP split over
+TP, norms replicated, the vocabulary padded to a multiple of 128 x TP and split over TP, layers split
+over PP, the embedding on the first stage and the output layer on the last.
+
+Hand-written: no library computes Megatron's per-rank sharding from an HF config without building it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by (model_providers uses the same)
+
+_QWEN25_COMMON = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768)
+PRESETS: dict[str, dict] = {
+    "Qwen2.5-0.5B": dict(_QWEN25_COMMON, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(_QWEN25_COMMON, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(_QWEN25_COMMON, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False),
+    "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         tie_word_embeddings=False, max_position_embeddings=131072),
+}
+
+
+def preset_for(name: str) -> dict | None:
+    """The preset named ``name`` (case-insensitive; an ``-Instruct`` suffix and an ``owner/`` prefix are
+    ignored: the instruct models share the base architecture)."""
+    key = name.rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    for preset, values in PRESETS.items():
+        if preset.lower() == key:
+            return values
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a dense decoder-only model (Llama / Qwen2 / Qwen3 / Mistral family)."""
+
+    name: str
+    hidden_size: int
+    ffn_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str) -> "ModelShape":
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if k not in config]
+        if missing:
+            raise ValueError(f"{name}: the model config lacks {missing} (not a decoder-only LM config?)")
+        heads = config["num_attention_heads"]
+        return cls(name=name, hidden_size=config["hidden_size"], ffn_size=config["intermediate_size"],
+                   num_layers=config["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   vocab_size=config["vocab_size"], tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+                   qk_norm=config.get("model_type") == "qwen3")
+
+    def padded_vocab(self, tp: int) -> int:
+        unit = VOCAB_DIVISIBLE_BY * tp
+        return math.ceil(self.vocab_size / unit) * unit
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        # the same rule as model_providers.base.ModelProvider.check_parallel
+        if self.num_heads % tp or self.num_kv_heads % tp or self.ffn_size % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "
+                             f"heads, {self.num_kv_heads} KV heads and FFN size {self.ffn_size} of {self.name}")
+        if self.num_layers % pp:
+            raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {self.num_layers} layers "
+                             f"of {self.name}")
+
+    def layer_params(self, tp: int) -> int:
+        """One transformer layer's parameters on one TP rank."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim // tp, self.num_kv_heads * self.head_dim // tp
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return attn + 3 * h * self.ffn_size // tp + norms
+
+    def params_per_rank(self, tp: int, pp: int, stage: int, head: str = "lm") -> int:
+        """Parameters of one rank of pipeline stage ``stage``; ``head``: "lm" or "value" (critic)."""
+        self.check_layout(tp, pp)
+        h = self.hidden_size
+        total = self.num_layers // pp * self.layer_params(tp)
+        embedding = self.padded_vocab(tp) // tp * h
+        if stage == 0:
+            total += embedding
+        if stage == pp - 1:
+            total += h  # final norm
+            if head == "value":
+                total += h
+            elif not self.tied_embeddings or pp > 1:  # a tied head on a later stage keeps its own copy
+                total += embedding
+        return total
+
+    def total_params(self) -> int:
+        """The HF checkpoint's parameter count (unpadded vocabulary, tied head counted once)."""
+        embedding = self.vocab_size * self.hidden_size
+        return (self.num_layers * self.layer_params(1) + self.hidden_size + embedding
+                + (0 if self.tied_embeddings else embedding))
+
+    def largest_tensor(self) -> int:
+        """Elements of the largest HF tensor (what one weight-sync message holds at least)."""
+        return max(self.vocab_size * self.hidden_size, self.hidden_size * self.ffn_size)
+
+    def kv_elements_per_token(self) -> int:
+        """K and V elements per token over all layers (the vLLM KV cache's unit)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+
+def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape, str]:
+    """The shape to plan with and a note saying where it came from."""
+    if arch:
+        preset = preset_for(arch)
+        if preset is not None:
+            return ModelShape.from_hf_config(preset, arch), f"preset {arch}"
+        path = Path(arch)
+        if not path.exists():
+            raise ValueError(f"--arch {arch!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                             f"config.json / model directory")
+        return ModelShape.from_hf_config(_read_config(path), str(path)), f"{path}"
+    path = Path(model_path)
+    if (path / "config.json").is_file():
+        return ModelShape.from_hf_config(_read_config(path), path.name), f"{path / 'config.json'}"
+    preset = preset_for(path.name)
+    if preset is not None:
+        return (ModelShape.from_hf_config(preset, path.name),
+                f"preset {path.name} (no checkpoint at model.path={model_path!r}; public architecture values)")
+    raise ValueError(f"model.path={model_path!r} has no config.json and its name matches no preset "
+                     f"({', '.join(PRESETS)}): pass --arch PRESET or --arch path/to/config.json")
