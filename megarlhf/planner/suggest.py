@@ -72,6 +72,8 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
     if config.rollout.tensor_parallel_size == 1 and 1 < world <= gpus_per_node:
         yield Change((f"rollout.tensor_parallel_size={world}",), notes=("one engine over all ranks",))
     yield Change(world_size=world * 2, notes=("more GPUs",))
+    if world * 2 < gpus_per_node:
+        yield Change(world_size=gpus_per_node, notes=("more GPUs",))
     if config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0:
         yield Change(("algorithm.kl_mode=none",), notes=("drops the reference model: no KL term",))
 

@@ -1,0 +1,72 @@
+"""The memory plan against hand-worked numbers, and how it composes the colocate phases."""
+import pytest
+
+from megarlhf.config import RunConfig, from_dict
+from megarlhf.planner import Launch, ModelShape, plan_memory
+from megarlhf.planner.memory import GIB, MIB
+
+# A small hand-checkable shape: h=64, F=128, 2 layers, 4 heads x 16, 2 KV heads, vocab 256, untied.
+SHAPE = ModelShape(name="toy", hidden_size=64, ffn_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   vocab_size=256, tied_embeddings=False, qkv_bias=False, qk_norm=False)
+
+
+def _config(**sections) -> RunConfig:
+    tree = {"model": {"path": "toy", "dtype": "bfloat16"}, "data": {"train_path": "x", "max_prompt_length": 32},
+            "rollout": {"n_samples": 2, "max_new_tokens": 32, "kv_cache_mb": 1, "weight_sync_bucket_mb": 1},
+            "train": {"global_batch_size": 4, "micro_batch_tokens": 128}}
+    for key, value in sections.items():
+        tree.setdefault(key, {}).update(value)
+    return from_dict(RunConfig, tree)
+
+
+def test_hand_worked_bf16_distributed_optimizer_dp2():
+    # per layer: q 64x64 + k,v 2x64x32 + o 64x64 + mlp 3x64x128 + 2 norms x 64 = 36992; 2 layers 73984;
+    # embedding 256x64 + output 256x64 + final norm 64 = 32832 -> 106816 parameters on the one stage
+    params = 106816
+    plan = plan_memory(_config(algorithm={"kl_mode": "loss"}), SHAPE, Launch(world_size=2))
+    st = plan.stages[0]
+    assert st.components["actor_weights"] == 2 * params
+    assert st.components["actor_grads"] == 4 * params
+    assert st.components["actor_optimizer"] == 12 * params // 2  # fp32 master + 2 moments, over DP=2
+    assert st.components["reference_weights"] == 2 * params
+    # activations per token per layer: bf16 (2h + 3q + 3g + 4hd + 5F) = 128+192+96+64+640 = 1120 elements,
+    # fp32 (4h + q + heads) = 256+64+4 = 324; head: 8h bytes + 3 x 256 x 4 (vocab chunk) per token
+    tokens = 128
+    assert st.components["activations"] == 2 * tokens * (1120 * 2 + 324 * 4) + tokens * (8 * 64 + 3 * 256 * 4)
+    engine = SHAPE.total_params() * 2
+    assert st.phases["generate"] == engine + 1 * MIB
+    assert st.phases["sync"] == 2 * params + engine + max(1 * MIB, 256 * 64 * 2)
+    assert st.phases["train"] == sum(st.components[k] for k in st.components if not k.startswith("engine_"))
+    assert plan.kv_tokens == MIB // (2 * 2 * 2 * 16 * 2)
+
+
+def test_fp32_plain_optimizer_and_cpu_keeps_everything_resident():
+    plan = plan_memory(_config(model={"dtype": "float32"}, optim={"use_distributed_optimizer": False},
+                               algorithm={"kl_mode": "none"}), SHAPE, Launch(world_size=2, device="cpu"))
+    st = plan.stages[0]
+    assert st.components["actor_optimizer"] == 8 * st.components["actor_weights"] // 4  # 2 fp32 moments, unsharded
+    assert st.components["reference_weights"] == 0
+    assert st.phases["train"] == st.phases["generate"] == sum(st.components.values())
+
+
+def test_pipeline_stages_and_critic():
+    plan = plan_memory(_config(parallel={"pipeline_model_parallel_size": 2}, algorithm={"estimator": "gae"}),
+                       SHAPE, Launch(world_size=2))
+    first, last = plan.stages
+    assert first.components["critic_weights"] > 0
+    # 1F1B: the first stage holds 2 micro-batches of its layer in flight, the last one
+    assert first.components["activations"] > last.components["activations"] - 128 * (8 * 64 + 3 * 256 * 4)
+    assert first.activations_recompute < first.components["activations"]
+
+
+def test_layout_errors_name_the_problem():
+    with pytest.raises(ValueError, match="not divisible by tensor_model_parallel_size"):
+        plan_memory(_config(parallel={"tensor_model_parallel_size": 2}), SHAPE, Launch(world_size=3))
+    with pytest.raises(ValueError, match="global_batch_size=4 is not divisible by the data-parallel size 8"):
+        plan_memory(_config(), SHAPE, Launch(world_size=8))
+
+
+def test_refusal_when_over_capacity():
+    plan = plan_memory(_config(), SHAPE, Launch(world_size=1, device_memory_gib=3.0005, reserve_gib=3.0))
+    assert not plan.fits and "train phase" in plan.problems()[0]
+    assert plan.capacity == int(0.0005 * GIB)

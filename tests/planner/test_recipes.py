@@ -1,0 +1,62 @@
+"""`megarlhf plan` on every shipped recipe: each layout of examples/recipes/layouts.yaml fits, each
+refused one is refused with a suggestion that, applied, fits; the demo recipes plan on CPU."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarlhf.cli import main
+
+RECIPES = Path(__file__).parents[2] / "examples" / "recipes"
+LAYOUTS = yaml.safe_load((RECIPES / "layouts.yaml").read_text())
+CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() for gpus, overrides in sizes.items()]
+REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
+
+
+def _plan(capsys, recipe, gpus, overrides, *flags):
+    status = main(["plan", "--gpus", str(gpus), *flags, str(recipe), *overrides])
+    return status, capsys.readouterr().out
+
+
+def test_every_real_size_recipe_has_layouts():
+    shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"layouts.yaml", "demo_grpo.yaml", "demo_sft.yaml"}
+    assert shipped == set(LAYOUTS["layouts"]) and len(shipped) == 8
+    assert all({8, 32} <= set(sizes) for sizes in LAYOUTS["layouts"].values())
+
+
+@pytest.mark.parametrize("name,gpus,overrides", CASES)
+def test_layout_fits(capsys, name, gpus, overrides):
+    status, out = _plan(capsys, RECIPES / name, gpus, overrides)
+    assert status == 0, out
+    assert "fits: peak" in out and "vLLM KV cache" in out and "activations (full recompute)" in out
+
+
+@pytest.mark.parametrize("name,gpus,overrides", REFUSED)
+def test_oversized_layout_is_refused_with_a_fitting_suggestion(capsys, name, gpus, overrides):
+    status, out = _plan(capsys, RECIPES / name, gpus, overrides)
+    assert status == 1 and "DOES NOT FIT" in out and "smallest changes that fit:" in out, out
+    status, out = _plan(capsys, RECIPES / name, gpus, overrides, "--json")
+    plan = json.loads(out)
+    assert not plan["fits"] and plan["suggestions"]
+    suggestion = plan["suggestions"][0].split("  (")[0].split()
+    more_gpus = suggestion.index("--gpus") if "--gpus" in suggestion else None
+    new_gpus = int(suggestion[more_gpus + 1]) if more_gpus is not None else gpus
+    new_overrides = overrides + [s for i, s in enumerate(suggestion) if more_gpus is None or i not in (more_gpus, more_gpus + 1)]
+    status, out = _plan(capsys, RECIPES / name, new_gpus, new_overrides)
+    assert status == 0, out
+
+
+def test_kv_cache_smaller_than_one_sequence_is_refused(capsys):
+    status, out = _plan(capsys, RECIPES / "qwen2.5-0.5b_grpo.yaml", 8, ["rollout.kv_cache_mb=8"])
+    assert status == 1 and "vLLM refuses to start" in out and "rollout.kv_cache_mb=" in out
+
+
+@pytest.mark.parametrize("recipe", ["demo_grpo.yaml", "demo_sft.yaml"])
+def test_demo_recipes_plan_on_cpu(capsys, tmp_path, recipe):
+    from model_providers.tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    status, out = _plan(capsys, RECIPES / recipe, 2, [f"model.path={model}", "data.train_path=x.jsonl"],
+                        "--device", "cpu", "--gpu-mem-gib", "24")
+    assert status == 0, out
