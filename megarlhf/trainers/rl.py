@@ -116,8 +116,8 @@ def train_rl(config: RunConfig) -> Path | None:
                         "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                         "time/step_s": time.perf_counter() - start})
         recorder.log(step, metrics)
-        if checkpointer.should_save(step, steps - 1):
-            checkpointer.save(step, {"step": step + 1, "sampler": sampler.state_dict()})
+        if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
+            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     if first_step < steps and eval_prompts is not None:
         recorder.log(steps, run_eval(steps))
     recorder.close()

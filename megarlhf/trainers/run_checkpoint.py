@@ -161,10 +161,10 @@ class RunCheckpointer:
             seed_everything(self.config.seed + 7919 * step)
         return extra
 
-    def should_save(self, step: int, last_step: int) -> bool:
-        """Every ``checkpoint.every`` steps (0: never in between) and at the last step."""
+    def should_save(self, completed_steps: int, total_steps: int) -> bool:
+        """After every ``checkpoint.every`` completed steps (0: never in between) and after the last one."""
         every = self.config.checkpoint.every
-        return step == last_step or (every > 0 and step % every == 0)
+        return completed_steps == total_steps or (every > 0 and completed_steps % every == 0)
 
     def save(self, step: int, extra_state: dict) -> Path:
         """Writes ``step_<step>`` atomically (replacing one of that name), then keeps only the newest

@@ -44,8 +44,8 @@ def train_sft(config: RunConfig) -> Path:
         metrics["time/step_s"] = time.perf_counter() - start
         if step % config.logging.log_every == 0 or step == steps - 1:
             recorder.log(step, metrics)
-        if checkpointer.should_save(step, steps - 1):
-            checkpointer.save(step, {"step": step + 1, "sampler": sampler.state_dict()})
+        if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
+            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     recorder.close()
     export_dir = export_hf_checkpoint(actor.model, actor.provider, run.run_dir / "hf", source_dir=config.model.path,
                                       overwrite=True)

@@ -1,7 +1,8 @@
 """Resume equivalence of the RL driver: N steps uninterrupted vs killed after a checkpoint and resumed.
 
-The interrupted run is a real torchrun job killed (SIGKILL to its process group) as soon as its first
-checkpoint is complete; ``checkpoint.resume: auto`` then continues to the same N steps. Every figure of
+The interrupted run is a real torchrun job killed (SIGKILL to the launcher and every worker: torchrun
+starts its workers in sessions of their own, so killing its process group alone leaves them running) as
+soon as its first checkpoint is complete; ``checkpoint.resume: auto`` then continues to the same N steps. Every figure of
 ``metrics.jsonl`` must be bit-identical except wall-clock timings (``time/*`` and throughputs).
 """
 import os
@@ -9,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+import psutil
 
 from megarlhf.checkpoint.distributed import is_complete_checkpoint
 from megarlhf.metrics import read_metrics
@@ -39,16 +41,17 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
     recipe = _recipe(tmp_path, rl_assets, cut)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), str(WORKER), str(recipe), *overrides]
-    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = cut / "checkpoints" / "step_1"
+    first = cut / "checkpoints" / "step_2"
     deadline = time.time() + 900
     while not is_complete_checkpoint(first) and job.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    os.killpg(job.pid, signal.SIGKILL)
+    for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)
     job.wait()
     assert is_complete_checkpoint(first), "the run ended before its first checkpoint"
-    assert not is_complete_checkpoint(cut / "checkpoints" / "step_3"), "killed too late to test a resume"
+    assert not is_complete_checkpoint(cut / "checkpoints" / "step_4"), "killed too late to test a resume"
 
     run_torchrun(WORKER, 2, [str(recipe), *overrides, "checkpoint.resume=auto"], timeout_s=900)
     uninterrupted, resumed = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
