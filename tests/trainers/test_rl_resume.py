@@ -55,5 +55,5 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
 
     run_torchrun(WORKER, 2, [str(recipe), *overrides, "checkpoint.resume=auto"], timeout_s=900)
     uninterrupted, resumed = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # 4 steps, then the final evaluation
     assert _comparable(resumed) == _comparable(uninterrupted)
