@@ -23,7 +23,10 @@ def _run(tmp_path, assets, estimator, tp, pp):
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("estimator,tp,pp", [("grpo", 1, 1), ("gae", 1, 1), ("grpo", 2, 1), ("gae", 1, 2)])
+# GRPO at TP=2 and PPO at PP=2 run by default; the (1,1) layouts of both are in the slow set (make test-slow).
+@pytest.mark.parametrize("estimator,tp,pp", [
+    ("grpo", 2, 1), ("gae", 1, 2),
+    pytest.param("grpo", 1, 1, marks=pytest.mark.slow), pytest.param("gae", 1, 1, marks=pytest.mark.slow)])
 def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estimator, tp, pp):
     run = _run(tmp_path, rl_assets, estimator, tp, pp)
     records = read_metrics(run / "metrics.jsonl")

@@ -12,6 +12,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from megarlhf.checkpoint.distributed import is_complete_checkpoint
 from megarlhf.metrics import read_metrics
@@ -31,6 +32,7 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
+@pytest.mark.slow  # three 2-rank runs (~3-5 min on 2 cores): make test-slow
 def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
     overrides = ["train.steps=4", "checkpoint.every=2", "eval.every=0", "optim.schedule=cosine",
                  "optim.warmup_steps=1"]
