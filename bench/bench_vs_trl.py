@@ -64,7 +64,7 @@ QWEN2_50M = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, nu
 THREADS = 2  # in total: megarlhf 2 ranks x 1 thread, TRL 1 process x 2 threads
 STEP_LINE = re.compile(r"\] step (\d+)/(\d+)")
 QUIET = {"PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-         "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+         "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def recipe(name: str) -> dict:
