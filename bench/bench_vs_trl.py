@@ -177,11 +177,8 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
                  f"rollout.n_samples={spec['samples']}", f"rollout.max_new_tokens={spec['new_tokens']}",
                  "rollout.temperature=1.0", f"rollout.kv_cache_mb={spec['kv_cache_mb']}", f"optim.lr={spec['lr']}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(Path(__file__).resolve()), "--megarlhf-rank", "train",
-           str(RECIPES / "demo_grpo.yaml"), *overrides]
-    # every request of a rank's share, prompt and response, fits one vLLM scheduler step
-    budget = spec["prompts"] // 2 * spec["samples"] * (spec["max_prompt_length"] + spec["new_tokens"])
-    env = {**launch_env(THREADS // 2), "BENCH_VLLM_MAX_BATCHED_TOKENS": str(budget)}
+           str(free_port()), "-m", "megarlhf", "train", str(RECIPES / "demo_grpo.yaml"), *overrides]
+    env = launch_env(THREADS // 2)
     start, end, seen = stream(cmd, env, out / "megarlhf.log")
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("time/step_s") is not None]
     if len(steps) != spec["steps"] or len(seen) != spec["steps"]:
@@ -192,30 +189,6 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
                 cpu_s=[seen[i + 1][1] - seen[i][1] for i in range(1, spec["steps"])],
                 startup_s=seen[1][0] - steps[0]["time/step_s"] - start, shutdown_s=end - seen[spec["steps"]][0],
                 wall_s=end - start)
-
-
-def megarlhf_rank(argv: list[str]) -> int:
-    """One torchrun rank of ``megarlhf ARGV`` with vLLM's ``max_num_batched_tokens`` raised.
-
-    Workaround, not a tuning: with more prompt tokens per rank than vLLM's default scheduler budget
-    (4096 for the LLM class), vLLM chunks a prefill and then rewinds that request's seeded generator with
-    ``Generator.set_offset``, which CPU generators do not support ("CPU Generator does not use offset"):
-    megarlhf's rollout (seeded per sample) crashes at step 0 of the demo recipe. A budget that holds a
-    whole rank's batch means no prefill is ever chunked.
-    """
-    import vllm
-
-    budget = int(os.environ["BENCH_VLLM_MAX_BATCHED_TOKENS"])
-    build = vllm.LLM.__init__
-
-    def init(self, *args, **kwargs):
-        kwargs.setdefault("max_num_batched_tokens", budget)
-        build(self, *args, **kwargs)
-
-    vllm.LLM.__init__ = init
-    from megarlhf.cli import main
-
-    return main(argv)
 
 
 def run_trl(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
@@ -393,8 +366,6 @@ def bench_size(name: str, spec: dict, out: Path) -> str:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--megarlhf-rank"]:
-        sys.exit(megarlhf_rank(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,50m", help="comma-separated: tiny, 50m")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps at the 50m size")
