@@ -105,19 +105,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
 
 def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None = None) -> LaunchEnv:
     """Initialises torch.distributed and Megatron's model-parallel groups, then seeds this rank."""
-    from megatron.core import parallel_state
-
     launch = init_distributed(backend)
     config.validate(launch.world_size)
+    _initialize_megatron(config, local_world_size=None)
+    seed_everything(seed)
+    return launch
+
+
+def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -> None:
+    """(Re)creates Megatron's groups for ``config`` over all ranks, or the first ``local_world_size``."""
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
+        local_world_size=local_world_size,
     )
-    seed_everything(seed)
-    return launch
 
 
 def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int = 1234,
@@ -130,22 +136,13 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     TP/PP/CP/DP over the trainer ranks only, so on engine ranks no Megatron group is set and
     ``parallel_state.model_parallel_is_initialized()`` is False.
     """
-    from megatron.core import parallel_state
-
     world_size = read_launch_env().world_size
     if not 1 <= num_trainer_ranks < world_size:
         raise ValueError(f"init_disaggregated: num_trainer_ranks={num_trainer_ranks} must leave at least one of "
                          f"the {world_size} ranks for rollout engines and keep at least one trainer")
     config.validate(num_trainer_ranks)
     launch = init_distributed(backend)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size,
-        local_world_size=num_trainer_ranks,
-    )
+    _initialize_megatron(config, local_world_size=num_trainer_ranks)
     seed_everything(seed)
     return launch
 

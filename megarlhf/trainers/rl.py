@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.data.sampler import PromptSampler
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.engine import SamplingConfig
@@ -66,14 +65,7 @@ def train_rl(config: RunConfig) -> Path | None:
     phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None])
     reward = CombinedReward(config.reward)
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
-    sampler = PromptSampler(len(prompts), config.train.global_batch_size, config.seed, config.data.shuffle,
-                            run.dp_rank, run.dp_size)
-    resumed = checkpointer.resume()
-    first_step = 0
-    if resumed is not None:
-        sampler.load_state_dict(resumed["sampler"])
-        first_step = resumed["step"]
-        run.log(f"resumed from step {first_step}")
+    sampler, first_step = run.resume(checkpointer, len(prompts))
     steps = config.train.steps
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
                                rank=run.launch.rank, resume_after_step=first_step - 1)

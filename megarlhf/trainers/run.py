@@ -13,6 +13,7 @@ from pathlib import Path
 from megarlhf.config import save_config
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
+from megarlhf.data.sampler import PromptSampler
 from parallel.runtime import LaunchEnv, init_disaggregated, init_parallel, read_launch_env
 
 
@@ -38,6 +39,19 @@ class RunContext:
     def log(self, message: str) -> None:
         if self.is_main:
             print(message, flush=True)
+
+    def resume(self, checkpointer, num_examples: int) -> tuple[PromptSampler, int]:
+        """This rank's seeded sampler over ``num_examples`` and the first step to run, both restored from
+        the checkpoint ``checkpoint.resume`` names (models are restored in place by the checkpointer)."""
+        config = self.config
+        sampler = PromptSampler(num_examples, config.train.global_batch_size, config.seed, config.data.shuffle,
+                                self.dp_rank, self.dp_size)
+        resumed = checkpointer.resume()
+        if resumed is None:
+            return sampler, 0
+        sampler.load_state_dict(resumed["sampler"])
+        self.log(f"resumed from step {resumed['step']}")
+        return sampler, resumed["step"]
 
     def load_prompts(self, path: str) -> PromptDataset:
         dataset = load_prompt_dataset(path, self.tokenizer, self.config.data)

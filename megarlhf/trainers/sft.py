@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.data.sampler import PromptSampler
 from megarlhf.data.sft import load_sft_dataset
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.trainers.run import start_run
@@ -27,13 +26,7 @@ def train_sft(config: RunConfig) -> Path:
     steps = config.train.steps
     actor = build_actor(config, total_steps=steps)
     checkpointer = RunCheckpointer(config, {"actor": actor})
-    sampler = PromptSampler(len(dataset), config.train.global_batch_size, config.seed, config.data.shuffle,
-                            run.dp_rank, run.dp_size)
-    resumed = checkpointer.resume()
-    first_step = 0
-    if resumed is not None:
-        sampler.load_state_dict(resumed["sampler"])
-        first_step = resumed["step"]
+    sampler, first_step = run.resume(checkpointer, len(dataset))
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
                                rank=run.launch.rank, resume_after_step=first_step - 1,
                                console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
