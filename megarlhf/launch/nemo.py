@@ -74,8 +74,9 @@ def slurm_executor(*, nodes: int, tasks_per_node: int, job_dir: str | os.PathLik
     """One srun task per GPU (``tasks_per_node``) on ``nodes`` nodes.
 
     ``account``: the Slurm account (NeMo-Run needs one; a cluster without accounting ignores it).
-    ``host``: submit through an SSH tunnel to that login node (``user`` there); None: this machine runs
-    sbatch itself (a local tunnel). ``gpus_per_node=None`` asks for no GPUs (CPU clusters, tests).
+    ``host``: submit through an SSH tunnel to that login node (``user`` there), job files under
+    ``job_dir`` there; None: this machine runs sbatch itself (a local tunnel; the job files then live
+    in NeMo-Run's home, see :func:`run_experiment`). ``gpus_per_node=None`` asks for no GPUs (CPU clusters, tests).
     ``setup_lines``: shell lines run before srun (e.g. activating the environment); the rendezvous
     (MASTER_ADDR = the first node, MASTER_PORT derived from the job id) is exported before them.
     """
@@ -104,12 +105,21 @@ def _set_home(home: str | os.PathLike) -> None:
     set_nemorun_home(str(home))
 
 
+def _align_local_tunnel(executor, home: str | os.PathLike) -> None:
+    """With a local tunnel NeMo-Run writes a job's files under ``<home>/experiments`` and submits them
+    from ``<tunnel.job_dir>/<experiment>/<id>``: the two must be the same directory."""
+    tunnel = getattr(executor, "tunnel", None)
+    if tunnel is not None and type(tunnel).__name__ == "LocalTunnel":
+        tunnel.job_dir = str(Path(home).absolute() / "experiments")
+
+
 def sbatch_script(task, executor, *, name: str, home: str | os.PathLike) -> str:
     """The sbatch script NeMo-Run would submit for ``task`` on a Slurm ``executor`` (nothing is submitted).
     Reads the dry run's torchx request (``Job._dryrun_info``: NeMo-Run keeps it on the job, no accessor)."""
     import nemo_run as run
 
     _set_home(home)
+    _align_local_tunnel(executor, home)
     with run.Experiment(name, log_level="WARN") as experiment:
         experiment.add(task, executor=executor, name=name)
         experiment.dryrun(log=False)
@@ -122,6 +132,7 @@ def run_experiment(name: str, task, executor, *, home: str | os.PathLike, detach
     import nemo_run as run
 
     _set_home(home)
+    _align_local_tunnel(executor, home)
     with run.Experiment(name, log_level="WARN") as experiment:
         experiment.add(task, executor=executor, name=name)
         experiment.run(sequential=True, detach=detach, tail_logs=False)
