@@ -21,6 +21,10 @@ CONF = Path("/etc/slurm/slurm.conf")
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 
 
+class SlurmInstallError(RuntimeError):
+    """apt-get could not install Slurm (no package mirror reachable, ...): the tests skip."""
+
+
 def slurm_unavailable() -> str | None:
     if shutil.which("sbatch") and shutil.which("slurmctld"):
         return None if os.geteuid() == 0 or _node_idle() else "Slurm is installed but not running (and not root)"
@@ -48,9 +52,13 @@ def _node_idle() -> bool:
 
 def _install() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, timeout=600, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True,
-                   capture_output=True, timeout=900, env=env)
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, timeout=600, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True,
+                       capture_output=True, timeout=900, env=env)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise SlurmInstallError(f"apt-get could not install {' '.join(PACKAGES)}: "
+                                f"{getattr(exc, 'stderr', '') or exc}") from None
 
 
 def _write_conf() -> None:

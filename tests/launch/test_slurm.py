@@ -13,7 +13,7 @@ import time
 import pytest
 
 from _launch_common import RECIPE, ROOT, overrides, training_metrics
-from _local_slurm import ensure_local_slurm, slurm_unavailable
+from _local_slurm import SlurmInstallError, ensure_local_slurm, slurm_unavailable
 
 pytestmark = pytest.mark.slurm
 
@@ -23,7 +23,10 @@ def slurm():
     reason = slurm_unavailable()
     if reason:
         pytest.skip(f"no local Slurm: {reason}")
-    ensure_local_slurm()
+    try:
+        ensure_local_slurm()
+    except SlurmInstallError as exc:  # no package mirror: nothing to test against (a start failure fails)
+        pytest.skip(str(exc))
 
 
 def _sbatch(script: str, flags: list[str], args: list[str], cwd, env: dict) -> str:

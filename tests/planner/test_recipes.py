@@ -1,5 +1,6 @@
 """`megarlhf plan` on every shipped recipe: each layout of examples/recipes/layouts.yaml fits, each
-refused one is refused with a suggestion that, applied, fits; the demo recipes plan on CPU."""
+refused one is refused with a suggestion that, applied, fits; the CPU recipes (demo, launch smoke test)
+plan on CPU."""
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from megarlhf.cli import main
 RECIPES = Path(__file__).parents[2] / "examples" / "recipes"
 LAYOUTS = yaml.safe_load((RECIPES / "layouts.yaml").read_text())
 CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() for gpus, overrides in sizes.items()]
+CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "tiny_grpo.yaml"]  # model and data come from overrides
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
@@ -20,7 +22,7 @@ def _plan(capsys, recipe, gpus, overrides, *flags):
 
 
 def test_every_real_size_recipe_has_layouts():
-    shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"layouts.yaml", "demo_grpo.yaml", "demo_sft.yaml"}
+    shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"layouts.yaml", *CPU_RECIPES}
     assert shipped == set(LAYOUTS["layouts"]) and len(shipped) == 8
     assert all({8, 32} <= set(sizes) for sizes in LAYOUTS["layouts"].values())
 
@@ -52,8 +54,8 @@ def test_kv_cache_smaller_than_one_sequence_is_refused(capsys):
     assert status == 1 and "vLLM refuses to start" in out and "rollout.kv_cache_mb=" in out
 
 
-@pytest.mark.parametrize("recipe", ["demo_grpo.yaml", "demo_sft.yaml"])
-def test_demo_recipes_plan_on_cpu(capsys, tmp_path, recipe):
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+def test_cpu_recipes_plan_on_cpu(capsys, tmp_path, recipe):
     from model_providers.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
