@@ -4,7 +4,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-RECIPE = ROOT / "examples" / "recipes" / "tiny_grpo.yaml"
+RECIPE = ROOT / "examples" / "recipes" / "tiny_ppo.yaml"
 # Keys that measure time, not training; every other metric must match across launchers.
 TIMING = ("time/", "throughput/", "perf/")
 

@@ -1,5 +1,5 @@
 """Fixtures of the launch tests: one tiny model and task, one 2-rank torchrun reference run of
-examples/recipes/tiny_grpo.yaml, and the ``slurm`` marker (tests that need a real local Slurm: root,
+examples/recipes/tiny_ppo.yaml, and the ``slurm`` marker (tests that need a real local Slurm: root,
 apt-get and a few minutes; left out unless selected with ``-m slurm``)."""
 from pathlib import Path
 

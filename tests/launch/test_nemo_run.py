@@ -1,4 +1,4 @@
-"""NeMo-Run: the Python-described experiment (examples/nemo_run/tiny_grpo.py) builds the same RunConfig
+"""NeMo-Run: the Python-described experiment (examples/nemo_run/tiny_ppo.py) builds the same RunConfig
 as the YAML recipe, runs through run.LocalExecutor with the torchrun launcher on 2 ranks, and gives the
 same metrics as the torchrun script for the same seed; the SlurmExecutor's sbatch script is inspected."""
 import importlib.util
@@ -12,7 +12,7 @@ from megarlhf.launch import local_executor, megarlhf_task, run_experiment, sbatc
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("tiny_grpo_example", ROOT / "examples" / "nemo_run" / "tiny_grpo.py")
+    spec = importlib.util.spec_from_file_location("tiny_ppo_example", ROOT / "examples" / "nemo_run" / "tiny_ppo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -29,7 +29,7 @@ def test_local_executor_torchrun_matches_torchrun_script(tiny_assets, tmp_path, 
     model, train = tiny_assets
     config = _example().experiment_config(str(model), str(train), str(tmp_path / "run"))
     task = megarlhf_task(config, tmp_path / "job", python=sys.executable)
-    state = run_experiment("tiny-grpo", task, local_executor(2, env={"PYTHONWARNINGS": "ignore"}),
+    state = run_experiment("tiny-ppo", task, local_executor(2, env={"PYTHONWARNINGS": "ignore"}),
                            home=tmp_path / "home")
     assert state == "SUCCEEDED"
     assert load_config(RunConfig, tmp_path / "job" / "config.yaml") == config  # what the ranks loaded

@@ -68,9 +68,9 @@ def test_nemo_run_slurm_executor_matches_torchrun(slurm, tiny_assets, tmp_path, 
                               time="00:20:00", env={"PYTHONWARNINGS": "ignore"})
     # detached: NeMo-Run's attached monitoring polls sacct, which a Slurm without accounting storage
     # (this one) does not answer, and it cancels the job after 30 failed polls; squeue is watched instead
-    assert run_experiment("tiny-grpo-slurm", task, executor, home=tmp_path / "home", detach=True) == "SUBMITTED"
+    assert run_experiment("tiny-ppo-slurm", task, executor, home=tmp_path / "home", detach=True) == "SUBMITTED"
     deadline = time.monotonic() + 900
-    while subprocess.run(["squeue", "-h", "-n", "local-local.tiny-grpo-slurm"], capture_output=True,
+    while subprocess.run(["squeue", "-h", "-n", "local-local.tiny-ppo-slurm"], capture_output=True,
                          text=True).stdout.strip():
         assert time.monotonic() < deadline, "the NeMo-Run Slurm job did not finish in 15 minutes"
         time.sleep(5)

@@ -1,12 +1,12 @@
-"""A NeMo-Run experiment described in Python: GRPO on a tiny model, 2 ranks, run locally or on Slurm.
+"""A NeMo-Run experiment described in Python: PPO (GAE critic) on a tiny model, 2 ranks, run locally or on Slurm.
 
 The experiment is a RunConfig built from megarlhf's own dataclasses (the same ones the YAML recipes
-fill; this one equals examples/recipes/tiny_grpo.yaml with the same paths), handed to
+fill; this one equals examples/recipes/tiny_ppo.yaml with the same paths), handed to
 megarlhf.launch, which saves it into the job directory and runs ``python -m megarlhf train`` on every
 rank through NeMo-Run:
 
-    python examples/nemo_run/tiny_grpo.py --model M --train-data D.jsonl --out runs/nr            # local, torchrun
-    python examples/nemo_run/tiny_grpo.py ... --executor slurm [--partition P] [--account A]    # sbatch (srun)
+    python examples/nemo_run/tiny_ppo.py --model M --train-data D.jsonl --out runs/nr            # local, torchrun
+    python examples/nemo_run/tiny_ppo.py ... --executor slurm [--partition P] [--account A]    # sbatch (srun)
 
 Make the model and data with tools/make_tiny_model.py and megarlhf.data.synthetic.write_arithmetic_task.
 """
@@ -26,7 +26,7 @@ def experiment_config(model_path: str, train_path: str, run_dir: str) -> RunConf
         model=ModelConfig(path=model_path, dtype="float32"),
         data=DataConfig(train_path=train_path, chat_template="never", max_prompt_length=96),
         rollout=RolloutConfig(n_samples=4, max_new_tokens=12, temperature=1.0, kv_cache_mb=64),
-        algorithm=AlgorithmConfig(estimator="grpo", kl=KLConfig(coef=0.01)),
+        algorithm=AlgorithmConfig(estimator="gae", kl=KLConfig(coef=0.01)),
         optim=OptimConfig(lr=1.0e-4),
         train=TrainConfig(steps=2, global_batch_size=4, micro_batch_tokens=512),
         reward=RewardConfig(functions=[RewardSpec("exact_match")], num_workers=1),
@@ -53,8 +53,8 @@ def main() -> None:
     executor = (local_executor(args.nproc) if args.executor == "local" else
                 slurm_executor(nodes=args.nodes, tasks_per_node=args.nproc, job_dir=out / "slurm",
                                partition=args.partition, account=args.account, time="00:30:00"))
-    state = run_experiment("tiny-grpo", task, executor, home=out / "home")
-    print(f"tiny-grpo: {state}; metrics in {out / 'run' / 'metrics.jsonl'}")
+    state = run_experiment("tiny-ppo", task, executor, home=out / "home")
+    print(f"tiny-ppo: {state}; metrics in {out / 'run' / 'metrics.jsonl'}")
 
 
 if __name__ == "__main__":
