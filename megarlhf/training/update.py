@@ -133,6 +133,17 @@ def _mean_of_steps(role: str, results: list[StepResult], per_token: tuple[str, .
     return out
 
 
+def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
+    """The row indices of each optimizer step: ``train.mini_batches`` contiguous splits of this rank's
+    batch, repeated for ``train.epochs_per_step`` epochs."""
+    splits = torch.arange(batch.batch_size).tensor_split(config.train.mini_batches)
+    if any(rows.numel() == 0 for rows in splits):
+        raise ValueError(f"{where}: {batch.batch_size} sequences on this rank cannot fill "
+                         f"train.mini_batches={config.train.mini_batches} mini-batches")
+    for _ in range(config.train.epochs_per_step):
+        yield from splits
+
+
 def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
                  on_nonfinite: str = "abort") -> dict[str, float]:
     """Trains the actor on this DP rank's ``batch`` (needs old_logprobs, advantages, and ref_logprobs
@@ -146,20 +157,15 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
         mask, is_weights = corrected.response_mask, corrected.is_weights
     batch = batch.replace(response_mask=mask)
-    entropy = True
     results = []
-    for _ in range(config.train.epochs_per_step):
-        for rows in torch.arange(batch.batch_size).tensor_split(config.train.mini_batches):
-            if rows.numel() == 0:
-                raise ValueError(f"actor_update: {batch.batch_size} sequences on this rank cannot fill "
-                                 f"train.mini_batches={config.train.mini_batches} mini-batches")
-            mini = batch.select(rows)
-            weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
-            mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
-            results.append(optimizer_step(
-                actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config), ACTOR_SUMS,
-                loss_name="loss", temperature=sampling_temperature(config), entropy=entropy,
-                on_nonfinite=on_nonfinite))
+    for rows in _mini_batch_rows(batch, config, "actor_update"):
+        mini = batch.select(rows)
+        weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
+        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
+        results.append(optimizer_step(
+            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config), ACTOR_SUMS,
+            loss_name="loss", temperature=sampling_temperature(config), entropy=True,
+            on_nonfinite=on_nonfinite))
     metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
                                   ("loss", "pg_loss", "kl_loss")))
     return metrics
@@ -188,13 +194,9 @@ def critic_update(critic: TrainModel, batch: ExperienceBatch, config: RunConfig,
     """Trains the critic on this DP rank's ``batch`` (needs values and returns)."""
     batch.require("critic_update", "values", "returns")
     results = []
-    for _ in range(config.train.epochs_per_step):
-        for rows in torch.arange(batch.batch_size).tensor_split(config.train.mini_batches):
-            if rows.numel() == 0:
-                raise ValueError(f"critic_update: {batch.batch_size} sequences on this rank cannot fill "
-                                 f"train.mini_batches={config.train.mini_batches} mini-batches")
-            mini = batch.select(rows)
-            mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
-            results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config), CRITIC_SUMS,
-                                          loss_name="value_loss", on_nonfinite=on_nonfinite))
+    for rows in _mini_batch_rows(batch, config, "critic_update"):
+        mini = batch.select(rows)
+        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
+        results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config), CRITIC_SUMS,
+                                      loss_name="value_loss", on_nonfinite=on_nonfinite))
     return _mean_of_steps("critic", results, ("value_clip_fraction",), ("value_loss",))
