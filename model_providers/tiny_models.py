@@ -63,14 +63,16 @@ def tiny_corpus() -> list[str]:
     return prose * 20 + arithmetic
 
 
-def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: list[str] | None = None):
+def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: list[str] | None = None,
+                         pre_tokenizer=None):
     """A byte-level BPE tokenizer trained on ``corpus`` (default :func:`tiny_corpus`), as a transformers
-    fast tokenizer. A task's own texts as corpus give it whole-word tokens (shorter sequences)."""
+    fast tokenizer. A task's own texts as corpus give it whole-word tokens (shorter sequences).
+    ``pre_tokenizer`` (a ``tokenizers`` pre-tokenizer) replaces the GPT-2-style byte-level split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -127,5 +129,32 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, dtype: torch.
     randomize_(model, seed)
     out = Path(out_dir)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_loadable_tokenizer(tokenizer, out, tokenizer_vocab_size, tokenizer_corpus)
     return out
+
+
+def save_loadable_tokenizer(tokenizer, out: Path, vocab_size: int, corpus: list[str] | None) -> None:
+    """Saves ``tokenizer`` next to the model's config so that ``AutoTokenizer`` (hence transformers, vLLM
+    and megarlhf) splits text exactly as the tokenizer was trained to.
+
+    transformers rebuilds some architectures' tokenizers from the vocabulary with a pre-tokenizer of its
+    own (Qwen2's splits every digit and separates spaces from numbers); merges learned under another
+    split would then never apply. In that case the tokenizer is trained again with the pre-tokenizer
+    transformers will use, and the round trip is checked."""
+    from transformers import AutoTokenizer
+
+    sample = (tiny_corpus() if corpus is None else corpus)[:200]
+    tokenizer.save_pretrained(out)
+    loaded = AutoTokenizer.from_pretrained(out)
+    if _token_ids(loaded, sample) == _token_ids(tokenizer, sample):
+        return
+    tokenizer = train_tiny_tokenizer(vocab_size, corpus, pre_tokenizer=loaded.backend_tokenizer.pre_tokenizer)
+    tokenizer.save_pretrained(out)
+    loaded = AutoTokenizer.from_pretrained(out)
+    if _token_ids(loaded, sample) != _token_ids(tokenizer, sample):
+        raise RuntimeError(f"{out}: the saved tokenizer loads as {type(loaded).__name__}, which tokenizes the "
+                           "corpus differently from the trained tokenizer")
+
+
+def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]

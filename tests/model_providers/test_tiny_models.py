@@ -45,6 +45,23 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_loaded_tokenizer_splits_as_trained(tmp_path):
+    """transformers loads a qwen2 directory as Qwen2Tokenizer, which splits digits one by one whatever the
+    file says; the tiny qwen2 tokenizer is trained under that split, so no learned token is dead."""
+    for arch in ("llama", "qwen2"):
+        out = make_tiny_model(arch, tmp_path / arch)
+        tok = AutoTokenizer.from_pretrained(out)
+        spaced_numbers = [t for t in tok.get_vocab() if t.startswith("\u0120") and t[1:2].isdigit()]
+        ids = tok("Tom has 12 apples and 30 pears.")["input_ids"]
+        pieces = [tok.decode([i]) for i in ids]
+        if arch == "qwen2":
+            assert type(tok).__name__ == "Qwen2Tokenizer" and not spaced_numbers
+            assert pieces[pieces.index("1") - 1: pieces.index("1") + 2] == [" ", "1", "2"]
+        else:
+            assert spaced_numbers and " 1" in pieces  # GPT-2-style split keeps the space with the number
+        assert tok.decode(ids) == "Tom has 12 apples and 30 pears."
+
+
 def test_cli_with_overrides(tmp_path):
     out = tmp_path / "cli"
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch", "llama", "--out", str(out),
