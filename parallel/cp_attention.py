@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -269,6 +270,21 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
+def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], scale: float) -> Tensor:
+    """Causal attention within each ``[bounds[i], bounds[i+1])`` segment of the token axis, without CP:
+    one torch SDPA call per sequence (its fused CPU/GPU kernels), ``q`` ``[b, groups, per_group, s, d]``
+    and ``k``/``v`` ``[b, groups, 1, s, d]`` as in :meth:`ContextParallelAttention._attend`.
+
+    Used at cp=1 because the tiled kernel's plain-torch online softmax is ~2x slower there and the
+    segments of a packed micro-batch are short; SDPA's flash kernels keep long ones O(s) in memory."""
+    b, groups, per_group, s, d = q.shape
+    q4, k4, v4 = q.reshape(b, groups * per_group, s, d), k.squeeze(2), v.squeeze(2)
+    parts = [F.scaled_dot_product_attention(q4[:, :, lo:hi], k4[:, :, lo:hi], v4[:, :, lo:hi], is_causal=True,
+                                            scale=scale, enable_gqa=per_group > 1)
+             for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    return torch.cat(parts, dim=2).reshape(b, groups, per_group, s, d)
+
+
 class ContextParallelAttention(MegatronModule):
     """Causal core attention over the CP group, for the local layer spec (see the module docstring).
 
@@ -351,8 +367,7 @@ class ContextParallelAttention(MegatronModule):
         rank = self.cp_group.rank() if cp_size > 1 else 0
         layouts = [TokenLayout.of_rank(bounds, cp_size, r) for r in range(cp_size)]
         if cp_size == 1:
-            return _LocalTiledAttention.apply(q, k, v, layouts[0], layouts[0], self.softmax_scale,
-                                              self.block_size)
+            return per_sequence_attention(q, k, v, bounds, self.softmax_scale)
         if self.cp_comm_type == "p2p":
             return _RingAttention.apply(q, k.contiguous(), v.contiguous(), layouts, self.softmax_scale,
                                         self.block_size, self.cp_group)
