@@ -56,7 +56,10 @@ def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
     return EngineConfig(
         tensor_parallel_size=rollout.tensor_parallel_size, dtype=config.model.dtype, seed=config.seed,
         enforce_eager=rollout.enforce_eager, max_model_len=config.data.max_prompt_length + rollout.max_new_tokens,
-        kv_cache_bytes=rollout.kv_cache_mb * 2**20, num_threads=torch.get_num_threads(), in_process=in_process)
+        kv_cache_bytes=rollout.kv_cache_mb * 2**20, num_threads=torch.get_num_threads(), in_process=in_process,
+        # the trainer scores responses at the sampling temperature (training.update.sampling_temperature),
+        # so the engine must report log-probs after temperature scaling as well
+        logprobs_mode="raw_logprobs" if rollout.temperature in (0.0, 1.0) else "processed_logprobs")
 
 
 def sync_config(config: RunConfig) -> WeightSyncConfig:

@@ -16,19 +16,22 @@ ALWAYS = ["reward/mean", "reward/std", "response_len/mean", "actor/pg_loss", "ac
           "time/weight_sync_s", "time/train_s"]
 
 
-def _run(tmp_path, assets, estimator, tp, pp):
+def _run(tmp_path, assets, estimator, tp, pp, temperature):
     recipe = write_recipe(tmp_path / "recipe.yaml", assets, estimator, tmp_path / "run")
     run_torchrun(WORKER, 2, [str(recipe), f"parallel.tensor_model_parallel_size={tp}",
-                             f"parallel.pipeline_model_parallel_size={pp}"], timeout_s=900)
+                             f"parallel.pipeline_model_parallel_size={pp}", f"rollout.temperature={temperature}"],
+                 timeout_s=900)
     return tmp_path / "run"
 
 
 # GRPO at TP=2 and PPO at PP=2 run by default; the (1,1) layouts of both are in the slow set (make test-slow).
-@pytest.mark.parametrize("estimator,tp,pp", [
-    ("grpo", 2, 1), ("gae", 1, 2),
-    pytest.param("grpo", 1, 1, marks=pytest.mark.slow), pytest.param("gae", 1, 1, marks=pytest.mark.slow)])
-def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estimator, tp, pp):
-    run = _run(tmp_path, rl_assets, estimator, tp, pp)
+# GRPO samples at temperature 0.7: the engine must then report temperature-scaled log-probs, as the
+# trainer computes them (with vLLM's raw log-probs the step-0 gate fails by ~4 nats).
+@pytest.mark.parametrize("estimator,tp,pp,temperature", [
+    ("grpo", 2, 1, 0.7), ("gae", 1, 2, 1.0),
+    pytest.param("grpo", 1, 1, 1.0, marks=pytest.mark.slow), pytest.param("gae", 1, 1, 1.0, marks=pytest.mark.slow)])
+def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estimator, tp, pp, temperature):
+    run = _run(tmp_path, rl_assets, estimator, tp, pp, temperature)
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]  # two RL steps, then the final evaluation
     for record in records[:2]:
