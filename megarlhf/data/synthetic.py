@@ -155,16 +155,32 @@ def write_jsonl(rows: list[dict], path: Path, keys: tuple[str, ...]) -> Path:
     return path
 
 
+def mix_direct_answers(rows: list[dict], fraction: float, seed: int) -> list[dict]:
+    """SFT rows where a seeded ``fraction`` of responses keep only the final-answer line (no worked
+    solution), as in instruction data that mixes bare answers with explanations."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"sft_direct_fraction must be in [0, 1], got {fraction}")
+    rng = random.Random(f"{seed}-direct")
+    mixed = []
+    for row in rows:
+        final = row["response"].rsplit("\n", 1)[-1] if "\n" in row["response"] else \
+            row["response"][row["response"].rindex("The answer is"):]
+        mixed.append({**row, "response": final} if rng.random() < fraction else row)
+    return mixed
+
+
 def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
-                          **knobs) -> dict[str, Path]:
+                          sft_direct_fraction: float = 0.0, **knobs) -> dict[str, Path]:
     """Writes ``train.jsonl`` and ``heldout.jsonl`` (prompt, answer, expression) and ``sft_train.jsonl``
-    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings."""
+    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings and
+    ``sft_direct_fraction`` the share of SFT responses that give the answer without working it out."""
     out = Path(out_dir)
     train = generate_split(n_train, heldout=False, seed=seed, **knobs)
     heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
+    sft = mix_direct_answers(train, sft_direct_fraction, seed)
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
-            "sft_train": write_jsonl(train, out / "sft_train.jsonl", ("prompt", "response"))}
+            "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 
 from megarlhf.data import generate_split, write_arithmetic_task
+from megarlhf.data.synthetic import mix_direct_answers
 from megarlhf.rewards import REWARDS, RewardInput
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -65,3 +66,19 @@ def test_seeded_knobs_and_hash_format():
         generate_split(500, False, seed=0, max_steps=1, max_value=3, ops=("add",))
     with pytest.raises(ValueError, match="bad difficulty settings"):
         generate_split(5, False, seed=0, ops=("pow",))
+
+
+def test_sft_direct_answer_mix(tmp_path):
+    paths = write_arithmetic_task(tmp_path, n_train=400, n_heldout=10, seed=3, sft_direct_fraction=0.6)
+    train, sft = _read(paths["train"]), _read(paths["sft_train"])
+    direct = [s for s in sft if not s["response"].startswith("Start with")]
+    assert 0.5 < len(direct) / len(sft) < 0.7
+    for s, t in zip(sft, train):
+        assert s["response"].endswith(f"The answer is {t['answer']}.")
+        if s in direct:
+            assert s["response"] == f"The answer is {t['answer']}."
+    hashes = mix_direct_answers(generate_split(50, False, seed=0, answer_format="hashes"), 1.0, seed=0)
+    assert all(r["response"].startswith("#### ") for r in hashes)
+    assert _read(write_arithmetic_task(tmp_path / "b", 400, 10, seed=3, sft_direct_fraction=0.6)["sft_train"]) == sft
+    with pytest.raises(ValueError, match="sft_direct_fraction"):
+        mix_direct_answers(sft, 1.5, seed=0)
