@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from demo import MODEL as DEMO_MODEL, RECIPES, TASK as DEMO_TASK  # noqa: E402
+from demo import ARCH as DEMO_ARCH, MODEL as DEMO_MODEL, RECIPES, TASK as DEMO_TASK  # noqa: E402
 
 QWEN2_50M = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                  intermediate_size=2048, max_position_embeddings=512, vocab_size=32000)
@@ -76,10 +76,10 @@ def recipe(name: str) -> dict:
 def size_specs(args) -> dict[str, dict]:
     """The two sizes; the tiny one takes its batch, samples, length, KV cache and steps from the recipe."""
     grpo = recipe("demo_grpo.yaml")
-    tiny = dict(model=DEMO_MODEL, prompts=grpo["train"]["global_batch_size"], samples=grpo["rollout"]["n_samples"],
+    tiny = dict(arch=DEMO_ARCH, model=DEMO_MODEL, prompts=grpo["train"]["global_batch_size"], samples=grpo["rollout"]["n_samples"],
                 new_tokens=grpo["rollout"]["max_new_tokens"], kv_cache_mb=grpo["rollout"]["kv_cache_mb"],
                 steps=args.tiny_steps or grpo["train"]["steps"], sft_steps=args.sft_steps, trl_micro=32)
-    big = dict(model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512, steps=args.steps,
+    big = dict(arch="qwen2", model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512, steps=args.steps,
                sft_steps=0, trl_micro=16)
     common = dict(lr=grpo["optim"]["lr"], clip_grad=grpo["optim"]["clip_grad"],
                   max_prompt_length=grpo["data"]["max_prompt_length"], seed=grpo["seed"])
@@ -96,7 +96,7 @@ def prepare(out: Path, spec: dict) -> tuple[Path, dict]:
     data = write_arithmetic_task(out / "data", n_train=4000, n_heldout=200, seed=0, **DEMO_TASK)
     rows = [json.loads(line) for line in Path(data["sft_train"]).read_text().splitlines()]
     corpus = [text for row in rows for text in (row["prompt"], row["response"])]
-    base = make_tiny_model("qwen2", out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
+    base = make_tiny_model(spec["arch"], out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
                            **spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_tokens([f"<unused_{i}>" for i in range(len(tokenizer), spec["model"]["vocab_size"])])
@@ -328,7 +328,7 @@ def report(name: str, spec: dict, params: int, ours: dict, trl: dict) -> str:
     window = max(1, min(10, spec["steps"] - 1))
     a, b = summarise(ours, window), summarise(trl, window)
     shape = ", ".join(f"{k}={v}" for k, v in spec["model"].items())
-    lines = [f"\n== {name}: Qwen2 {shape} ({params / 1e6:.1f}M parameters, fp32)",
+    lines = [f"\n== {name}: {spec['arch']} {shape} ({params / 1e6:.1f}M parameters, fp32)",
              f"   {spec['prompts']} prompts x {spec['samples']} samples x {spec['new_tokens']} new tokens, "
              f"{spec['steps']} steps, lr {spec['lr']}, SFT warm start: {spec['sft_steps'] or 'none'}"
              f"{' steps' if spec['sft_steps'] else ' (random weights)'}; "

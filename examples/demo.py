@@ -2,7 +2,7 @@
 
 1. writes a synthetic verifiable task: arithmetic word problems with numeric answers, a training split
    and a held-out split that share no problem (megarlhf.data.synthetic);
-2. makes a tiny Qwen2-architecture model from scratch (random weights, a BPE tokenizer trained on the
+2. makes a tiny Llama-architecture model from scratch (random weights, a BPE tokenizer trained on the
    task's training texts);
 3. SFT on worked answers (``megarlhf sft``, 2 ranks, data parallel);
 4. GRPO (``megarlhf train``, 2 ranks: Megatron-Core trainer + one vLLM engine per rank, colocated),
@@ -21,9 +21,14 @@ import time
 from pathlib import Path
 
 RECIPES = Path(__file__).with_name("recipes")
-TASK = dict(max_steps=3, max_value=10, ops=("add", "sub"), instruction=None)
+TASK = dict(max_steps=2, max_value=15, ops=("add", "sub"), instruction=None)
+# Llama architecture: transformers loads its tokenizer with the split it was trained with, so numbers up
+# to ~40 are single tokens (a Qwen2 directory is re-tokenized digit by digit, which makes the sums harder
+# for a 3M-parameter model and the sequences ~1.5x longer).
+ARCH = "llama"
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-             intermediate_size=768, max_position_embeddings=256, vocab_size=640)
+             intermediate_size=768, max_position_embeddings=256, vocab_size=640, tie_word_embeddings=True,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 
 
 def megarlhf(command: str, recipe: str, overrides: list[str], nproc: int) -> None:
@@ -54,7 +59,7 @@ def main() -> None:
     data = write_arithmetic_task(out / "data", n_train=4000, n_heldout=200, seed=0, **TASK)
     rows = [json.loads(line) for line in Path(data["sft_train"]).read_text().splitlines()]
     corpus = [text for row in rows for text in (row["prompt"], row["response"])]
-    base = make_tiny_model("qwen2", out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
+    base = make_tiny_model(ARCH, out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
                            **MODEL)
     print(f"[demo] task and model ready ({time.time() - start:.0f} s)", flush=True)
 
