@@ -40,7 +40,7 @@ texts (a few hundred tokens) and padded with placeholder tokens up to the model'
 random weights samples the extra ids, and both engines must be able to decode them.
 
   .venv/bin/python bench/bench_vs_trl.py [--sizes tiny,50m] [--steps 3] [--tiny-steps 40]
-      [--sft-steps 150] [--out runs/bench_vs_trl]
+      [--sft-steps N] [--out runs/bench_vs_trl]
 """
 from __future__ import annotations
 
@@ -76,11 +76,12 @@ def recipe(name: str) -> dict:
 def size_specs(args) -> dict[str, dict]:
     """The two sizes; the tiny one takes its batch, samples, length, KV cache and steps from the recipe."""
     grpo = recipe("demo_grpo.yaml")
-    tiny = dict(arch=DEMO_ARCH, model=DEMO_MODEL, prompts=grpo["train"]["global_batch_size"], samples=grpo["rollout"]["n_samples"],
-                new_tokens=grpo["rollout"]["max_new_tokens"], kv_cache_mb=grpo["rollout"]["kv_cache_mb"],
-                steps=args.tiny_steps or grpo["train"]["steps"], sft_steps=args.sft_steps, trl_micro=32)
-    big = dict(arch="qwen2", model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512, steps=args.steps,
-               sft_steps=0, trl_micro=16)
+    tiny = dict(arch=DEMO_ARCH, model=DEMO_MODEL, prompts=grpo["train"]["global_batch_size"],
+                samples=grpo["rollout"]["n_samples"], new_tokens=grpo["rollout"]["max_new_tokens"], kv_cache_mb=grpo["rollout"]["kv_cache_mb"],
+                steps=args.tiny_steps or grpo["train"]["steps"], trl_micro=32,
+                sft_steps=recipe("demo_sft.yaml")["train"]["steps"] if args.sft_steps is None else args.sft_steps)
+    big = dict(arch="qwen2", model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512,
+               steps=args.steps, sft_steps=0, trl_micro=16)
     common = dict(lr=grpo["optim"]["lr"], clip_grad=grpo["optim"]["clip_grad"],
                   max_prompt_length=grpo["data"]["max_prompt_length"], seed=grpo["seed"])
     return {"tiny": {**tiny, **common}, "50m": {**big, **common}}
@@ -371,7 +372,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps at the 50m size")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step at the 50m size (even)")
     parser.add_argument("--tiny-steps", type=int, default=None, help="GRPO steps at the tiny size (recipe's)")
-    parser.add_argument("--sft-steps", type=int, default=150, help="SFT warm start of the tiny size (0: none)")
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="SFT warm start of the tiny size (default: the demo SFT recipe's; 0: none)")
     parser.add_argument("--out", default="runs/bench_vs_trl")
     parser.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
