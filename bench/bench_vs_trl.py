@@ -77,7 +77,8 @@ def size_specs(args) -> dict[str, dict]:
     """The two sizes; the tiny one takes its batch, samples, length, KV cache and steps from the recipe."""
     grpo = recipe("demo_grpo.yaml")
     tiny = dict(arch=DEMO_ARCH, model=DEMO_MODEL, prompts=grpo["train"]["global_batch_size"],
-                samples=grpo["rollout"]["n_samples"], new_tokens=grpo["rollout"]["max_new_tokens"], kv_cache_mb=grpo["rollout"]["kv_cache_mb"],
+                samples=grpo["rollout"]["n_samples"], new_tokens=grpo["rollout"]["max_new_tokens"],
+                kv_cache_mb=grpo["rollout"]["kv_cache_mb"],
                 steps=args.tiny_steps or grpo["train"]["steps"], trl_micro=32,
                 sft_steps=recipe("demo_sft.yaml")["train"]["steps"] if args.sft_steps is None else args.sft_steps)
     big = dict(arch="qwen2", model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512,
