@@ -76,7 +76,7 @@ class MetricsRecorder:
         self._print(step, record)
 
     def _print(self, step: int, record: dict) -> None:
-        done = step + 1
+        done = min(step + 1, self.total_steps)  # the final evaluation is recorded as step == total_steps
         width = 20
         filled = int(width * done / max(self.total_steps, 1))
         elapsed = time.time() - self._start
