@@ -365,10 +365,10 @@ class ContextParallelAttention(MegatronModule):
         return out.squeeze(1) if thd else out
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], cp_size: int) -> Tensor:
-        rank = self.cp_group.rank() if cp_size > 1 else 0
-        layouts = [TokenLayout.of_rank(bounds, cp_size, r) for r in range(cp_size)]
         if cp_size == 1:
             return per_sequence_attention(q, k, v, bounds, self.softmax_scale)
+        rank = self.cp_group.rank()
+        layouts = [TokenLayout.of_rank(bounds, cp_size, r) for r in range(cp_size)]
         if self.cp_comm_type == "p2p":
             return _RingAttention.apply(q, k.contiguous(), v.contiguous(), layouts, self.softmax_scale,
                                         self.block_size, self.cp_group)
