@@ -116,6 +116,11 @@ def render(problem: Problem, rng: random.Random, instruction: str | None) -> tup
     return prompt, solution
 
 
+def final_answer(answer: str, answer_format: str) -> str:
+    """The line a response ends with: ``The answer is N.`` or ``#### N``."""
+    return f"The answer is {answer}." if answer_format == "answer_is" else f"#### {answer}"
+
+
 def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_value: int = 20,
                    ops: tuple[str, ...] = ("add", "sub", "mul", "div"), heldout_fraction: float = 0.2,
                    instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is") -> list[dict]:
@@ -138,7 +143,7 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
             continue
         seen.add(problem.key)
         prompt, work = render(problem, rng, instruction)
-        final = f"The answer is {problem.answer}." if answer_format == "answer_is" else f"#### {problem.answer}"
+        final = final_answer(str(problem.answer), answer_format)
         rows.append({"prompt": prompt, "answer": str(problem.answer), "expression": problem.expression,
                      "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}"})
     if len(rows) < n:
@@ -155,18 +160,14 @@ def write_jsonl(rows: list[dict], path: Path, keys: tuple[str, ...]) -> Path:
     return path
 
 
-def mix_direct_answers(rows: list[dict], fraction: float, seed: int) -> list[dict]:
+def mix_direct_answers(rows: list[dict], fraction: float, seed: int, answer_format: str = "answer_is") -> list[dict]:
     """SFT rows where a seeded ``fraction`` of responses keep only the final-answer line (no worked
     solution), as in instruction data that mixes bare answers with explanations."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"sft_direct_fraction must be in [0, 1], got {fraction}")
     rng = random.Random(f"{seed}-direct")
-    mixed = []
-    for row in rows:
-        final = row["response"].rsplit("\n", 1)[-1] if "\n" in row["response"] else \
-            row["response"][row["response"].rindex("The answer is"):]
-        mixed.append({**row, "response": final} if rng.random() < fraction else row)
-    return mixed
+    return [{**row, "response": final_answer(row["answer"], answer_format)} if rng.random() < fraction else row
+            for row in rows]
 
 
 def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
@@ -177,7 +178,7 @@ def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, see
     out = Path(out_dir)
     train = generate_split(n_train, heldout=False, seed=seed, **knobs)
     heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
-    sft = mix_direct_answers(train, sft_direct_fraction, seed)
+    sft = mix_direct_answers(train, sft_direct_fraction, seed, knobs.get("answer_format", "answer_is"))
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}

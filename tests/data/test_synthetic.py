@@ -77,7 +77,8 @@ def test_sft_direct_answer_mix(tmp_path):
         assert s["response"].endswith(f"The answer is {t['answer']}.")
         if s in direct:
             assert s["response"] == f"The answer is {t['answer']}."
-    hashes = mix_direct_answers(generate_split(50, False, seed=0, answer_format="hashes"), 1.0, seed=0)
+    hashes = mix_direct_answers(generate_split(50, False, seed=0, answer_format="hashes"), 1.0, seed=0,
+                                answer_format="hashes")
     assert all(r["response"].startswith("#### ") for r in hashes)
     assert _read(write_arithmetic_task(tmp_path / "b", 400, 10, seed=3, sft_direct_fraction=0.6)["sft_train"]) == sft
     with pytest.raises(ValueError, match="sft_direct_fraction"):
