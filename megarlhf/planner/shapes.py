@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by (model_providers uses the same)
+from model_providers.base import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+
 
 _QWEN25_COMMON = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768)
 PRESETS: dict[str, dict] = {
@@ -80,7 +81,7 @@ class ModelShape:
                    qk_norm=config.get("model_type") == "qwen3")
 
     def padded_vocab(self, tp: int) -> int:
-        unit = VOCAB_DIVISIBLE_BY * tp
+        unit = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
         return math.ceil(self.vocab_size / unit) * unit
 
     def check_layout(self, tp: int, pp: int) -> None:
