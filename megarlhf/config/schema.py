@@ -95,6 +95,11 @@ class AlgorithmConfig:
     def uses_critic(self) -> bool:
         return self.estimator == "gae"
 
+    @property
+    def uses_reference(self) -> bool:
+        """A frozen reference model is needed only for a KL term that has weight."""
+        return self.kl_mode != "none" and self.kl.coef > 0
+
 
 @dataclass
 class OptimConfig:

@@ -169,9 +169,8 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     shards = dp * config.parallel.context_parallel_size
     par = config.parallel
     comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
-    uses_ref = config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0
-    comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size,
-                                                       par.pipeline_model_parallel_size, stage) * d if uses_ref else 0)
+    comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                                       stage) * d if config.algorithm.uses_reference else 0)
     critic = _trainable(shape, config, stage, d, shards, "value") if config.algorithm.uses_critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     act, act_recompute = _activations(shape, config, stage, d, max_model_len, "lm")

@@ -74,7 +74,7 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
     yield Change(world_size=world * 2, notes=("more GPUs",))
     if world * 2 < gpus_per_node:
         yield Change(world_size=gpus_per_node, notes=("more GPUs",))
-    if config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0:
+    if config.algorithm.uses_reference:
         yield Change(("algorithm.kl_mode=none",), notes=("drops the reference model: no KL term",))
 
 

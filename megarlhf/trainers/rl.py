@@ -38,10 +38,6 @@ from megarlhf.training import actor_update, build_actor, build_critic, build_ref
 from model_providers.hf_checkpoint import export_hf_checkpoint
 
 
-def _uses_reference(config: RunConfig) -> bool:
-    return config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0
-
-
 def _sampling(config: RunConfig, stop_token_ids: tuple[int, ...], greedy: bool = False) -> SamplingConfig:
     r = config.rollout
     if greedy:  # ReMax's baseline: one greedy response per prompt
@@ -60,7 +56,7 @@ def train_rl(config: RunConfig) -> Path | None:
     prompts = run.load_prompts(config.data.train_path)
     eval_prompts = run.load_prompts(config.data.eval_path) if config.data.eval_path else None
     actor = build_actor(config)
-    reference = build_reference(config) if _uses_reference(config) else None
+    reference = build_reference(config) if config.algorithm.uses_reference else None
     critic = build_critic(config) if config.algorithm.uses_critic else None
     phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None])
     reward = CombinedReward(config.reward)

@@ -71,7 +71,7 @@ class SavedBytes:
 
 def trainer_phase(config: RunConfig, count_saved: bool = False) -> dict:
     actor = build_actor(config)
-    uses_ref = config.algorithm.kl_mode != "none" and config.algorithm.kl.coef > 0
+    uses_ref = config.algorithm.uses_reference
     reference = build_reference(config) if uses_ref else None
     critic = build_critic(config) if config.algorithm.uses_critic else None
     batch, rewards = _fake_batch(actor.vocab_size, config.seed)
