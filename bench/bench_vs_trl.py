@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from demo import ARCH as DEMO_ARCH, MODEL as DEMO_MODEL, RECIPES, TASK as DEMO_TASK  # noqa: E402
+from demo import ARCH as DEMO_ARCH, MODEL as DEMO_MODEL, RECIPES, make_task_and_model, megarlhf_command  # noqa: E402
 
 QWEN2_50M = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                  intermediate_size=2048, max_position_embeddings=512, vocab_size=32000)
@@ -92,14 +92,7 @@ def prepare(out: Path, spec: dict) -> tuple[Path, dict]:
     """Task data and the model directory (tokenizer padded to the model's vocab)."""
     from transformers import AutoTokenizer
 
-    from megarlhf.data.synthetic import write_arithmetic_task
-    from model_providers.tiny_models import make_tiny_model
-
-    data = write_arithmetic_task(out / "data", n_train=4000, n_heldout=200, seed=0, **DEMO_TASK)
-    rows = [json.loads(line) for line in Path(data["sft_train"]).read_text().splitlines()]
-    corpus = [text for row in rows for text in (row["prompt"], row["response"])]
-    base = make_tiny_model(spec["arch"], out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
-                           **spec["model"])
+    base, data = make_task_and_model(out, spec["arch"], spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.add_tokens([f"<unused_{i}>" for i in range(len(tokenizer), spec["model"]["vocab_size"])])
     tokenizer.save_pretrained(base)
@@ -156,12 +149,9 @@ def stream(cmd: list[str], env: dict, log_path: Path) -> tuple[float, float, dic
 
 def warm_start(out: Path, base: Path, data: dict, steps: int) -> Path:
     """The demo's SFT recipe on 2 ranks; its HF export is the model both frameworks start from."""
-    from parallel.runtime import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "megarlhf", "sft", str(RECIPES / "demo_sft.yaml"), f"model.path={base}",
-           f"data.train_path={data['sft_train']}", f"logging.run_dir={out / 'sft'}", "checkpoint.resume=none",
-           f"train.steps={steps}", "logging.tensorboard=false"]
+    cmd = megarlhf_command("sft", "demo_sft.yaml", [
+        f"model.path={base}", f"data.train_path={data['sft_train']}", f"logging.run_dir={out / 'sft'}",
+        "checkpoint.resume=none", f"train.steps={steps}", "logging.tensorboard=false"], nproc=2)
     start, end, _ = stream(cmd, launch_env(1), out / "sft.log")
     print(f"[bench] SFT warm start: {steps} steps in {end - start:.0f} s", flush=True)
     return out / "sft" / "hf"
@@ -170,7 +160,6 @@ def warm_start(out: Path, base: Path, data: dict, steps: int) -> Path:
 def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
     """GRPO with the demo recipe and this size's overrides on 2 ranks x 1 thread."""
     from megarlhf.metrics import read_metrics
-    from parallel.runtime import free_port
 
     run_dir = out / "megarlhf"
     overrides = [f"model.path={model_dir}", f"data.train_path={data['train']}", f"logging.run_dir={run_dir}",
@@ -178,8 +167,7 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
                  f"train.steps={spec['steps']}", f"train.global_batch_size={spec['prompts']}",
                  f"rollout.n_samples={spec['samples']}", f"rollout.max_new_tokens={spec['new_tokens']}",
                  "rollout.temperature=1.0", f"rollout.kv_cache_mb={spec['kv_cache_mb']}", f"optim.lr={spec['lr']}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "megarlhf", "train", str(RECIPES / "demo_grpo.yaml"), *overrides]
+    cmd = megarlhf_command("train", "demo_grpo.yaml", overrides, nproc=2)
     env = launch_env(THREADS // 2)
     start, end, seen = stream(cmd, env, out / "megarlhf.log")
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("time/step_s") is not None]

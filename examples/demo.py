@@ -31,15 +31,32 @@ MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
              rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 
 
-def megarlhf(command: str, recipe: str, overrides: list[str], nproc: int) -> None:
-    """Runs ``megarlhf COMMAND RECIPE overrides`` on ``nproc`` local ranks."""
+def megarlhf_command(command: str, recipe: str, overrides: list[str], nproc: int) -> list[str]:
+    """``torchrun -m megarlhf COMMAND examples/recipes/RECIPE overrides`` on ``nproc`` local ranks."""
     from parallel.runtime import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "-m", "megarlhf", command, str(RECIPES / recipe), *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(free_port()), "-m", "megarlhf", command, str(RECIPES / recipe), *overrides]
+
+
+def megarlhf(command: str, recipe: str, overrides: list[str], nproc: int) -> None:
+    """Runs ``megarlhf COMMAND RECIPE overrides`` on ``nproc`` local ranks."""
     quiet = {"PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
              "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    subprocess.run(cmd, check=True, env={**os.environ, **quiet})
+    subprocess.run(megarlhf_command(command, recipe, overrides, nproc), check=True, env={**os.environ, **quiet})
+
+
+def make_task_and_model(out: Path, arch: str = ARCH, model: dict = MODEL) -> tuple[Path, dict[str, Path]]:
+    """The task's JSONL files under ``out/data`` and a random ``arch`` model under ``out/base`` whose
+    tokenizer is trained on the SFT texts; returns (model directory, data paths)."""
+    from megarlhf.data.synthetic import write_arithmetic_task
+    from model_providers.tiny_models import make_tiny_model
+
+    data = write_arithmetic_task(out / "data", n_train=4000, n_heldout=200, seed=0, **TASK)
+    rows = [json.loads(line) for line in Path(data["sft_train"]).read_text().splitlines()]
+    corpus = [text for row in rows for text in (row["prompt"], row["response"])]
+    base = make_tiny_model(arch, out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640, **model)
+    return base, data
 
 
 def main() -> None:
@@ -50,17 +67,11 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO recipe's train.steps")
     args = parser.parse_args()
 
-    from megarlhf.data.synthetic import write_arithmetic_task
     from megarlhf.metrics import read_metrics
-    from model_providers.tiny_models import make_tiny_model
 
     start = time.time()
     out = Path(args.out).absolute()
-    data = write_arithmetic_task(out / "data", n_train=4000, n_heldout=200, seed=0, **TASK)
-    rows = [json.loads(line) for line in Path(data["sft_train"]).read_text().splitlines()]
-    corpus = [text for row in rows for text in (row["prompt"], row["response"])]
-    base = make_tiny_model(ARCH, out / "base", seed=0, tokenizer_corpus=corpus, tokenizer_vocab_size=640,
-                           **MODEL)
+    base, data = make_task_and_model(out)
     print(f"[demo] task and model ready ({time.time() - start:.0f} s)", flush=True)
 
     sft = [f"model.path={base}", f"data.train_path={data['sft_train']}", f"logging.run_dir={out / 'sft'}",
