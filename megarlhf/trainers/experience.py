@@ -13,7 +13,8 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward, RewardInput
 from megarlhf.rollout.engine import RolloutBatch
-from megarlhf.training import ExperienceBatch, TrainModel, compute_logprobs, compute_values
+from megarlhf.training import (ExperienceBatch, TrainModel, compute_logprobs, compute_values,
+                               old_logprobs_from_update)
 
 
 class Step0GateError(RuntimeError):
@@ -50,21 +51,26 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int) -> E
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
           critic: TrainModel | None, gate_step0: bool) -> tuple[ExperienceBatch, dict[str, float]]:
-    """Adds old log-probs (actor), reference log-probs and critic values; checks the step-0 gate."""
-    old = compute_logprobs(actor, batch, config)
-    fields = {"old_logprobs": old}
+    """Adds reference log-probs, critic values and the actor's old log-probs; checks the step-0 gate.
+
+    The actor's scoring pass is skipped when the update's own forward gives the same numbers
+    (:func:`megarlhf.training.old_logprobs_from_update`), except at step 0, whose gate must hold before
+    any update."""
+    fields, metrics = {}, {}
+    if gate_step0 or not old_logprobs_from_update(config):
+        fields["old_logprobs"] = compute_logprobs(actor, batch, config)
     if reference is not None:
         fields["ref_logprobs"] = compute_logprobs(reference, batch, config)
     if critic is not None:
         fields["values"] = compute_values(critic, batch, config)
-    mask = batch.response_mask
-    gap = (old - batch.rollout_logprobs).abs()[mask]
-    metrics = {"mismatch/step_logprob_gap_max": gap.max().item() if gap.numel() else 0.0}
-    if gate_step0 and metrics["mismatch/step_logprob_gap_max"] > config.train.step0_logprob_tolerance:
-        raise Step0GateError(
-            f"step-0 gate: the actor's log-probs of the rollout differ from vLLM's by up to "
-            f"{metrics['mismatch/step_logprob_gap_max']:.3e} (train.step0_logprob_tolerance="
-            f"{config.train.step0_logprob_tolerance}); the engine does not run the model being trained")
+    if gate_step0:
+        gap = (fields["old_logprobs"] - batch.rollout_logprobs).abs()[batch.response_mask]
+        metrics["mismatch/step0_logprob_gap_max"] = gap.max().item() if gap.numel() else 0.0
+        if metrics["mismatch/step0_logprob_gap_max"] > config.train.step0_logprob_tolerance:
+            raise Step0GateError(
+                f"step-0 gate: the actor's log-probs of the rollout differ from vLLM's by up to "
+                f"{metrics['mismatch/step0_logprob_gap_max']:.3e} (train.step0_logprob_tolerance="
+                f"{config.train.step0_logprob_tolerance}); the engine does not run the model being trained")
     return batch.replace(**fields), metrics
 
 

@@ -9,8 +9,9 @@ is the same. Every rank runs it (SPMD under torchrun or srun). One step:
  4. rollout    vLLM samples ``rollout.n_samples`` responses per prompt, with their log-probs
  5. sleep      the engine sleeps and the trainer state comes back
  6. reward     verifiers, user functions or a reward model, per sample and time-bounded
- 7. score      actor log-probs (the PPO "old" policy), reference log-probs, critic values; at step 0
-               the actor's log-probs must equal the engine's (the step-0 gate)
+ 7. score      reference log-probs, critic values, and the actor's log-probs (the PPO "old" policy)
+               unless the update's own forward gives the same numbers (one optimizer step per RL
+               step); at step 0 the actor's log-probs must equal the engine's (the step-0 gate)
  8. advantage  the configured estimator (GRPO, GAE, RLOO, ...)
  9. update     the actor with the configured policy loss (+ KL / entropy terms) and the critic
 10. record     metrics.jsonl + TensorBoard + console; a checkpoint every ``checkpoint.every`` steps;

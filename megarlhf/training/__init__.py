@@ -16,11 +16,12 @@ from megarlhf.training.models import (TrainModel, build_actor, build_critic, bui
 from megarlhf.training.packing import MicroBatch, build_micro_batches, plan_micro_batches
 from megarlhf.training.sft import sft_batch, sft_step
 from megarlhf.training.step import NONFINITE_MODES, NonFiniteError, StepResult, optimizer_step
-from megarlhf.training.update import actor_update, compute_logprobs, compute_values, critic_update
+from megarlhf.training.update import (actor_update, compute_logprobs, compute_values, critic_update,
+                                      old_logprobs_from_update)
 
 __all__ = [
     "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_reference", "params_dtype",
     "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "StepResult", "optimizer_step", "actor_update", "compute_logprobs",
-    "compute_values", "critic_update",
+    "compute_values", "critic_update", "old_logprobs_from_update",
 ]

@@ -14,6 +14,11 @@
   micro-batches and DP ranks). Rollout/trainer mismatch correction (``algorithm.mismatch``: truncated
   IS weights and/or gap masking) compares the trainer's ``old_logprobs`` with ``rollout_logprobs`` once,
   before the first step, when the batch has rollout log-probs.
+
+  Without ``old_logprobs`` (allowed when :func:`old_logprobs_from_update` holds: one optimizer step, no
+  gap masking, no KL in the reward) the update's own forward supplies them, detached: the policy
+  that forward runs is the one before the step, so these are the numbers a separate scoring pass would
+  give, one forward fewer. The ``mismatch/*`` metrics then compare that forward with the rollout.
 * :func:`critic_update`: the PPO value loss (clipped at ``algorithm.value_clip``) with the same
   mini-batch / epoch / aggregation scheme.
 
@@ -37,7 +42,7 @@ from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss
                                  kl_loss, rollout_correction, value_loss)
 from megarlhf.config.schema import RunConfig
 from megarlhf.training.experience import ExperienceBatch
-from megarlhf.training.forward import forward_only
+from megarlhf.training.forward import broadcast_from_last_stage, forward_only
 from megarlhf.training.models import TrainModel
 from megarlhf.training.step import StepResult, dp_group, loss_normaliser, micro_batches_for, optimizer_step
 
@@ -66,6 +71,16 @@ def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig
                         vocab_size=critic.vocab_size)["values"]
 
 
+def old_logprobs_from_update(config: RunConfig) -> bool:
+    """Whether :func:`actor_update` can take the "old" log-probs from its own forward: one optimizer step
+    per call (so its forward runs the pre-update policy), and nothing needs them before that forward:
+    gap masking changes the loss's token count, KL-in-reward builds advantages from them. (Truncated IS
+    weights are per token or per sequence, so each micro-batch computes its own.)"""
+    train, algo = config.train, config.algorithm
+    return (train.mini_batches == 1 and train.epochs_per_step == 1 and algo.kl_mode != "reward"
+            and algo.mismatch.mask_threshold is None)
+
+
 def _normaliser(mask: Tensor, config: RunConfig):
     return loss_normaliser(mask, max_response_length=config.rollout.max_new_tokens)
 
@@ -85,7 +100,10 @@ def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor) -> dict[s
             "mismatch/logprob_abs_diff_max": peak.item()}
 
 
-def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig):
+def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig,
+                   seen_logprobs: Tensor | None = None):
+    """The actor's per-micro-batch loss; without ``mini.old_logprobs`` the forward's own (detached)
+    log-probs are the old ones and are written into ``seen_logprobs`` [B, L]."""
     algo = config.algorithm
     normaliser = _normaliser(mask, config)
     factor = float(normaliser.grad_average_factor)
@@ -95,9 +113,15 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
         rows, width = mb.rows, mb.width
         m = mask[rows, :width]
         lp = out["logprobs"]
-        result = policy_loss(PolicyLossInputs(
-            lp, mini.old_logprobs[rows, :width], mini.advantages[rows, :width], m,
-            None if is_weights is None else is_weights[rows, :width]), algo.policy)
+        weights = None if is_weights is None else is_weights[rows, :width]
+        if mini.old_logprobs is None:
+            old = lp.detach()
+            seen_logprobs[rows, :width] = old
+            if mini.rollout_logprobs is not None:  # TIS weights are per token or per row: local to the micro-batch
+                weights = rollout_correction(old, mini.rollout_logprobs[rows, :width], m, algo.mismatch).is_weights
+        else:
+            old = mini.old_logprobs[rows, :width]
+        result = policy_loss(PolicyLossInputs(lp, old, mini.advantages[rows, :width], m, weights), algo.policy)
         per_token = result.loss
         kl = torch.zeros_like(per_token)
         if algo.kl_mode == "loss":
@@ -146,26 +170,37 @@ def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
 
 def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
                  on_nonfinite: str = "abort") -> dict[str, float]:
-    """Trains the actor on this DP rank's ``batch`` (needs old_logprobs, advantages, and ref_logprobs
-    when ``kl_mode == "loss"``); returns the metrics of the module docstring, identical on every rank."""
+    """Trains the actor on this DP rank's ``batch`` (needs advantages, ref_logprobs when ``kl_mode ==
+    "loss"``, and old_logprobs unless :func:`old_logprobs_from_update`); returns the metrics of the
+    module docstring, identical on every rank."""
     algo = config.algorithm
-    needed = ["old_logprobs", "advantages"] + (["ref_logprobs"] if algo.kl_mode == "loss" else [])
+    from_update = batch.old_logprobs is None
+    if from_update and not old_logprobs_from_update(config):
+        raise ValueError("actor_update: the batch has no old_logprobs, and this configuration needs them before "
+                         "the update (train.mini_batches / train.epochs_per_step > 1, "
+                         "algorithm.mismatch.mask_threshold, or algorithm.kl_mode='reward')")
+    needed = ["advantages"] + (["ref_logprobs"] if algo.kl_mode == "loss" else [])
     batch.require("actor_update", *needed)
     mask, is_weights, metrics = batch.response_mask, None, {}
-    if batch.rollout_logprobs is not None:
+    if batch.rollout_logprobs is not None and not from_update:
         corrected = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, mask, algo.mismatch)
         metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
         mask, is_weights = corrected.response_mask, corrected.is_weights
     batch = batch.replace(response_mask=mask)
+    seen = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if from_update else None
     results = []
     for rows in _mini_batch_rows(batch, config, "actor_update"):
         mini = batch.select(rows)
         weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
         mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
         results.append(optimizer_step(
-            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config), ACTOR_SUMS,
+            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, seen), ACTOR_SUMS,
             loss_name="loss", temperature=sampling_temperature(config), entropy=True,
             on_nonfinite=on_nonfinite))
+    if from_update and batch.rollout_logprobs is not None:
+        seen = broadcast_from_last_stage(seen)
+        corrected = rollout_correction(seen, batch.rollout_logprobs, mask, algo.mismatch)
+        metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
     metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
                                   ("loss", "pg_loss", "kl_loss")))
     return metrics

@@ -39,7 +39,7 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
         assert not missing, f"step {record['step']} lacks {missing}"
     step0 = records[0]
     assert abs(step0["actor/ppo_kl"]) < 1e-6
-    assert step0["mismatch/step_logprob_gap_max"] < 1e-4  # fp32: trainer and vLLM agree at step 0
+    assert step0["mismatch/step0_logprob_gap_max"] < 1e-4  # fp32: trainer and vLLM agree at step 0
     assert "eval/accuracy" in step0 and "eval/accuracy" in records[2]
     assert (run / "curves.png").is_file() and any((run / "tensorboard").iterdir())
     assert (run / "config.yaml").is_file()

@@ -4,7 +4,8 @@ Usage: _worker_single.py MODEL_DIR CRITIC_DIR OUT_DIR
 Records: forward log-probs packed vs unpacked vs HF log_softmax of the full logits; values vs the HF
 ForSequenceClassification head; one actor update (GRPO advantages, ppo_clip, token TIS, k3 KL loss,
 entropy bonus, token_mean, three unequal micro-batches) vs the same loss written out by hand on HF's
-model, loss and every gradient; one critic update vs the clipped value loss by hand; the non-finite
+model, loss and every gradient; the same update with the old log-probs taken from the update's own
+forward vs from a separate scoring pass; one critic update vs the clipped value loss by hand; the non-finite
 gate (skip and abort); one SFT step vs HF cross-entropy on the response tokens.
 """
 from __future__ import annotations
@@ -104,6 +105,32 @@ def actor_checks(cfg, batch, hf) -> dict:
     }
 
 
+def old_from_update_checks(cfg, batch, lp0) -> dict:
+    """One actor update with old log-probs from a separate scoring pass vs from the update's forward
+    (token TIS against noisy rollout log-probs, KL loss, entropy bonus): metrics and parameters after."""
+    import copy
+
+    from megarlhf.training import actor_update, build_actor, compute_logprobs
+
+    batch = batch.replace(ref_logprobs=lp0 + noise(lp0.shape, 2, 0.3), rollout_logprobs=lp0 + noise(lp0.shape, 3, 0.4))
+    scored, fused = build_actor(cfg), build_actor(cfg)
+    before = [p.detach().clone() for p in scored.model.parameters()]
+    with_scoring = actor_update(scored, batch.replace(old_logprobs=compute_logprobs(scored, batch, cfg)), cfg)
+    from_update = actor_update(fused, batch, cfg)
+    pairs = list(zip(scored.model.parameters(), fused.model.parameters(), before))
+    two_steps = copy.deepcopy(cfg)
+    two_steps.train.mini_batches = 2
+    try:
+        actor_update(build_actor(two_steps), batch, two_steps)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {"metrics": {k: [from_update.get(k), v] for k, v in with_scoring.items()},
+            "param_max_diff": max(float((a - b).abs().max()) for a, b, _ in pairs),
+            "param_max_step": max(float((a - p0).abs().max()) for a, _, p0 in pairs),
+            "two_mini_batches_refused": refused}
+
+
 def critic_checks(cfg, batch, hf_rm) -> dict:
     from megarlhf.training import build_critic, compute_values, critic_update
 
@@ -201,6 +228,7 @@ def main() -> None:
     result = {"forward": forward_checks(cfg, batch, hf()), "actor": actor_checks(cfg, batch, hf())}
     lp0 = hf_logprobs(hf(), batch.input_ids, TEMPERATURE)[0].detach()
     result["gate"] = gate_checks(cfg, batch, lp0)
+    result["old_from_update"] = old_from_update_checks(cfg, batch, lp0)
     cfg.rollout.temperature = 1.0
     result["sft"] = sft_checks(cfg, batch, hf())
     rm = AutoModelForSequenceClassification.from_pretrained(critic_dir, dtype=torch.float32)

@@ -49,3 +49,14 @@ def test_losses_and_grad_norms_invariant_across_layouts(layout_run, layout):
         base = reference[0][key]
         for rank in reference + results:
             assert abs(rank[key] - base) <= 1e-5 * abs(base), (layout, key, rank[key], base)
+
+
+def test_old_logprobs_from_the_update_forward_equal_a_scoring_pass(single_run):
+    r = single_run["old_from_update"]
+    assert r["param_max_step"] > 1e-4  # the update moved the weights
+    assert r["param_max_diff"] <= 1e-6, r  # lr 1e-3: the step is ~1e-3 per weight
+    for key, (fused, scored) in r["metrics"].items():
+        assert fused is not None, key
+        assert abs(fused - scored) <= 1e-6 * max(abs(scored), 1.0), (key, fused, scored)
+    assert r["metrics"]["mismatch/is_weight_mean"][1] != 1.0  # TIS weights are exercised
+    assert "mismatch.mask_threshold" in r["two_mini_batches_refused"]
