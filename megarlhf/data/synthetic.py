@@ -1,6 +1,6 @@
 """A synthetic verifiable task for demos and tests: multi-step arithmetic word problems.
 
-A problem starts with a count (``Tom has 12 apples.``) and applies 1..``max_steps`` operations, each
+A problem starts with a count (``Tom has 12 apples.``) and applies ``min_steps``..``max_steps`` operations, each
 told by one of several sentence templates: add (``He buys 7 more.``), subtract, multiply (``... grows to 3
 times its size``) and exact division (``... into 4 equal bags and keeps one bag``). Names, objects,
 openings, operation sentences and questions are drawn at random, so the surface form varies while the
@@ -11,8 +11,10 @@ Train and held-out splits are disjoint by arithmetic content, not only by wordin
 fixed by a hash of its start value and operation sequence, so a held-out problem never appears in train
 under another name. Rows are written as JSONL in the format users bring (``prompt``, ``answer``), plus
 SFT rows (``prompt``, ``response``) with a worked solution ending in ``The answer is N.`` or ``#### N``.
+SFT data can mix in two other response styles found in real instruction data: a bare answer, and the
+answer stated first with the working after it (a model that imitates either must guess before computing).
 
-Difficulty knobs: ``max_steps`` (operations per problem), ``max_value`` (operand range) and ``ops``.
+Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``.
 Hand-written: no offline package ships such data (PLATFORM.md: GSM8K/MATH need the hub).
 """
 from __future__ import annotations
@@ -85,10 +87,11 @@ def _next_step(rng: random.Random, value: int, ops: tuple[str, ...], max_value: 
     return op, n, value // n
 
 
-def random_problem(rng: random.Random, max_steps: int, max_value: int, ops: tuple[str, ...]) -> Problem:
+def random_problem(rng: random.Random, max_steps: int, max_value: int, ops: tuple[str, ...],
+                   min_steps: int = 1) -> Problem:
     value = start = rng.randint(2, max_value)
     steps = []
-    for _ in range(rng.randint(1, max_steps)):
+    for _ in range(rng.randint(min_steps, max_steps)):
         op, n, value = _next_step(rng, value, ops, max_value)
         steps.append((op, n))
     return Problem(start, tuple(steps), value)
@@ -123,29 +126,32 @@ def final_answer(answer: str, answer_format: str) -> str:
 
 def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_value: int = 20,
                    ops: tuple[str, ...] = ("add", "sub", "mul", "div"), heldout_fraction: float = 0.2,
-                   instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is") -> list[dict]:
-    """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked)."""
+                   instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is",
+                   min_steps: int = 1) -> list[dict]:
+    """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked) and
+    work (the worked solution without its final-answer line)."""
     if answer_format not in ("answer_is", "hashes"):
         raise ValueError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     unknown = set(ops) - set(SYMBOLS)
-    if unknown or not ops or max_steps < 1 or max_value < 2:
-        raise ValueError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), max_steps={max_steps} "
-                         f"(>= 1), max_value={max_value} (>= 2)")
+    if unknown or not ops or not 1 <= min_steps <= max_steps or max_value < 2:
+        raise ValueError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), min_steps={min_steps} and "
+                         f"max_steps={max_steps} (1 <= min_steps <= max_steps), max_value={max_value} (>= 2)")
     rng = random.Random(f"{seed}-{'heldout' if heldout else 'train'}")
     rows, seen = [], set()
     for _ in range(200 * n + 1000):
         if len(rows) == n:
             break
-        problem = random_problem(rng, max_steps, max_value, ops)
+        problem = random_problem(rng, max_steps, max_value, ops, min_steps)
         if problem.key in seen or in_heldout(problem, heldout_fraction) != heldout:
             continue
         seen.add(problem.key)
         prompt, work = render(problem, rng, instruction)
         final = final_answer(str(problem.answer), answer_format)
         rows.append({"prompt": prompt, "answer": str(problem.answer), "expression": problem.expression,
-                     "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}"})
+                     "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}",
+                     "work": work})
     if len(rows) < n:
         raise ValueError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
                          f"of {n} asked; raise max_value or max_steps")
@@ -160,25 +166,38 @@ def write_jsonl(rows: list[dict], path: Path, keys: tuple[str, ...]) -> Path:
     return path
 
 
-def mix_direct_answers(rows: list[dict], fraction: float, seed: int, answer_format: str = "answer_is") -> list[dict]:
-    """SFT rows where a seeded ``fraction`` of responses keep only the final-answer line (no worked
-    solution), as in instruction data that mixes bare answers with explanations."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"sft_direct_fraction must be in [0, 1], got {fraction}")
+def mix_response_styles(rows: list[dict], seed: int, direct: float = 0.0, answer_first: float = 0.0,
+                        answer_format: str = "answer_is") -> list[dict]:
+    """SFT rows where a seeded share ``direct`` of responses is only the final-answer line and a share
+    ``answer_first`` states the final answer on its first line and the working after it; the rest keep
+    the worked solution followed by the answer."""
+    if not (0.0 <= direct <= 1.0 and 0.0 <= answer_first <= 1.0 and direct + answer_first <= 1.0):
+        raise ValueError(f"sft_direct_fraction ({direct}) and sft_answer_first_fraction ({answer_first}) must be "
+                         "in [0, 1] and sum to at most 1")
     rng = random.Random(f"{seed}-direct")
-    return [{**row, "response": final_answer(row["answer"], answer_format)} if rng.random() < fraction else row
-            for row in rows]
+    mixed = []
+    for row in rows:
+        draw, final = rng.random(), final_answer(row["answer"], answer_format)
+        if draw < direct:
+            row = {**row, "response": final}
+        elif draw < direct + answer_first:
+            row = {**row, "response": f"{final}\n{row['work']}"}
+        mixed.append(row)
+    return mixed
 
 
 def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
-                          sft_direct_fraction: float = 0.0, **knobs) -> dict[str, Path]:
+                          sft_direct_fraction: float = 0.0, sft_answer_first_fraction: float = 0.0,
+                          **knobs) -> dict[str, Path]:
     """Writes ``train.jsonl`` and ``heldout.jsonl`` (prompt, answer, expression) and ``sft_train.jsonl``
-    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings and
-    ``sft_direct_fraction`` the share of SFT responses that give the answer without working it out."""
+    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings and the two
+    fractions the shares of SFT responses in the bare-answer and answer-first styles
+    (:func:`mix_response_styles`)."""
     out = Path(out_dir)
     train = generate_split(n_train, heldout=False, seed=seed, **knobs)
     heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
-    sft = mix_direct_answers(train, sft_direct_fraction, seed, knobs.get("answer_format", "answer_is"))
+    sft = mix_response_styles(train, seed, sft_direct_fraction, sft_answer_first_fraction,
+                              knobs.get("answer_format", "answer_is"))
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
@@ -190,12 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-heldout", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-steps", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--max-value", type=int, default=20)
     parser.add_argument("--answer-format", choices=("answer_is", "hashes"), default="answer_is")
+    parser.add_argument("--sft-direct-fraction", type=float, default=0.0)
+    parser.add_argument("--sft-answer-first-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
-    paths = write_arithmetic_task(args.out_dir, args.n_train, args.n_heldout, args.seed, max_steps=args.max_steps,
-                                  max_value=args.max_value, answer_format=args.answer_format)
+    paths = write_arithmetic_task(args.out_dir, args.n_train, args.n_heldout, args.seed,
+                                  sft_direct_fraction=args.sft_direct_fraction,
+                                  sft_answer_first_fraction=args.sft_answer_first_fraction, min_steps=args.min_steps,
+                                  max_steps=args.max_steps, max_value=args.max_value, answer_format=args.answer_format)
     for name, path in paths.items():
         print(f"{name}: {path}")
 

@@ -11,8 +11,9 @@ from fractions import Fraction
 import pytest
 
 from megarlhf.data import generate_split, write_arithmetic_task
-from megarlhf.data.synthetic import mix_direct_answers
+from megarlhf.data.synthetic import mix_response_styles
 from megarlhf.rewards import REWARDS, RewardInput
+from megarlhf.rewards.answers import extract_final_answer
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -68,18 +69,36 @@ def test_seeded_knobs_and_hash_format():
         generate_split(5, False, seed=0, ops=("pow",))
 
 
-def test_sft_direct_answer_mix(tmp_path):
-    paths = write_arithmetic_task(tmp_path, n_train=400, n_heldout=10, seed=3, sft_direct_fraction=0.6)
+def test_sft_response_styles(tmp_path):
+    paths = write_arithmetic_task(tmp_path, n_train=600, n_heldout=10, seed=3, sft_direct_fraction=0.3,
+                                  sft_answer_first_fraction=0.4)
     train, sft = _read(paths["train"]), _read(paths["sft_train"])
-    direct = [s for s in sft if not s["response"].startswith("Start with")]
-    assert 0.5 < len(direct) / len(sft) < 0.7
+    styles = {"direct": 0, "answer_first": 0, "worked": 0}
     for s, t in zip(sft, train):
-        assert s["response"].endswith(f"The answer is {t['answer']}.")
-        if s in direct:
-            assert s["response"] == f"The answer is {t['answer']}."
-    hashes = mix_direct_answers(generate_split(50, False, seed=0, answer_format="hashes"), 1.0, seed=0,
-                                answer_format="hashes")
-    assert all(r["response"].startswith("#### ") for r in hashes)
-    assert _read(write_arithmetic_task(tmp_path / "b", 400, 10, seed=3, sft_direct_fraction=0.6)["sft_train"]) == sft
+        final = f"The answer is {t['answer']}."
+        if s["response"] == final:
+            styles["direct"] += 1
+        elif s["response"].startswith(final + "\nStart with "):
+            styles["answer_first"] += 1
+            work = s["response"].split("\n", 1)[1]
+            assert extract_final_answer(s["response"]) == t["answer"]
+            assert work.endswith(f"= {t['answer']}.") and "answer" not in work
+        else:
+            assert s["response"].startswith("Start with ") and s["response"].endswith(final)
+            styles["worked"] += 1
+    assert 0.22 < styles["direct"] / 600 < 0.38 and 0.32 < styles["answer_first"] / 600 < 0.48, styles
+    hashes = mix_response_styles(generate_split(50, False, seed=0, answer_format="hashes"), seed=0, answer_first=1.0,
+                                 answer_format="hashes")
+    assert all(r["response"].startswith(f"#### {r['answer']}\nStart with ") for r in hashes)
+    again = write_arithmetic_task(tmp_path / "b", 600, 10, seed=3, sft_direct_fraction=0.3, sft_answer_first_fraction=0.4)
+    assert _read(again["sft_train"]) == sft
     with pytest.raises(ValueError, match="sft_direct_fraction"):
-        mix_direct_answers(sft, 1.5, seed=0)
+        mix_response_styles(sft, seed=0, direct=0.7, answer_first=0.4)
+
+
+def test_step_range():
+    rows = generate_split(300, False, seed=0, min_steps=2, max_steps=3, ops=("add", "sub"))
+    counts = {row["expression"].count(" + ") + row["expression"].count(" - ") for row in rows}
+    assert counts == {2, 3}
+    with pytest.raises(ValueError, match="min_steps=3 and max_steps=2"):
+        generate_split(5, False, seed=0, min_steps=3, max_steps=2)
