@@ -186,10 +186,11 @@ class LoggingConfig:
 
 @dataclass
 class RunConfig:
-    """Everything one RL or SFT run reads. ``model`` and ``data`` have required keys."""
+    """Everything one RL or SFT run reads. ``model.path`` is required; ``data.train_path`` is required by
+    the training commands (``megarlhf train`` / ``sft``), not by ``eval`` or ``export``."""
 
     model: ModelConfig
-    data: DataConfig
+    data: DataConfig = field(default_factory=DataConfig)
     # One layout for actor, critic and reference: Megatron-Core's parallel state is process-global.
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

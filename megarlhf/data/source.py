@@ -28,7 +28,7 @@ class DataConfig:
     (``messages_key``: a list of ``{"role", "content"}``); RL rows carry a ground truth
     (``answer_key``), SFT completion rows a response (``response_key``)."""
 
-    train_path: str  # JSONL/Parquet file or datasets directory
+    train_path: str = ""  # JSONL/Parquet file or datasets directory; `train` and `sft` need it, `eval` does not
     eval_path: str | None = None
     split: str | None = None  # which split of a DatasetDict directory
     prompt_key: str = "prompt"

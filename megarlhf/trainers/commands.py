@@ -19,23 +19,26 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="HF directory to write")
 
 
-def _config(args: argparse.Namespace):
-    from megarlhf.config import RunConfig, load_config
+def _config(args: argparse.Namespace, needs_train_data: bool = False):
+    from megarlhf.config import ConfigError, RunConfig, load_config
 
-    return load_config(RunConfig, args.recipe, args.overrides)
+    config = load_config(RunConfig, args.recipe, args.overrides)
+    if needs_train_data and not config.data.train_path:
+        raise ConfigError(f"missing required config key(s): data.train_path (megarlhf {args.command} trains on it)")
+    return config
 
 
 def run_train(args: argparse.Namespace) -> int:
     from megarlhf.trainers.rl import train_rl
 
-    train_rl(_config(args))
+    train_rl(_config(args, needs_train_data=True))
     return 0
 
 
 def run_sft(args: argparse.Namespace) -> int:
     from megarlhf.trainers.sft import train_sft
 
-    train_sft(_config(args))
+    train_sft(_config(args, needs_train_data=True))
     return 0
 
 

@@ -104,9 +104,18 @@ def test_bad_values_name_the_key(recipe, override, message):
         load_config(RunConfig, recipe, [override])
 
 
-def test_required_keys():
-    with pytest.raises(ConfigError, match=r"missing required config key\(s\): data\.train_path"):
-        load_config(RunConfig, None, ["model.path=/m", "data.eval_path=/e"])
+def test_required_keys(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"missing required config key\(s\): model$"):
+        load_config(RunConfig, None, ["data.eval_path=/e"])
+    # evaluation reads no training data; the training commands name the key before doing anything else
+    assert load_config(RunConfig, None, ["model.path=/m", "data.eval_path=/e"]).data.train_path == ""
+    from megarlhf import cli
+
+    recipe = tmp_path / "no_train_data.yaml"
+    recipe.write_text("model: {path: /m}\n")
+    for command in ("train", "sft"):
+        assert cli.main([command, str(recipe)]) == 1
+        assert f"megarlhf {command}: error: missing required config key(s): data.train_path" in capsys.readouterr().err
 
 
 def test_resolved_config_round_trip(recipe, tmp_path):
