@@ -90,7 +90,8 @@ def test_sft_response_styles(tmp_path):
     hashes = mix_response_styles(generate_split(50, False, seed=0, answer_format="hashes"), seed=0, answer_first=1.0,
                                  answer_format="hashes")
     assert all(r["response"].startswith(f"#### {r['answer']}\nStart with ") for r in hashes)
-    again = write_arithmetic_task(tmp_path / "b", 600, 10, seed=3, sft_direct_fraction=0.3, sft_answer_first_fraction=0.4)
+    again = write_arithmetic_task(tmp_path / "b", 600, 10, seed=3, sft_direct_fraction=0.3,
+                                  sft_answer_first_fraction=0.4)
     assert _read(again["sft_train"]) == sft
     with pytest.raises(ValueError, match="sft_direct_fraction"):
         mix_response_styles(sft, seed=0, direct=0.7, answer_first=0.4)

@@ -12,7 +12,8 @@ from megarlhf.cli import main
 RECIPES = Path(__file__).parents[2] / "examples" / "recipes"
 LAYOUTS = yaml.safe_load((RECIPES / "layouts.yaml").read_text())
 CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() for gpus, overrides in sizes.items()]
-CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml"]  # model, data: overrides
+# model and data come from overrides
+CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml"]
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
