@@ -143,6 +143,11 @@ class TrainConfig:
                f"TrainConfig.global_batch_size ({self.global_batch_size}) must be divisible by "
                f"mini_batches ({self.mini_batches})")
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of the actor (and critic) per RL step."""
+        return self.mini_batches * self.epochs_per_step
+
 
 @dataclass
 class CheckpointConfig:

@@ -122,7 +122,6 @@ def train_rl(config: RunConfig) -> Path | None:
 
 def _check_step0_ppo_kl(step: int, config: RunConfig, metrics: dict[str, float]) -> None:
     """With one optimizer update per step, the step-0 ratio is exactly 1, so ``actor/ppo_kl`` must be 0."""
-    single_update = config.train.mini_batches == 1 and config.train.epochs_per_step == 1
-    if step == 0 and single_update and abs(metrics.get("actor/ppo_kl", 0.0)) > 1e-6:
+    if step == 0 and config.train.updates_per_step == 1 and abs(metrics.get("actor/ppo_kl", 0.0)) > 1e-6:
         raise RuntimeError(f"step-0 gate: actor/ppo_kl = {metrics['actor/ppo_kl']:.3e} with one update per step "
                            f"(must be 0: the actor scored the batch it trains on)")

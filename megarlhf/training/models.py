@@ -61,7 +61,7 @@ def params_dtype(config: RunConfig) -> torch.dtype:
 
 def rl_optimizer_steps(config: RunConfig) -> int:
     """Optimizer steps of a whole RL run: steps x mini-batches x epochs (the lr schedule's length)."""
-    return config.train.steps * config.train.mini_batches * config.train.epochs_per_step
+    return config.train.steps * config.train.updates_per_step
 
 
 def _model_overrides() -> dict:

@@ -76,9 +76,8 @@ def old_logprobs_from_update(config: RunConfig) -> bool:
     per call (so its forward runs the pre-update policy), and nothing needs them before that forward:
     gap masking changes the loss's token count, KL-in-reward builds advantages from them. (Truncated IS
     weights are per token or per sequence, so each micro-batch computes its own.)"""
-    train, algo = config.train, config.algorithm
-    return (train.mini_batches == 1 and train.epochs_per_step == 1 and algo.kl_mode != "reward"
-            and algo.mismatch.mask_threshold is None)
+    algo = config.algorithm
+    return config.train.updates_per_step == 1 and algo.kl_mode != "reward" and algo.mismatch.mask_threshold is None
 
 
 def _normaliser(mask: Tensor, config: RunConfig):
