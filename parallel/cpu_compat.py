@@ -33,8 +33,8 @@ Patches (every one of them, and why):
    Code that builds a TransformerConfig merges it in; on GPU it is empty.
 5. RoPE on packed (``thd``) sequences: with the fused kernel off (patch 4), Megatron's
    ``_apply_rotary_pos_emb_thd`` applies RoPE one packed sequence at a time in a Python loop, twice
-   per layer; RL and SFT micro-batches pack dozens of short sequences, so the loop cost ~10% of a CPU
-   training step. :func:`_rope_thd_vectorised` gathers each token's frequencies by its position
+   per layer; RL and SFT micro-batches pack dozens of short sequences (bench/bench_rope_thd.py: 5.5x
+   faster on 64 sequences; the demo's SFT step ~5% faster). :func:`_rope_thd_vectorised` gathers each token's frequencies by its position
    within its sequence and applies Megatron's own bshd formula once to the whole packed tensor (the
    same arithmetic, bitwise equal). Calls with context parallelism (CP > 1) or whole-batch frequency
    tables go to Megatron's function unchanged.
