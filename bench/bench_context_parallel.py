@@ -109,7 +109,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     cp = int(os.environ["WORLD_SIZE"])
-    launch = init_parallel(ParallelConfig(context_parallel_size=cp), seed=0)
+    launch = init_parallel(ParallelConfig(context_parallel_size=cp), seed=0).launch
     tokens = torch.randint(0, 128, (1, args.seq), generator=torch.Generator().manual_seed(0))
     local = shard(make_shard_plan([0, args.seq], cp, launch.rank, allow_padding=False), tokens, seq_dim=1)
     result = {}

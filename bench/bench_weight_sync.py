@@ -51,27 +51,40 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(torch.get_num_threads())  # fixed before vLLM freezes it
 
+    import dataclasses
+
+    from megarlhf.config.schema import ModelConfig, RunConfig
+    from megarlhf.data.source import DataConfig
+    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
     from model_providers.tiny_models import QWEN2_0_5B_SHAPE, make_tiny_model
     from parallel.config import ParallelConfig
     from parallel.runtime import init_parallel
 
-    init_parallel(ParallelConfig())
+    runtime = init_parallel(ParallelConfig())
     with tempfile.TemporaryDirectory() as tmp:
         src = make_tiny_model("qwen2", Path(tmp) / "src", seed=0, dtype=dtype, **QWEN2_0_5B_SHAPE)
-        provider, model = load_hf_model(src, params_dtype=dtype)
-        engine = RolloutEngine(str(src), EngineConfig(dtype=args.dtype, max_model_len=512,
-                                                      kv_cache_bytes=256 * 2**20))
-        sync = WeightSync(engine, provider, WeightSyncConfig(bucket_mb=args.bucket_mb, probe_sequences=0))
-        probe = WeightSync(engine, provider, WeightSyncConfig(bucket_mb=args.bucket_mb, probe_tolerance=1e-3))
+        config = RunConfig(model=ModelConfig(path=str(src), dtype=args.dtype),
+                           data=DataConfig(train_path="unused.jsonl", max_prompt_length=256),
+                           rollout=RolloutConfig(max_new_tokens=256, kv_cache_mb=256,
+                                                 weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb)))
+        provider, model = load_hf_model(src, params_dtype=dtype, packed_sequences=True)
+        actor = TrainModel("actor", model, provider, runtime)
+        engine = RolloutEngine(str(src), EngineConfig.from_rollout(config.rollout, model_dtype=args.dtype, seed=0,
+                                                                   max_prompt_length=256))
+        unprobed = dataclasses.replace(config, rollout=dataclasses.replace(
+            config.rollout, weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb, probe_sequences=0)))
+        sync = WeightSync(engine, actor, unprobed, config.tolerances)
+        probe = WeightSync(engine, actor, config, config.tolerances)
         streamed, naive, metrics = [], [], {}
         for _ in range(args.repeats):
-            metrics = sync.sync(model)
+            metrics = sync.sync()
             streamed.append(metrics["time/weight_sync_s"])
             naive.append(naive_sync(model, provider, engine, Path(tmp) / "naive"))
-        probed = probe.sync(model)
+        probed = probe.sync()
     size = metrics["weight_sync/bytes"]
     s, n = statistics.median(streamed), statistics.median(naive)
     print(f"model: Qwen2-0.5B shape, {args.dtype}, {size / 2**30:.2f} GiB in {metrics['weight_sync/tensors']:.0f} "

@@ -1,8 +1,10 @@
 """Run metrics: one JSON object per step in ``metrics.jsonl``, the same scalars in TensorBoard, and a
 console progress line with the key figures.
 
-Only global rank 0 writes. A resumed run cuts ``metrics.jsonl`` back to the steps its checkpoint had
-completed, so an interrupted-and-resumed run leaves the same file as an uninterrupted one.
+Only global rank 0 writes. Steps are recorded every ``log_every`` steps (``logging.log_every``), and
+always the last step and any record with evaluation metrics. A resumed run cuts ``metrics.jsonl`` back
+to the steps its checkpoint had completed, so an interrupted-and-resumed run leaves the same file as an
+uninterrupted one.
 """
 from __future__ import annotations
 
@@ -35,9 +37,12 @@ class MetricsRecorder:
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, rank: int = 0,
                  resume_after_step: int | None = None, console_keys: Iterable[str] = CONSOLE_KEYS,
-                 stream=None):
+                 stream=None, log_every: int = 1):
+        if not (isinstance(log_every, int) and log_every >= 1):
+            raise ValueError(f"MetricsRecorder: log_every must be an int >= 1, got {log_every!r}")
         self.active = rank == 0
         self.total_steps = total_steps
+        self.log_every = log_every
         self.console_keys = tuple(console_keys)
         self.stream = stream or sys.stdout
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -63,8 +68,10 @@ class MetricsRecorder:
         tmp.replace(self.path)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Appends ``{"step": step, **metrics}``; non-finite values are written as null."""
-        if not self.active:
+        """Appends ``{"step": step, **metrics}`` if the step is due (module docstring); non-finite values
+        are written as null."""
+        due = step % self.log_every == 0 or step >= self.total_steps - 1 or any(k.startswith("eval/") for k in metrics)
+        if not self.active or not due:
             return
         record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a") as f:

@@ -2,39 +2,32 @@
 
 * :func:`with_cp_attention` swaps Megatron's local ``DotProductAttention`` in a layer spec for
   :class:`parallel.cp_attention.ContextParallelAttention` (when CP > 1 or packed sequences are used).
-* :func:`validate_context_parallel` explains, before anything runs, why a CP layout cannot work.
-* The token split, its inverse and the CP x DP token mean live in :mod:`parallel.cp_sharding` and
-  are re-exported here.
+* The token split and its inverse live in :mod:`parallel.cp_sharding` and are re-exported here;
+  :mod:`megarlhf.training.packing` uses them to build each CP rank's micro-batches::
 
-Typical use on each rank (cp from ``parallel_state``)::
-
-    spec = with_cp_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), cp, packed=True)
-    model = GPTModel(config, spec, vocab, max_len, position_embedding_type="rope")
-    batch = shard_packed_batch(tokens, cu_seqlens, cp, cp_rank, labels=labels, loss_mask=mask,
-                               group=cp_group)
-    logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params)
-    logprobs_full = unshard(batch.plan, local_logprobs[0], cp_group)      # original token order
-    loss = global_token_mean(per_token_loss, batch.loss_mask, dp_cp_group)  # then sum grads over dp_cp
+    plan = make_shard_plan(cu_seqlens, cp, cp_rank).to(device)
+    tokens = shard(plan, packed_row).unsqueeze(0)
+    out = model(tokens, plan.local_position_ids().unsqueeze(0), None,
+                packed_seq_params=packed_seq_params_for(plan, cp_group))
+    per_token = unshard(plan, local_outputs[0], cp_group)   # every CP rank: original token order
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from parallel.cp_attention import CP_COMM_TYPES, DEFAULT_CP_COMM_TYPE, ContextParallelAttention
-from parallel.cp_sharding import (CPShardPlan, ShardedBatch, global_token_mean, make_shard_plan,
-                                  packed_seq_params_for, rank_token_index, shard, shard_packed_batch,
-                                  unshard, validate_cp_lengths)
+from parallel.cp_sharding import (CPShardPlan, make_shard_plan, packed_seq_params_for, rank_token_index, shard,
+                                  unshard)
 
 __all__ = [
-    "CPShardPlan", "ContextParallelAttention", "ShardedBatch", "global_token_mean", "make_shard_plan",
-    "packed_seq_params_for", "rank_token_index", "shard", "shard_packed_batch", "unshard",
-    "validate_context_parallel", "with_cp_attention", "CP_COMM_TYPES", "DEFAULT_CP_COMM_TYPE",
+    "CPShardPlan", "ContextParallelAttention", "make_shard_plan", "packed_seq_params_for", "rank_token_index",
+    "shard", "unshard", "with_cp_attention", "CP_COMM_TYPES", "DEFAULT_CP_COMM_TYPE",
 ]
 
 
@@ -77,37 +70,3 @@ def with_cp_attention(spec: ModuleSpec, context_parallel_size: int, packed: bool
                          "(context parallelism with the local spec needs parallel.cp_attention; a "
                          "Transformer Engine spec brings its own)")
     return swapped
-
-
-def validate_context_parallel(context_parallel_size: int, sequence_lengths: Sequence[int] = (),
-                              packed: bool = False, sequence_parallel: bool = False,
-                              uses_local_spec: bool = True, spec_has_cp_attention: bool = True,
-                              on_cpu: Optional[bool] = None) -> None:
-    """Raises a ValueError naming the violated constraint of a CP layout; returns None if it can run.
-
-    ``sequence_lengths``: the lengths of the sequences of one micro-batch (one per row when not
-    packed, the packed sequences otherwise). Unpacked rows are not padded by the CP split, so their
-    length must be a multiple of ``2 * cp``; packed sequences are padded one by one.
-    """
-    import torch
-
-    cp = context_parallel_size
-    if not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"context_parallel_size must be a positive integer, got {cp!r}")
-    if on_cpu is None:
-        on_cpu = not torch.cuda.is_available()
-    if sequence_parallel and on_cpu:
-        raise ValueError("sequence_parallel is not supported on CPU: Megatron's local spec uses torch "
-                         "LayerNorm, which cannot run sequence-parallel; set sequence_parallel=False")
-    if cp > 1 and uses_local_spec and not spec_has_cp_attention:
-        raise ValueError(f"context_parallel_size={cp} with Megatron's local layer spec needs megarlhf's "
-                         f"CP attention: build the spec with parallel.context_parallel.with_cp_attention "
-                         f"(Megatron's DotProductAttention refuses CP)")
-    if packed and uses_local_spec and not spec_has_cp_attention:
-        raise ValueError("packed sequences with Megatron's local layer spec need megarlhf's CP attention "
-                         "(with_cp_attention(spec, cp, packed=True)); DotProductAttention refuses them")
-    if sequence_lengths:
-        bounds = [0]
-        for length in sequence_lengths:
-            bounds.append(bounds[-1] + int(length))
-        validate_cp_lengths(torch.tensor(bounds), cp, allow_padding=packed)

@@ -19,12 +19,9 @@ calls Transformer Engine's ``thd_get_partitioned_indices``, which does not exist
 nor Megatron offers the inverse (CP-sharded per-token outputs back to the original order), which the
 RL losses and the scoring step need.
 
-Loss aggregation across CP x DP (a global token mean): each rank computes
-``sum(local_loss * local_mask) / N`` with ``N = all_reduce_sum(sum(local_mask))`` over the
-data-parallel-with-context-parallel group (:func:`global_token_mean`); the gradients of the ranks
-must then be *summed* over that group (Megatron DDP with ``calculate_per_token_loss=True``; with
-DDP's default averaging, multiply the loss by the group size first). The sum over ranks of the
-returned values is the global token mean, identical to CP=1 / DP=1 on the whole batch.
+Devices: a plan is computed on the host from the sequence lengths (a few integers) and moved to the
+model's device once (:meth:`CPShardPlan.to`); every tensor the functions here create follows the
+device of the plan or of their input.
 """
 from __future__ import annotations
 
@@ -71,7 +68,8 @@ class CPShardPlan:
         """int64 [total_tokens]: where each original token sits in the padded packed row."""
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         shift = (self.cu_seqlens_padded[:-1] - self.cu_seqlens[:-1]).long()
-        return torch.arange(self.total_tokens) + torch.repeat_interleave(shift, lengths)
+        return (torch.arange(self.total_tokens, device=self.cu_seqlens.device)
+                + torch.repeat_interleave(shift, lengths))
 
     def local_sequence_start(self) -> Tensor:
         """int64 [local_tokens]: padded-row index where each local token's sequence starts."""
@@ -93,20 +91,27 @@ class CPShardPlan:
         index = rank_token_index(self.cu_seqlens_padded, self.cp_size, rank)
         return CPShardPlan(self.cp_size, rank, self.cu_seqlens, self.cu_seqlens_padded, index)
 
+    def to(self, device: torch.device) -> "CPShardPlan":
+        """The same plan with its index tensors on ``device``."""
+        return CPShardPlan(self.cp_size, self.cp_rank, self.cu_seqlens.to(device),
+                           self.cu_seqlens_padded.to(device), self.local_index.to(device))
+
 
 def rank_token_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Tensor:
-    """Padded-row indices of CP rank ``cp_rank``'s tokens: per sequence, head chunk then tail chunk."""
+    """Padded-row indices of CP rank ``cp_rank``'s tokens: per sequence, head chunk then tail chunk
+    (on the device of ``cu_seqlens_padded``)."""
+    device = cu_seqlens_padded.device
     if cp_size == 1:
-        return torch.arange(int(cu_seqlens_padded[-1]))
+        return torch.arange(int(cu_seqlens_padded[-1]), device=device)
     pieces = []
     bounds = cu_seqlens_padded.long().tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         chunk = (end - start) // (2 * cp_size)
         head = start + cp_rank * chunk
         tail = start + (2 * cp_size - 1 - cp_rank) * chunk
-        pieces.append(torch.arange(head, head + chunk))
-        pieces.append(torch.arange(tail, tail + chunk))
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        pieces.append(torch.arange(head, head + chunk, device=device))
+        pieces.append(torch.arange(tail, tail + chunk, device=device))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
 def make_shard_plan(cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
@@ -114,16 +119,17 @@ def make_shard_plan(cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
     """Plans this rank's share of a packed row with real boundaries ``cu_seqlens`` (``[0, ..., T]``).
 
     With ``allow_padding=False`` every sequence length must already be a multiple of ``2 * cp_size``
-    (the case of Megatron's unpacked ``[batch, seq]`` input, which is never padded here).
+    (the case of Megatron's unpacked ``[batch, seq]`` input, which is never padded here). The plan is
+    made on the host (move it with :meth:`CPShardPlan.to`).
     """
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten()
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu").flatten()
     validate_cp_lengths(cu, cp_size, allow_padding=allow_padding)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside the context-parallel group of size {cp_size}")
     lengths = cu[1:] - cu[:-1]
     multiple = 2 * cp_size if cp_size > 1 else 1
     padded = (lengths + multiple - 1) // multiple * multiple
-    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(padded, 0)])
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), torch.cumsum(padded, 0)])
     index = rank_token_index(cu_padded, cp_size, cp_rank)
     return CPShardPlan(cp_size, cp_rank, cu.to(torch.int32), cu_padded.to(torch.int32), index)
 
@@ -208,23 +214,6 @@ def unshard(plan: CPShardPlan, local: Tensor, group: Optional[dist.ProcessGroup]
     return padded.index_select(0, plan.padded_position_of_original()).movedim(0, seq_dim)
 
 
-@dataclass
-class ShardedBatch:
-    """One CP rank's share of a packed micro-batch, ready for ``GPTModel.forward``.
-
-    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are ``[1, local_tokens]`` (batch dim 1, the
-    ``thd`` convention); ``packed_seq_params`` carries the global boundaries Megatron's rotary code and
-    the CP attention need.
-    """
-
-    tokens: Tensor
-    labels: Optional[Tensor]
-    loss_mask: Optional[Tensor]
-    position_ids: Tensor
-    packed_seq_params: object
-    plan: CPShardPlan
-
-
 def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] = None):
     """Megatron ``PackedSeqParams`` (``thd``) describing the whole packed row of ``plan``.
 
@@ -240,41 +229,3 @@ def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] 
         max_seqlen_q=plan.max_seqlen_padded, max_seqlen_kv=plan.max_seqlen_padded,
         cp_group=group,
     )
-
-
-def shard_packed_batch(tokens: Tensor, cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
-                       labels: Optional[Tensor] = None, loss_mask: Optional[Tensor] = None,
-                       pad_token_id: int = 0, group: Optional[dist.ProcessGroup] = None) -> ShardedBatch:
-    """Splits a packed row (``tokens``/``labels``/``loss_mask`` of shape ``[T]``) for one CP rank."""
-    plan = make_shard_plan(cu_seqlens, cp_size, cp_rank)
-    for name, value in (("tokens", tokens), ("labels", labels), ("loss_mask", loss_mask)):
-        if value is not None and tuple(value.shape) != (plan.total_tokens,):
-            raise ValueError(f"{name} must have shape [{plan.total_tokens}] (cu_seqlens[-1]), "
-                             f"got {tuple(value.shape)}")
-    local_mask = None
-    if loss_mask is not None:
-        local_mask = shard(plan, loss_mask, 0).unsqueeze(0)
-    return ShardedBatch(
-        tokens=shard(plan, tokens, pad_token_id).unsqueeze(0),
-        labels=None if labels is None else shard(plan, labels, pad_token_id).unsqueeze(0),
-        loss_mask=local_mask,
-        position_ids=plan.local_position_ids().unsqueeze(0),
-        packed_seq_params=packed_seq_params_for(plan, group),
-        plan=plan,
-    )
-
-
-def global_token_mean(local_values: Tensor, local_mask: Tensor,
-                      group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """This rank's share of the token mean over every rank of ``group`` (CP x DP).
-
-    Returns ``sum(local_values * local_mask) / N`` where ``N`` is the mask sum over the group (padding
-    and prompt tokens have mask 0). Summed over the group, values and gradients equal the token mean of
-    the whole batch on one rank. ``group=None`` with no process group means a single rank.
-    """
-    mask = local_mask.to(local_values.dtype)
-    count = mask.sum().detach()
-    if dist.is_available() and dist.is_initialized():
-        count = count.clone()
-        dist.all_reduce(count, group=group)
-    return (local_values * mask).sum() / count.clamp(min=1)

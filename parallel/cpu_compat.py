@@ -208,19 +208,6 @@ def activate() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def suspended():
-    """Temporarily lifts patch 1 (for code that must not see the device rewriting, e.g. torch.compile)."""
-    if _MODE is None:
-        yield
-        return
-    _MODE.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _MODE.__enter__()
-
-
 def transformer_config_overrides() -> dict:
     """Patch 4: the TransformerConfig kwargs CPU needs; empty when CUDA is available."""
     if torch.cuda.is_available():

@@ -1,9 +1,17 @@
-"""Process start-up for every megarlhf job: torch.distributed, Megatron parallel state, and seeding.
+"""Process start-up for every megarlhf job: torch.distributed, Megatron parallel state, seeding, and the
+:class:`Runtime` that the rest of megarlhf reads instead of Megatron's global state.
 
 One entry point, :func:`init_parallel`, turns the launcher's environment (torchrun, Slurm's srun, or
 no launcher at all) and a :class:`~parallel.config.ParallelConfig` into an initialised default process
-group (gloo on CPU, nccl on GPU) and Megatron-Core's tensor/pipeline/context/data-parallel groups.
-Without CUDA it first activates :mod:`parallel.cpu_compat`.
+group (gloo on CPU, nccl on GPU) and Megatron-Core's tensor/pipeline/context/data-parallel groups, and
+returns a :class:`Runtime`: this rank's device (``cuda:<local_rank>`` or ``cpu``), its groups, and one
+helper for the bookkeeping collectives (metric sums, token counts, verdicts). Without CUDA it first
+activates :mod:`parallel.cpu_compat`.
+
+Bookkeeping collectives run on the runtime's device over the same groups as the training (nccl on GPU,
+gloo on CPU) rather than over a second set of gloo groups: the numbers they reduce mostly come out of
+device computations already, one group per purpose is simpler to reason about, and the cost is small
+(on CPU, tests/parallel/test_runtime.py measures it per call; an RL step makes a few dozen such calls).
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -103,13 +112,159 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
     return launch
 
 
-def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None = None) -> LaunchEnv:
-    """Initialises torch.distributed and Megatron's model-parallel groups, then seeds this rank."""
+@dataclass(frozen=True)
+class ParallelGroup:
+    """One of this rank's groups: its size, this rank's index in it, and the torch group (None when this
+    rank is alone in it, so there is nothing to communicate)."""
+
+    rank: int
+    size: int
+    group: object | None  # torch.distributed.ProcessGroup
+
+    @classmethod
+    def alone(cls) -> "ParallelGroup":
+        return cls(0, 1, None)
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank runs and with whom: the one object training, rollout and the trainers read.
+
+    ``trainers`` holds every rank with Megatron state (the world, except in the disaggregated placement,
+    whose engine ranks are left out); verdicts that every trainer must agree on go over it. ``dp_cp`` is
+    the group DDP averages gradients over (data x context parallel); ``replica`` the TP x PP x CP ranks
+    of this rank's model replica (the ranks with its data-parallel rank). ``is_engine_rank``: a rank of
+    the disaggregated placement that only serves a rollout engine (its model groups are ``alone``).
+    """
+
+    launch: LaunchEnv
+    device: torch.device
+    world: ParallelGroup
+    trainers: ParallelGroup
+    tp: ParallelGroup
+    pp: ParallelGroup
+    cp: ParallelGroup
+    dp: ParallelGroup
+    dp_cp: ParallelGroup
+    replica: ParallelGroup
+    pp_last_global_rank: int  # the global rank of the last pipeline stage of this rank's pipeline
+    is_engine_rank: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def group(self, name: str) -> ParallelGroup:
+        if name not in GROUP_NAMES:
+            raise ValueError(f"Runtime.group: unknown group {name!r} ({', '.join(GROUP_NAMES)})")
+        return getattr(self, name)
+
+    def all_reduce(self, values: Sequence[float], op: str = "sum", over: str = "dp") -> list[float]:
+        """Reduces a few bookkeeping numbers (float64, on the runtime's device) over group ``over``;
+        every rank of it gets the result. The one helper for metric / count / verdict collectives."""
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        group = self.group(over)
+        if group.size > 1:
+            dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.group)
+        return tensor.tolist()
+
+    def any_rank(self, flag: bool, over: str = "trainers") -> bool:
+        """True on every rank of ``over`` if ``flag`` is True on any of them."""
+        return self.all_reduce([1.0 if flag else 0.0], op="max", over=over)[0] > 0
+
+    def all_gather_objects(self, obj, over: str = "world") -> list:
+        """Every rank of ``over``'s ``obj`` (pickled), in rank order."""
+        group = self.group(over)
+        if group.size == 1:
+            return [obj]
+        out = [None] * group.size
+        dist.all_gather_object(out, obj, group=group.group)
+        return out
+
+    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the last pipeline stage holds it, on every stage (in place)."""
+        if self.pp.size > 1:
+            dist.broadcast(tensor, src=self.pp_last_global_rank, group=self.pp.group)
+        return tensor
+
+
+def _device(launch: LaunchEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _megatron_group(size: int, rank: int, make_group) -> ParallelGroup:
+    return ParallelGroup(rank, size, make_group() if size > 1 else None)
+
+
+def _replica_group(dp_rank: int | None) -> ParallelGroup:
+    """The group of ranks sharing this rank's data-parallel rank (None: an engine rank, in no replica).
+    Collective over the default group: every rank creates every replica's group, in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ParallelGroup.alone()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_ranks = [None] * world
+    dist.all_gather_object(dp_ranks, dp_rank)
+    mine = ParallelGroup.alone()
+    for replica in sorted({d for d in dp_ranks if d is not None}):
+        members = [r for r in range(world) if dp_ranks[r] == replica]
+        group = dist.new_group(members) if len(members) > 1 else None
+        if replica == dp_rank:
+            mine = ParallelGroup(members.index(rank), len(members), group)
+    return mine
+
+
+def build_runtime(launch: LaunchEnv, trainers: ParallelGroup | None = None, is_engine_rank: bool = False) -> Runtime:
+    """The :class:`Runtime` of this rank, read once from Megatron's parallel state (all model groups
+    ``alone`` where Megatron has none: a single process, or an engine rank of the disaggregated
+    placement). ``trainers``: the trainer ranks' group (None: the whole world)."""
+    from megatron.core import parallel_state as ps
+
+    world = ParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD) \
+        if dist.is_initialized() and dist.get_world_size() > 1 else ParallelGroup.alone()
+    trainers = world if trainers is None else trainers
+    device = _device(launch)
+    if is_engine_rank or not ps.model_parallel_is_initialized():
+        alone = ParallelGroup.alone()
+        _replica_group(None)  # the trainers create their replica groups collectively
+        return Runtime(launch, device, world, trainers, alone, alone, alone, alone, alone, alone, launch.rank,
+                       is_engine_rank)
+    pp = _megatron_group(ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                         ps.get_pipeline_model_parallel_group)
+    last = dist.get_global_rank(pp.group, pp.size - 1) if pp.group is not None else launch.rank
+    return Runtime(
+        launch=launch, device=device, world=world, trainers=trainers,
+        tp=_megatron_group(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                           ps.get_tensor_model_parallel_group),
+        pp=pp,
+        cp=_megatron_group(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                           ps.get_context_parallel_group),
+        dp=_megatron_group(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                           ps.get_data_parallel_group),
+        dp_cp=_megatron_group(ps.get_data_parallel_world_size(with_context_parallel=True),
+                              ps.get_data_parallel_rank(with_context_parallel=True),
+                              lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        replica=_replica_group(ps.get_data_parallel_rank()),
+        pp_last_global_rank=last)
+
+
+def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None = None) -> Runtime:
+    """Initialises torch.distributed and Megatron's model-parallel groups, seeds this rank, and returns
+    its :class:`Runtime`."""
     launch = init_distributed(backend)
     config.validate(launch.world_size)
     _initialize_megatron(config, local_world_size=None)
     seed_everything(seed)
-    return launch
+    return build_runtime(launch)
 
 
 def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -> None:
@@ -127,14 +282,15 @@ def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -
 
 
 def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int = 1234,
-                       backend: str | None = None) -> LaunchEnv:
+                       backend: str | None = None) -> Runtime:
     """Like :func:`init_parallel`, but Megatron's groups cover only the trainer ranks ``[0, num_trainer_ranks)``.
 
     For the disaggregated rollout mode: the remaining ranks hold rollout engines and no Megatron state.
     Every rank must call this (``torch.distributed.new_group`` is collective over the default group even
     for ranks outside the new group); Megatron's ``local_world_size`` makes its rank generator lay out
     TP/PP/CP/DP over the trainer ranks only, so on engine ranks no Megatron group is set and
-    ``parallel_state.model_parallel_is_initialized()`` is False.
+    ``parallel_state.model_parallel_is_initialized()`` is False. The runtime's ``trainers`` group holds
+    the trainer ranks (on an engine rank it is ``alone``).
     """
     world_size = read_launch_env().world_size
     if not 1 <= num_trainer_ranks < world_size:
@@ -144,7 +300,11 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     launch = init_distributed(backend)
     _initialize_megatron(config, local_world_size=num_trainer_ranks)
     seed_everything(seed)
-    return launch
+    group = dist.new_group(list(range(num_trainer_ranks)))  # collective: every rank creates it
+    is_engine = launch.rank >= num_trainer_ranks
+    trainers = ParallelGroup.alone() if is_engine else ParallelGroup(launch.rank, num_trainer_ranks,
+                                                                      group if num_trainer_ranks > 1 else None)
+    return build_runtime(launch, trainers, is_engine_rank=is_engine)
 
 
 def seed_everything(seed: int) -> None:

@@ -74,7 +74,7 @@ def reshard(hf_dir: Path, work: Path) -> None:
     from model_providers import get_provider
     from model_providers.hf_checkpoint import load_hf_model
 
-    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=2))
+    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=2)).launch
     provider, model = load_hf_model(hf_dir)
     ids = torch.randint(0, provider.hf_config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
     saved_logits = full_logits(model, ids)
@@ -141,7 +141,7 @@ def atomic(hf_dir: Path, work: Path) -> None:
 
     from model_providers.hf_checkpoint import load_hf_model
 
-    launch = init_parallel(ParallelConfig())
+    launch = init_parallel(ParallelConfig()).launch
     provider, model = load_hf_model(hf_dir)
     expected = _params(model)
     ckpt = work / "ckpt"

@@ -4,6 +4,11 @@ Every estimator is registered in :data:`ADVANTAGE_ESTIMATORS` with one signature
 
     estimator(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs
 
+and declares what it needs from the run (:class:`EstimatorNeeds`: a trained critic, groups of at least
+two samples per prompt, a greedy baseline response per prompt). The config validation, the RL driver
+and the memory planner read that declaration (``ADVANTAGE_ESTIMATORS.get(name).needs``) and nothing
+else: adding an estimator touches this file only.
+
 Hand-written because these few lines are the project's own numerics: the frameworks that have them
 (verl, OpenRLHF) give each estimator its own signature, group samples by position, and read padding.
 
@@ -97,8 +102,36 @@ class AdvantageOutputs:
     returns: Tensor  # [B, T], 0 on masked positions
 
 
-AdvantageEstimator = Callable[[AdvantageInputs, AdvantageConfig, object], AdvantageOutputs]
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs the RL step to provide besides rewards and the response mask."""
+
+    critic: bool = False  # AdvantageInputs.values from a critic trained alongside the actor (PPO's GAE)
+    groups: bool = False  # compares the samples of one prompt: rollout.n_samples >= 2 and group_ids
+    greedy_baseline: bool = False  # AdvantageInputs.baseline_rewards: the reward of one greedy response
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: the function and what it needs; calling it calls the function."""
+
+    fn: Callable[[AdvantageInputs, AdvantageConfig, object], AdvantageOutputs]
+    needs: EstimatorNeeds
+
+    def __call__(self, inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
+        return self.fn(inputs, config, dp_group=dp_group)
+
+
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def _estimator(name: str, **needs: bool):
+    """Registers the decorated function under ``name`` with its :class:`EstimatorNeeds`."""
+    def add(fn):
+        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(fn, EstimatorNeeds(**needs)))
+        return fn
+
+    return add
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -176,7 +209,7 @@ def _whiten(x: Tensor, mask: Tensor, eps: float, dp_group) -> Tensor:
 
 # ------------------------------------------------------------------------------------------- estimators
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@_estimator("gae", critic=True)
 def gae(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
     Using Generalized Advantage Estimation"; as used by PPO, Schulman et al. 2017).
@@ -222,7 +255,7 @@ def _grpo_like(inputs: AdvantageInputs, config: AdvantageConfig, name: str, divi
     return AdvantageOutputs(advantages=_broadcast(centered, mask), returns=_broadcast(seq_return, mask))
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@_estimator("grpo", groups=True)
 def grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """GRPO outcome supervision (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2).
 
@@ -233,7 +266,7 @@ def grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> Adv
     return _grpo_like(inputs, config, "grpo", divide_by_std=True)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@_estimator("dr_grpo", groups=True)
 def dr_grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"):
     GRPO without the std division, ``A_i = R_i - mean_g(R)`` on every response token of sample i.
@@ -243,7 +276,7 @@ def dr_grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> 
     return _grpo_like(inputs, config, "dr_grpo", divide_by_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@_estimator("rloo", groups=True)
 def rloo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
     Learning from Human Feedback in LLMs"): leave-one-out baseline within the prompt's group,
@@ -263,7 +296,7 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> Adv
                             returns=_broadcast(seq_return, mask))
 
 
-@ADVANTAGE_ESTIMATORS.register("remax")
+@_estimator("remax", greedy_baseline=True)
 def remax(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
     for Aligning Large Language Models"): the reward of the greedy response to the same prompt is the
@@ -276,7 +309,7 @@ def remax(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> Ad
                             returns=_broadcast(seq_return, mask))
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@_estimator("reinforce_pp")
 def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
     Models"): discounted token returns ``G_t = r_t + gamma * G_{t+1}``, advantages ``w(G)`` whitened
@@ -288,7 +321,7 @@ def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None
     return AdvantageOutputs(advantages=_whiten(returns, mask, config.eps, dp_group), returns=returns)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@_estimator("reinforce_pp_baseline", groups=True)
 def reinforce_pp_baseline(inputs: AdvantageInputs, config: AdvantageConfig,
                           dp_group=None) -> AdvantageOutputs:
     """REINFORCE++-baseline (Hu 2025, REINFORCE++ paper): the group mean of the sequence rewards is

@@ -57,10 +57,10 @@ def compute_normaliser(masks: Sequence[Tensor], dp_group=None,
     """
     if len(masks) == 0:
         raise ValueError("compute_normaliser: masks is empty; pass the response mask of every micro-batch")
-    counts = torch.zeros(2, dtype=torch.float64)
+    counts = torch.zeros(2, dtype=torch.float64, device=masks[0].device)
     for index, mask in enumerate(masks):
         mask = check_mask("compute_normaliser", f"masks[{index}]", mask)
-        counts += torch.tensor([mask.sum().item(), mask.any(dim=1).sum().item()], dtype=torch.float64)
+        counts += torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(torch.float64)
     num_tokens, num_sequences = (int(c) for c in all_reduce_sum(counts, dp_group).tolist())
     if num_tokens == 0:
         raise ValueError("compute_normaliser: the step's global batch has no response token")

@@ -1,8 +1,11 @@
 """DAPO's two data-side techniques: overlong reward shaping and the dynamic-sampling group filter.
 
 Both follow Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
-(sec. 3.2 dynamic sampling, sec. 3.4 overlong reward shaping). Hand-written because each is a few
-lines of the project's own reward/batch bookkeeping.
+(sec. 3.2 dynamic sampling, sec. 3.4 overlong reward shaping). Dynamic sampling keeps generating
+until the step's batch holds ``train.global_batch_size`` prompts whose samples' rewards differ; the
+rounds themselves are the RL driver's (:mod:`megarlhf.trainers.collect`), the group test is
+:func:`dynamic_sampling_filter`. Hand-written because each is a few lines of the project's own
+reward/batch bookkeeping.
 """
 from __future__ import annotations
 
@@ -45,6 +48,21 @@ def overlong_penalty(response_lengths: Tensor, max_length: int, config: Overlong
     ramp = (lengths - start) / config.buffer_length
     penalty = -config.penalty_factor * torch.clamp(ramp, min=0.0, max=1.0)
     return penalty.to(torch.float32)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling (the only place its defaults live)."""
+
+    enabled: bool = False
+    # generation rounds beyond the first; when they are used up without enough informative groups, the
+    # batch is filled with uninformative ones, which are masked out of the update
+    max_extra_rounds: int = 4
+
+    def __post_init__(self):
+        if not (isinstance(self.max_extra_rounds, int) and 0 <= self.max_extra_rounds <= 64):
+            raise ValueError(f"DynamicSamplingConfig.max_extra_rounds must be an int in [0, 64], "
+                             f"got {self.max_extra_rounds!r}")
 
 
 @dataclass

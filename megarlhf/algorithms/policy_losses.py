@@ -35,29 +35,30 @@ from megarlhf.registry import Registry
 class PolicyLossConfig:
     """Settings of the policy losses (the only place their defaults live)."""
 
-    clip_eps: float = 0.2  # ppo_clip, dual_clip: ratio clipped to [1 - clip_eps, 1 + clip_eps]
-    clip_eps_low: float = 0.2  # clip_higher: lower bound 1 - clip_eps_low (DAPO: 0.2)
-    clip_eps_high: float = 0.28  # clip_higher: upper bound 1 + clip_eps_high (DAPO: 0.28)
-    dual_clip_c: float = 3.0  # dual_clip: loss for A < 0 is at most -c * A (Ye et al. 2020: c = 3)
+    # ppo_clip: ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]; PPO is symmetric (0.2, 0.2),
+    # DAPO's clip-higher raises the upper bound (0.2, 0.28)
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float | None = None  # ppo_clip: loss for A < 0 is at most -c * A (Ye et al. 2020: c = 3)
     gspo_eps_low: float = 3e-4  # gspo: sequence ratio clipped to [1 - low, 1 + high] (GSPO paper)
     gspo_eps_high: float = 4e-4
     cispo_eps_low: float | None = None  # cispo: IS weight floor 1 - low; None = no floor (MiniMax-M1)
     cispo_eps_high: float = 0.28  # cispo: IS weight cap 1 + high
 
     def __post_init__(self):
-        for name in ("clip_eps", "clip_eps_low", "clip_eps_high", "gspo_eps_low", "gspo_eps_high",
-                     "cispo_eps_high", "cispo_eps_low"):
+        for name in ("clip_eps_low", "clip_eps_high", "gspo_eps_low", "gspo_eps_high", "cispo_eps_high",
+                     "cispo_eps_low"):
             value = getattr(self, name)
             if value is None and name == "cispo_eps_low":
                 continue
             if not 0.0 <= value:
                 raise ValueError(f"PolicyLossConfig.{name} must be >= 0, got {value}")
-        for name in ("clip_eps", "clip_eps_low", "gspo_eps_low"):
+        for name in ("clip_eps_low", "gspo_eps_low"):
             if getattr(self, name) >= 1.0:
                 raise ValueError(f"PolicyLossConfig.{name} must be < 1 (lower bound 1 - eps > 0), "
                                  f"got {getattr(self, name)}")
-        if not self.dual_clip_c > 1.0:
-            raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 or null (off), got {self.dual_clip_c}")
 
 
 @dataclass
@@ -118,37 +119,25 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, low: float, high: 
 
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossOutput:
-    """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"):
-    ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_eps, 1 + clip_eps))``.
-    """
-    mask, logprobs, old, advantages = _sanitised(inputs)
-    log_ratio = logprobs - old
-    loss, clipped = _clipped_surrogate(log_ratio, advantages, config.clip_eps, config.clip_eps)
-    return _finish(inputs, loss, clipped, log_ratio)
+    """PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms") with
+    asymmetric bounds and an optional dual clip; one loss covers the three variants:
 
+    ``l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_eps_low, 1 + clip_eps_high))``
 
-@POLICY_LOSSES.register("clip_higher")
-def clip_higher(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossOutput:
-    """Asymmetric "clip-higher" surrogate (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
-    Learning System at Scale"):
-    ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_eps_low, 1 + clip_eps_high))``.
+    * PPO: ``clip_eps_low = clip_eps_high`` (0.2);
+    * clip-higher (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"):
+      ``clip_eps_high > clip_eps_low`` (0.28 vs 0.2);
+    * dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+      Learning"), when ``dual_clip_c = c`` is set: for ``A_t < 0``, ``loss_t = min(l_t, -c A_t)``;
+      ``A_t >= 0`` keeps ``l_t``. Extra metric ``policy/dual_clip_fraction``: tokens where ``-c A`` won.
+
+    ``policy/clip_fraction`` counts tokens whose gradient either clip removed.
     """
     mask, logprobs, old, advantages = _sanitised(inputs)
     log_ratio = logprobs - old
     loss, clipped = _clipped_surrogate(log_ratio, advantages, config.clip_eps_low, config.clip_eps_high)
-    return _finish(inputs, loss, clipped, log_ratio)
-
-
-@POLICY_LOSSES.register("dual_clip")
-def dual_clip(inputs: PolicyLossInputs, config: PolicyLossConfig) -> LossOutput:
-    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
-    Learning"): ``l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_eps, 1 + clip_eps))``, then for
-    ``A_t < 0``: ``loss_t = min(l_t, -c A_t)`` with ``c = dual_clip_c > 1``; for ``A_t >= 0``
-    ``loss_t = l_t``. Extra metric ``policy/dual_clip_fraction``: tokens where the ``-c A`` bound won.
-    """
-    mask, logprobs, old, advantages = _sanitised(inputs)
-    log_ratio = logprobs - old
-    loss, clipped = _clipped_surrogate(log_ratio, advantages, config.clip_eps, config.clip_eps)
+    if config.dual_clip_c is None:
+        return _finish(inputs, loss, clipped, log_ratio)
     bound = -config.dual_clip_c * advantages
     dual = (advantages < 0) & (bound < loss)
     loss = torch.where(dual, bound, loss)

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_metadata(args.ckpt)
     _check_output(Path(args.out).absolute(), args.overwrite)
     try:
-        launch = init_parallel(parallel)
+        launch = init_parallel(parallel).launch
         if args.direction == "hf-to-megatron":
             path = hf_to_megatron(args.hf, args.out, dtype=dtype, overwrite=args.overwrite)
         else:

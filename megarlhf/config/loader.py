@@ -11,7 +11,9 @@ The dataclasses are the schema and hold every default; this module only fills th
    ``__post_init__`` validation (ranges, registry names).
 
 Every error is a :class:`ConfigError` that names the full key path: unknown keys come with the
-closest known key (difflib) and the allowed keys; Literal fields list their allowed values.
+closest known key (difflib) and the allowed keys; Literal fields list their allowed values; a key a
+dataclass lists in its ``refused_keys`` class attribute (a setting megarlhf deliberately does not offer)
+is reported with the dataclass's reason.
 :func:`save_config` writes the resolved config as YAML; loading that file gives an equal config.
 
 An int is accepted where a float is expected, and so is a string that parses as a float, because
@@ -126,7 +128,10 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     kwargs = {}
+    refused = getattr(cls, "refused_keys", {})
     for key, value in data.items():
+        if key in refused:
+            raise ConfigError(f"{path + '.' if path else ''}{key}: {refused[key]}")
         if key not in fields:
             raise _unknown_key_error(str(key), list(fields), path)
         kwargs[key] = _convert(value, hints[key], f"{path}.{key}" if path else key)

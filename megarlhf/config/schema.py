@@ -2,7 +2,8 @@
 
 ``RunConfig`` nests the settings of each part of a run. Sub-configs owned by other packages are
 reused, not repeated: ``ParallelConfig`` (parallel/), the algorithm configs (megarlhf.algorithms),
-``DataConfig`` (megarlhf.data) and ``RewardConfig`` (megarlhf.rewards). Each dataclass validates its
+``DataConfig`` (megarlhf.data), ``RewardConfig`` (megarlhf.rewards), ``RolloutConfig``
+(megarlhf.rollout) and ``GateConfig`` (megarlhf.gates). Each dataclass validates its
 own fields in ``__post_init__``; :class:`RunConfig` adds the checks that span sections. A recipe is a
 YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_config`.
 """
@@ -12,10 +13,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES, AdvantageConfig,
-                                 KLConfig, MismatchConfig, OverlongConfig, PolicyLossConfig)
+                                 DynamicSamplingConfig, EstimatorNeeds, KLConfig, MismatchConfig, OverlongConfig,
+                                 PolicyLossConfig)
+from megarlhf.dtypes import check_dtype_name
 from megarlhf.data.source import DataConfig
+from megarlhf.gates import GateConfig, Tolerances, resolve_tolerances
 from megarlhf.rewards import RewardConfig
-from megarlhf.rollout.disaggregated import RolloutPlacementConfig
+from megarlhf.rollout.config import RolloutConfig
 from parallel.config import ParallelConfig
 
 
@@ -34,47 +38,25 @@ def _positive_int(owner: object, *names: str, where: str = "") -> None:
 @dataclass
 class ModelConfig:
     path: str  # HF model directory (the actor, and the reference model)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: str = "bfloat16"  # the trainer's parameter dtype (megarlhf.dtypes: float32, bfloat16)
     critic_path: str | None = None  # HF directory the critic starts from (None: the actor's path)
 
-
-@dataclass
-class RolloutConfig:
-    n_samples: int = 8  # responses per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    max_new_tokens: int = 1024
-    tensor_parallel_size: int = 1  # of each vLLM engine
-    gpu_memory_utilization: float = 0.5  # vLLM's share of the device memory while it is awake
-    kv_cache_mb: int = 512  # KV cache of each engine (CPU engines size it from this)
-    enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast engine start, slower decoding
-    weight_sync_bucket_mb: int = 256  # Megatron -> vLLM weights travel in buckets of at most this size
-    # colocate (engines on every rank, trainer state offloaded around rollouts) or disaggregated
-    # (engines on the last placement.num_engine_ranks ranks, weights broadcast to them)
-    placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
-
     def __post_init__(self):
-        _positive_int(self, "n_samples", "max_new_tokens", "tensor_parallel_size", "kv_cache_mb",
-                      "weight_sync_bucket_mb")
-        _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 1, f"RolloutConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0,
-               f"RolloutConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_dtype_name(self.dtype, "ModelConfig.dtype")
 
 
 @dataclass
 class AlgorithmConfig:
     """Which estimator and loss, and their settings (the sub-configs are megarlhf.algorithms')."""
 
-    estimator: str = "grpo"  # a name in ADVANTAGE_ESTIMATORS ("gae" trains a critic)
+    estimator: str = "grpo"  # a name in ADVANTAGE_ESTIMATORS (its entry declares what it needs)
     policy_loss: str = "ppo_clip"  # a name in POLICY_LOSSES
     loss_aggregation: Literal[AGGREGATION_MODES] = "token_mean"
     kl_mode: Literal["loss", "reward", "none"] = "loss"  # KL to the reference: loss term, reward penalty, off
     entropy_coef: float = 0.0
     value_clip: float | None = 0.2  # PPO value-loss clip range (critic only)
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    # DAPO: keep generating until the batch holds enough groups whose rewards are not all equal
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl: KLConfig = field(default_factory=KLConfig)
@@ -92,13 +74,29 @@ class AlgorithmConfig:
                f"AlgorithmConfig.value_clip must be > 0 or null, got {self.value_clip}")
 
     @property
+    def needs(self) -> EstimatorNeeds:
+        """What the configured estimator declared it needs (critic, groups, greedy baseline)."""
+        return ADVANTAGE_ESTIMATORS.get(self.estimator).needs
+
+    @property
     def uses_critic(self) -> bool:
-        return self.estimator == "gae"
+        return self.needs.critic
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """A KL-to-reference term with weight is added to the actor's loss."""
+        return self.kl_mode == "loss" and self.kl.coef > 0
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """A KL-to-reference penalty with weight is added to the token rewards."""
+        return self.kl_mode == "reward" and self.kl.coef > 0
 
     @property
     def uses_reference(self) -> bool:
-        """A frozen reference model is needed only for a KL term that has weight."""
-        return self.kl_mode != "none" and self.kl.coef > 0
+        """The one definition of "KL is on": a frozen reference model is built, scored and used only
+        for a KL term that has weight (``kl.coef = 0`` switches KL off in either mode)."""
+        return self.kl_in_loss or self.kl_in_reward
 
 
 @dataclass
@@ -135,7 +133,6 @@ class TrainConfig:
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
     packing: bool = True  # pack sequences into micro-batches up to the token budget
     on_nonfinite: Literal["abort", "skip"] = "abort"  # a NaN/Inf loss or gradient: stop, or skip the batch
-    step0_logprob_tolerance: float = 1e-3  # step-0 gate: max |trainer - rollout| log-prob gap allowed
 
     def __post_init__(self):
         _positive_int(self, "steps", "global_batch_size", "mini_batches", "epochs_per_step", "micro_batch_tokens")
@@ -183,7 +180,7 @@ class EvalConfig:
 class LoggingConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, config.yaml, checkpoints
     tensorboard: bool = True
-    log_every: int = 1
+    log_every: int = 1  # steps between metric records (RL and SFT; the last step and evaluations always)
 
     def __post_init__(self):
         _positive_int(self, "log_every")
@@ -206,14 +203,20 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    gates: GateConfig = field(default_factory=GateConfig)
     seed: int = 1234
 
     def __post_init__(self):
-        group_estimators = ("grpo", "dr_grpo", "rloo")
-        _check(self.algorithm.estimator not in group_estimators or self.rollout.n_samples >= 2,
+        _check(not self.algorithm.needs.groups or self.rollout.n_samples >= 2,
                f"algorithm.estimator {self.algorithm.estimator!r} compares samples of a prompt: "
                f"rollout.n_samples must be >= 2, got {self.rollout.n_samples}")
         overlong = self.algorithm.overlong
         _check(overlong is None or overlong.buffer_length < self.rollout.max_new_tokens,
                f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+
+    @property
+    def tolerances(self) -> Tolerances:
+        """The verification gates' tolerances for this run's trainer and engine dtypes (megarlhf.gates)."""
+        return resolve_tolerances(self.model.dtype, self.rollout.engine_dtype(self.model.dtype), self.gates)
+

@@ -15,7 +15,7 @@ SFT data can mix in two other response styles found in real instruction data: a 
 answer stated first with the working after it (a model that imitates either must guess before computing).
 
 Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``.
-Hand-written: no offline package ships such data (PLATFORM.md: GSM8K/MATH need the hub).
+Hand-written: no offline package ships such data (docs/PLATFORM.md: GSM8K/MATH need the hub).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ directly, or :func:`megarlhf.config.load_config` a recipe and adjust it); there 
 directory and the task runs ``python -m megarlhf COMMAND that.yaml`` on every rank, which loads it back
 into an equal RunConfig.
 
-Executors (NeMo-Run's own; see PLATFORM.md for the pins and the two path gotchas):
+Executors (NeMo-Run's own; see docs/PLATFORM.md for the pins and the two path gotchas):
 
 * :func:`local_executor`: ``run.LocalExecutor`` with NeMo-Run's torchrun launcher, N ranks on this host;
 * :func:`slurm_executor`: ``run.SlurmExecutor`` with one task per GPU launched by srun (megarlhf reads

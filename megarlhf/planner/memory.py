@@ -29,7 +29,7 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   activations while it is recomputed. The final norm keeps ``8h`` bytes per token, and the fused
   log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
-  a sync bucket is ``max(rollout.weight_sync_bucket_mb, the largest HF tensor)``.
+  a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``.
 
 Not counted (the ``reserve``, a per-rank allowance the caller chooses): CUDA context, NCCL buffers,
 allocator fragmentation, vLLM's own activation and sampler workspace, and on CPU the Python/torch runtime.
@@ -41,12 +41,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarlhf.dtypes import dtype_bytes
 from megarlhf.config.schema import RunConfig
 from megarlhf.planner.shapes import ModelShape
 
 GIB = 2**30
 MIB = 2**20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGPROB_CHUNK = 4096  # megarlhf.ops' default vocabulary chunk
 PHASES = ("train", "sync", "generate")
 
@@ -165,7 +165,7 @@ def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards:
 
 def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp: int, max_model_len: int,
            engine: dict[str, int]) -> StagePlan:
-    d = DTYPE_BYTES[config.model.dtype]
+    d = dtype_bytes(config.model.dtype)
     shards = dp * config.parallel.context_parallel_size
     par = config.parallel
     comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
@@ -206,11 +206,11 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     if engine_tp not in (1, launch.world_size):
         raise ValueError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
                          f"world size {launch.world_size}")
-    d = DTYPE_BYTES[config.model.dtype]
+    d = dtype_bytes(config.model.dtype)
     max_model_len = config.data.max_prompt_length + config.rollout.max_new_tokens
     engine = {"engine_weights": shape.total_params() * d // engine_tp,
               "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
-              "engine_sync_bucket": max(config.rollout.weight_sync_bucket_mb * MIB, shape.largest_tensor() * d)}
+              "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d)}
     stages = [_stage(shape, config, launch, s, dp, max_model_len, engine) for s in range(par.pipeline_model_parallel_size)]
     kv_tokens = config.rollout.kv_cache_mb * MIB // (shape.kv_elements_per_token() * d // engine_tp)
     prompts_per_rank = -(-config.train.global_batch_size // dp // par.model_parallel_size)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from megarlhf.config import RunConfig, apply_override, from_dict, parse_override, to_dict
-from megarlhf.planner.memory import DTYPE_BYTES, MIB, Launch, MemoryPlan, plan_memory
+from megarlhf.dtypes import dtype_bytes
+from megarlhf.planner.memory import MIB, Launch, MemoryPlan, plan_memory
 from megarlhf.planner.shapes import ModelShape
 
 
@@ -51,7 +52,7 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
     if not config.optim.use_distributed_optimizer and plan.data_parallel_size * cp > 1:
         yield Change(("optim.use_distributed_optimizer=true",))
     if plan.kv_tokens < plan.max_model_len:
-        need = -(-plan.max_model_len * shape.kv_elements_per_token() * _dtype_bytes(config)
+        need = -(-plan.max_model_len * shape.kv_elements_per_token() * dtype_bytes(config.model.dtype)
                  // config.rollout.tensor_parallel_size // MIB)
         yield Change((f"rollout.kv_cache_mb={need}",))
     else:
@@ -76,10 +77,6 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
         yield Change(world_size=gpus_per_node, notes=("more GPUs",))
     if config.algorithm.uses_reference:
         yield Change(("algorithm.kl_mode=none",), notes=("drops the reference model: no KL term",))
-
-
-def _dtype_bytes(config: RunConfig) -> int:
-    return DTYPE_BYTES[config.model.dtype]
 
 
 def _layout_ok(shape: ModelShape, tp: int, pp: int) -> bool:

@@ -169,8 +169,8 @@ class OffloadedModel:
                              f"or borrowed tensors, e.g. {fixed[0].nbytes()} bytes on {fixed[0].device}); "
                              f"copy them into torch-allocated tensors first")
         total = sum(s.nbytes() for s in storages)
-        pinned = torch.cuda.is_available()
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        pinned = any(s.device.type == "cuda" for s in storages)
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)  # host: the offload target
         entries, offset = [], 0
         for storage in storages:
             nbytes = storage.nbytes()
@@ -187,7 +187,7 @@ class OffloadedModel:
 
     def onload(self) -> int:
         """Reallocates every freed storage on its device and copies its bytes back; returns the bytes moved."""
-        pinned = torch.cuda.is_available()
+        pinned = any(storage.device.type == "cuda" for phase in self.phases for storage, *_ in phase.entries)
         for phase in self.phases:
             for storage, offset, nbytes in phase.entries:
                 storage.resize_(nbytes)
@@ -210,14 +210,17 @@ class ColocateScheduler:
             raise ColocateStateError(f"colocate scheduler: cannot {action} while {self.state.value} "
                                      f"(allowed only while {state.value})")
 
-    def enter_rollout(self) -> dict[str, float]:
-        """TRAINER_RESIDENT -> ENGINE_RESIDENT: offload, wake weights, verified sync, wake KV cache."""
+    def enter_rollout(self, sync_weights: bool = True) -> dict[str, float]:
+        """TRAINER_RESIDENT -> ENGINE_RESIDENT: offload, wake weights, verified sync, wake KV cache.
+
+        ``sync_weights=False`` keeps the weights the engine already has (a second generation round with
+        an unchanged actor: the engine's sleep keeps its weights)."""
         self._require(Residency.TRAINER_RESIDENT, "enter_rollout")
         start = time.perf_counter()
         try:
             moved = sum(m.offload() for m in self.others) + self.actor.offload(params=False)
             self.engine.wake_up(["weights"])
-            metrics = self.weight_sync.sync(self.actor.module)
+            metrics = self.weight_sync.sync() if sync_weights else {}
             moved += self.actor.offload(params=True, rest=False)
             self.engine.wake_up(["kv_cache"])
         except BaseException:

@@ -1,6 +1,6 @@
 """Disaggregated rollouts: trainer ranks and engine ranks are different processes; nothing is offloaded.
 
-Selected by :class:`RolloutPlacementConfig` (``mode="disaggregated"``, ``num_engine_ranks=E``): of a job's
+Selected by ``rollout.placement`` (``mode="disaggregated"``, ``num_engine_ranks=E``): of a job's
 ``W`` ranks, ``[0, W-E)`` hold the Megatron models (their groups come from
 :func:`parallel.runtime.init_disaggregated`) and ``[W-E, W)`` hold one TP=1 vLLM engine each.
 
@@ -22,11 +22,11 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
   shapes and trainer-side checksums, then one flat byte buffer). Each engine rank passes every bucket to
   its engine core inside ONE layerwise-reload session of vLLM (begin; ``model.load_weights`` per bucket;
   finalize), the same in-place path as ``reload_weights``, checksumming each tensor as vLLM's loader
-  takes it (:func:`~megarlhf.rollout.weight_sync.tensor_checksum` /
-  :func:`~megarlhf.rollout.weight_sync.compare_checksums`). Then the probe forward: the source's
-  teacher-forced log-probs of fixed random sequences vs each engine's prompt log-probs. The source
-  collects every engine's problems and broadcasts the verdict to all ranks, which raise
-  :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
+  takes it. Then the probe forward: the trainers' log-probs of fixed random sequences (the training
+  forward) vs each engine's prompt log-probs, gated by :mod:`megarlhf.gates`. The checksums, the
+  bucketing and the probe comparison are :mod:`megarlhf.rollout.weight_sync`'s, shared with the
+  colocated sync. The source collects every engine's problems and broadcasts the verdict to all ranks,
+  which raise :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
 * ``generate(prompts, sampling)``: the prompts of each data-parallel replica go to the source, are split
   round-robin over the engines, and each trainer rank gets back the :class:`RolloutBatch` of its
   replica's prompts. Seeded sampling is reproducible for a fixed number of engine ranks.
@@ -38,40 +38,18 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, SamplingConfig, _tied_modules
-from megarlhf.rollout.weight_sync import (WeightSyncConfig, WeightSyncError, compare_checksums,
-                                          tensor_checksum)
+from megarlhf.gates import Tolerances
+from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, _tied_modules
+from megarlhf.rollout.weight_sync import (compare_checksums, layout_problems, probe_problems, probe_sequences,
+                                          sync_metrics, tensor_checksum, trainer_probe_logprobs, verdict_error,
+                                          weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
-
-
-@dataclass(frozen=True)
-class RolloutPlacementConfig:
-    """Where rollout engines live. ``colocate``: on every rank, with the trainers (offload around
-    rollouts). ``disaggregated``: on the last ``num_engine_ranks`` ranks, trainers on the others."""
-
-    mode: Literal["colocate", "disaggregated"] = "colocate"
-    num_engine_ranks: int = 0  # disaggregated only
-
-    def validate(self, world_size: int) -> None:
-        if self.mode not in ("colocate", "disaggregated"):
-            raise ValueError(f"RolloutPlacementConfig.mode={self.mode!r}: must be 'colocate' or 'disaggregated'")
-        if self.mode == "colocate" and self.num_engine_ranks != 0:
-            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: only the "
-                             f"disaggregated mode has separate engine ranks (colocate needs 0)")
-        if self.mode == "disaggregated" and not 1 <= self.num_engine_ranks < world_size:
-            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: the disaggregated "
-                             f"mode needs at least 1 engine rank and 1 trainer rank out of {world_size} ranks")
-
-    def num_trainer_ranks(self, world_size: int) -> int:
-        self.validate(world_size)
-        return world_size - self.num_engine_ranks
 
 
 # ---- the engine core's side (runs in vLLM's worker, i.e. the engine's child process) ---------------------
@@ -120,46 +98,44 @@ def _as_checksum(value) -> tuple[str, tuple[int, ...], int]:
     return str(dtype), tuple(int(s) for s in shape), int(crc)
 
 
-def _verdict_error(lines: list[str], what: str) -> WeightSyncError:
-    shown = "\n  ".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
-    return WeightSyncError(f"weight sync verification failed ({what}):\n  {shown}")
-
-
 class DisaggregatedRollout:
     """This rank's part of the disaggregated rollout (see the module docstring). Collective to build."""
 
-    def __init__(self, placement: RolloutPlacementConfig, hf_dir: str, provider=None,
-                 engine_config: EngineConfig = EngineConfig(in_process=False),
-                 sync_config: WeightSyncConfig = WeightSyncConfig()):
+    def __init__(self, config, runtime, actor=None, tolerances: Tolerances | None = None):
+        """``config``: the run's ``RunConfig``; ``actor``: the trainer's TrainModel (trainer ranks only);
+        ``tolerances``: the run's resolved gates."""
+        placement = config.rollout.placement
         if placement.mode != "disaggregated":
-            raise ValueError(f"DisaggregatedRollout needs RolloutPlacementConfig.mode='disaggregated', "
+            raise ValueError(f"DisaggregatedRollout needs rollout.placement.mode='disaggregated', "
                              f"got {placement.mode!r}")
         if not dist.is_initialized():
             raise RuntimeError("DisaggregatedRollout: torch.distributed is not initialised "
                                "(call parallel.runtime.init_disaggregated first)")
-        sync_config.validate()
+        self.config, self.runtime, self.tolerances = config, runtime, tolerances
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.num_trainers = placement.num_trainer_ranks(world)
         self.engine_ranks = list(range(self.num_trainers, world))
         self.is_engine_rank = self.rank >= self.num_trainers
-        self.sync_config = sync_config
-        # every rank creates both groups, in the same order (new_group is collective over the default group)
+        self.sync_config = config.rollout.weight_sync
+        # every rank creates both groups, in the same order (new_group is collective over the default
+        # group); gloo, because they carry host bytes and objects whatever the trainers' backend
         self.trainers = dist.new_group(list(range(self.num_trainers)), backend="gloo")
         self.channel = dist.new_group([SOURCE_RANK, *self.engine_ranks], backend="gloo")
-        self.engine = self.provider = None
+        self.engine = self.actor = None
         if self.is_engine_rank:
-            if engine_config.tensor_parallel_size != 1:
-                raise ValueError("DisaggregatedRollout: engines are TP=1 (one per engine rank); got "
-                                 f"EngineConfig.tensor_parallel_size={engine_config.tensor_parallel_size}")
-            self.engine = RolloutEngine(hf_dir, replace(engine_config, in_process=False))
+            if config.rollout.tensor_parallel_size != 1 or config.rollout.backend != "vllm":
+                raise ValueError("DisaggregatedRollout: engines are TP=1 vLLM engines (one per engine rank); got "
+                                 f"rollout.tensor_parallel_size={config.rollout.tensor_parallel_size}, "
+                                 f"rollout.backend={config.rollout.backend!r}")
+            self.engine = RolloutEngine(config.model.path, EngineConfig.from_rollout(
+                config.rollout, model_dtype=config.model.dtype, seed=config.seed,
+                max_prompt_length=config.data.max_prompt_length, in_process=False))
         else:
-            if provider is None:
-                raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the model provider")
-            self.provider = provider
-            self.expected = set(provider.hf_tensor_shapes("lm"))
-            gen = torch.Generator().manual_seed(sync_config.probe_seed)
-            self.probe = torch.randint(0, provider.hf_config.vocab_size,
-                                       (sync_config.probe_sequences, sync_config.probe_length), generator=gen)
+            if actor is None or tolerances is None:
+                raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor and the gates")
+            self.actor = actor
+            self.expected = set(actor.provider.hf_tensor_shapes("lm"))
+            self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def _require(self, engine_side: bool, what: str) -> None:
@@ -227,15 +203,13 @@ class DisaggregatedRollout:
         self.engine.llm.reset_prefix_cache()
         problems += compare_checksums(sent, received)
         self._verdict(problems, "checksums of the tensors the engine received")
-        probe, diff, problems = self._channel_bcast(), float("nan"), []
+        probe, gaps, problems = self._channel_bcast(), (float("nan"), float("nan")), []
         if probe is not None:
-            ids, trainer = probe
+            ids, trainer, tolerances = probe
             engine = torch.tensor(self.engine.prompt_logprobs(ids), dtype=torch.float32)
-            diff = float((engine - trainer).abs().max())
-            if not diff <= self.sync_config.probe_tolerance:  # also catches nan
-                problems.append(f"probe forward: engine vs trainer log-prob max |diff| {diff:.3g} > tolerance "
-                                f"{self.sync_config.probe_tolerance:g}")
-        self._verdict(problems, "probe forward", metric=diff)
+            worst, mean, problems = probe_problems(trainer, engine, tolerances)
+            gaps = (worst, mean)
+        self._verdict(problems, "probe forward", metric=gaps)
 
     def _serve_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         index = self.engine_ranks.index(self.rank)
@@ -247,15 +221,15 @@ class DisaggregatedRollout:
                        zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons)]
         self._from_engines(samples)
 
-    def _verdict(self, problems: list[str], what: str, metric: float = float("nan")) -> None:
+    def _verdict(self, problems: list[str], what: str, metric=None) -> None:
         """Engine ranks: report problems to the source and raise if any engine had one."""
         self._from_engines((problems, metric))
         lines = self._channel_bcast()
         if lines:
-            raise _verdict_error(lines, what)
+            raise verdict_error(lines, what)
 
     # ---- trainer ranks -------------------------------------------------------------------------------
-    def _trainer_verdict(self, problems: list[str], what: str) -> list[float]:
+    def _trainer_verdict(self, problems: list[str], what: str) -> list:
         """Trainer ranks: the source merges its own and the engines' problems and tells everyone."""
         metrics = []
         if self.rank == SOURCE_RANK:
@@ -267,21 +241,19 @@ class DisaggregatedRollout:
             self._channel_bcast(lines)
         lines, metrics = self._trainer_bcast((lines, metrics) if self.rank == SOURCE_RANK else None)
         if lines:
-            raise _verdict_error(lines, what)
+            raise verdict_error(lines, what)
         return metrics
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: dict) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         header = [(name, str(t.dtype), tuple(t.shape), t.numel() * t.element_size(), tensor_checksum(t)[2])
                   for name, t in bucket]
         self._channel_bcast(header)
+        # host: the channel is a gloo group between processes that share no device
         buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8).cpu() for _, t in bucket])
         dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
-        stats["buckets"] += 1
-        stats["bytes"] += buffer.numel()
-        stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], buffer.numel())
 
-    def sync(self, model: torch.nn.Module) -> dict[str, float]:
-        """Trainer ranks (all together): pushes ``model``'s weights to every engine, verified; returns
+    def sync(self) -> dict[str, float]:
+        """Trainer ranks (all together): pushes the actor's weights to every engine, verified; returns
         metrics. Raises :class:`WeightSyncError` on every rank if any engine received something else."""
         from model_providers.hf_checkpoint import iter_hf_weights
 
@@ -289,48 +261,30 @@ class DisaggregatedRollout:
         source = self.rank == SOURCE_RANK
         if source:
             self._channel_bcast(("sync",))
-        limit, sent = int(self.sync_config.bucket_mb * 2**20), []
-        stats = {"buckets": 0, "bytes": 0, "max_bucket_bytes": 0}
+        sent, stats = [], {}
         start = time.perf_counter()
-        bucket, size = [], 0
-        for name, tensor in iter_hf_weights(model, self.provider):  # collective over the trainer ranks
-            if not source:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > limit:
-                self._send_bucket(bucket, stats)
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            sent.append(name)
-            size += nbytes
+        weights = iter_hf_weights(self.actor.model, self.actor.provider)  # collective over the trainer ranks
+        for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
+            if source:
+                self._send_bucket(bucket)
+                sent += [name for name, _ in bucket]
         problems = []
         if source:
-            if bucket:
-                self._send_bucket(bucket, stats)
             self._channel_bcast([])  # end of stream
-            if set(sent) != self.expected:
-                problems.append(f"the trainer sent {sorted(set(sent) - self.expected)} beyond the HF layout and "
-                                f"lacks {sorted(self.expected - set(sent))}")
+            problems = layout_problems(sent, self.expected)
         self._trainer_verdict(problems, "checksums of the tensors the engine received")
-        sync_s = time.perf_counter() - start
-        metrics = {"time/weight_sync_s": sync_s, "weight_sync/bytes": float(stats["bytes"]),
-                   "weight_sync/bytes_per_s": stats["bytes"] / max(sync_s, 1e-9),
-                   "weight_sync/tensors": float(len(sent)), "weight_sync/buckets": float(stats["buckets"]),
-                   "weight_sync/max_bucket_bytes": float(stats["max_bucket_bytes"])}
-        metrics = self._trainer_bcast(metrics if source else None)
-        start = time.perf_counter()
-        probe = None
+        metrics = self._trainer_bcast(sync_metrics(stats, len(sent), time.perf_counter() - start) if source else None)
+        start, probe = time.perf_counter(), None
         if self.sync_config.probe_sequences:
-            vocab = self.provider.hf_config.vocab_size
-            from megarlhf.rollout.logprobs import token_logprobs
-
-            probe = (self.probe.tolist(), token_logprobs(model, self.probe, vocab_size=vocab).cpu())
+            trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
+            probe = (self.probe.tolist(), trainer, self.tolerances)
         if source:
             self._channel_bcast(probe)
-        diffs = self._trainer_verdict([], "probe forward")
+        gaps = self._trainer_verdict([], "probe forward")
         if probe is not None:
-            metrics["weight_sync/probe_max_abs_diff"] = max(diffs)
-            metrics["time/weight_sync_probe_s"] = time.perf_counter() - start
+            metrics.update({"weight_sync/probe_max_abs_diff": max(g[0] for g in gaps),
+                            "weight_sync/probe_mean_abs_diff": max(g[1] for g in gaps),
+                            "time/weight_sync_probe_s": time.perf_counter() - start})
         return metrics
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
@@ -339,11 +293,9 @@ class DisaggregatedRollout:
         Ranks of one replica (its TP/PP/CP peers) must pass the same prompts; the source's ``sampling``
         is used for everyone. ``prompt_index`` in the result indexes this rank's ``prompts``.
         """
-        from megatron.core import parallel_state as ps
-
         self._require(False, "generate")
         sampling.validate()
-        dp_rank = ps.get_data_parallel_rank()
+        dp_rank = self.runtime.dp.rank
         everyone = [None] * self.num_trainers
         dist.all_gather_object(everyone, (dp_rank, [list(map(int, p)) for p in prompts]), group=self.trainers)
         replicas: dict[int, list[list[int]]] = {}

@@ -6,7 +6,7 @@ sampled tokens and finish reasons; prompt log-probs (the weight-sync probe); in-
 from an iterator of HF-named tensors; and sleep / wake-up of weights and KV cache where vLLM supports it
 (GPU only; on CPU vLLM has no sleep mode and these are no-ops).
 
-Layouts (see PLATFORM.md, "vLLM inside torchrun ranks"):
+Layouts (docs/PLATFORM.md, "vLLM inside torchrun ranks"):
 
 * ``tensor_parallel_size=1`` (the default): one engine per rank, each generating its own share of the
   prompts. Plain ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the engine runs in this process.
@@ -31,32 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarlhf.dtypes import check_dtype_name, torch_dtype
+from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
+
 FINISH_REASONS = ("stop", "length")
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample one rollout batch. ``top_k=-1`` and ``top_p=1.0`` switch those filters off.
-
-    ``seed=None`` draws from vLLM's global generator (not reproducible); a seed makes prompt ``i`` of a
-    call use seeds ``seed + i * n + j`` for its samples ``j``, so a batch is reproducible as a whole.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def validate(self) -> None:
-        checks = [("n", self.n >= 1), ("temperature", self.temperature >= 0.0), ("top_p", 0.0 < self.top_p <= 1.0),
-                  ("top_k", self.top_k == -1 or self.top_k >= 1), ("max_new_tokens", self.max_new_tokens >= 1)]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"SamplingConfig.{name}={getattr(self, name)!r} is out of range")
+__all__ = ["FINISH_REASONS", "EngineConfig", "RolloutBatch", "RolloutEngine", "SamplingConfig"]
 
 
 @dataclass
@@ -76,22 +55,32 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to build the vLLM engine. ``kv_cache_bytes`` is the KV cache size (CPU and GPU)."""
+    """How to build one rollout engine; made from the run config by :meth:`from_rollout` only (no defaults
+    of its own: ``rollout`` and the run hold them)."""
 
-    tensor_parallel_size: int = 1
-    dtype: str = "float32"
-    seed: int = 0
-    enforce_eager: bool = True
-    max_model_len: int = 1024
-    kv_cache_bytes: int = 512 * 2**20
-    enable_prefix_caching: bool = True
-    # "raw_logprobs": log-softmax of the model's logits (temperature 1); "processed_logprobs": after
-    # temperature and top-k/top-p, i.e. of the distribution actually sampled from.
-    logprobs_mode: str = "raw_logprobs"
-    num_threads: int | None = None  # torch threads for this rank; vLLM forbids changing them later
+    backend: str  # "vllm" or "hf" (RolloutConfig.backend)
+    tensor_parallel_size: int
+    dtype: str  # a megarlhf.dtypes name
+    seed: int
+    enforce_eager: bool
+    max_model_len: int
+    kv_cache_bytes: int
+    # "raw_logprobs" (temperature 1) or "processed_logprobs" (after temperature): the sampling/scoring
+    # contract of megarlhf.rollout.config
+    logprobs_mode: str
+    num_threads: int | None  # torch threads for this rank; vLLM forbids changing them later
     # False: vLLM's engine core runs in a child process (spawned) with its own one-rank torch.distributed
     # world, so that building it is not collective over this job's default group (disaggregated mode).
-    in_process: bool = True
+    in_process: bool
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, *, model_dtype: str, seed: int, max_prompt_length: int,
+                     in_process: bool = True) -> "EngineConfig":
+        return cls(backend=rollout.backend, tensor_parallel_size=rollout.tensor_parallel_size,
+                   dtype=rollout.engine_dtype(model_dtype), seed=seed, enforce_eager=rollout.enforce_eager,
+                   max_model_len=max_prompt_length + rollout.max_new_tokens,
+                   kv_cache_bytes=rollout.kv_cache_mb * 2**20, logprobs_mode=vllm_logprobs_mode(rollout),
+                   num_threads=torch.get_num_threads(), in_process=in_process)
 
 
 def _world() -> tuple[int, int]:
@@ -127,7 +116,7 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 class RolloutEngine:
     """One vLLM engine for this rank (or, with TP > 1, this rank's part of a shared engine)."""
 
-    def __init__(self, hf_dir: str, config: EngineConfig = EngineConfig()):
+    def __init__(self, hf_dir: str, config: EngineConfig):
         rank, world = _world()
         tp = config.tensor_parallel_size
         if tp not in (1, world):
@@ -147,9 +136,11 @@ class RolloutEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp))
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        kwargs = dict(model=hf_dir, dtype=config.dtype, seed=config.seed, enforce_eager=config.enforce_eager,
-                      max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_bytes,
-                      enable_prefix_caching=config.enable_prefix_caching, logprobs_mode=config.logprobs_mode,
+        check_dtype_name(config.dtype, "EngineConfig.dtype")
+        kwargs = dict(model=hf_dir, dtype=config.dtype, seed=config.seed,
+                      enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
+                      kv_cache_memory_bytes=config.kv_cache_bytes, enable_prefix_caching=True,
+                      logprobs_mode=config.logprobs_mode,
                       tensor_parallel_size=tp, enable_sleep_mode=self.on_gpu,
                       # A prompt whose prefill is split over scheduler steps makes vLLM rewind the
                       # seeded request's generator offset, which CPU generators cannot do ("CPU
@@ -187,7 +178,7 @@ class RolloutEngine:
         for i in range(len(prompts)):
             seed = None if sampling.seed is None else sampling.seed + i * sampling.n
             params.append(SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                n=sampling.n, temperature=sampling.temperature,
                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=sampling.ignore_eos, seed=seed, logprobs=0, detokenize=False))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
@@ -262,3 +253,21 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.wake_up: unknown tags {sorted(unknown)}")
         if self.sleep_supported:
             self.llm.wake_up(tags=list(tags))
+
+
+def make_engine(hf_dir: str, config: EngineConfig, device: torch.device):
+    """The rollout engine ``config.backend`` names: vLLM's (:class:`RolloutEngine`) or plain transformers'
+    (:class:`megarlhf.rollout.hf_engine.HFRolloutEngine`, one engine per rank, no vLLM needed); both
+    keep the same contract (generate with log-probs, prompt log-probs, load weights, sleep / wake up)."""
+    if config.backend == "hf":
+        from megarlhf.rollout.hf_engine import HFRolloutEngine
+
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"rollout.backend='hf' runs one engine per rank: rollout.tensor_parallel_size must "
+                             f"be 1, got {config.tensor_parallel_size}")
+        return HFRolloutEngine(hf_dir, dtype=torch_dtype(config.dtype), device=device, seed=config.seed,
+                               max_model_len=config.max_model_len)
+    if config.backend != "vllm":
+        raise ValueError(f"unknown rollout backend {config.backend!r} (vllm, hf)")
+    return RolloutEngine(hf_dir, config)
+

@@ -1,40 +1,42 @@
-"""Megatron -> vLLM weight sync, verified on every call.
+"""Megatron -> rollout-engine weight sync, verified on every call; and the verification both placements use.
 
-:class:`WeightSync` streams the live sharded Megatron model into a running :class:`RolloutEngine`
-without touching disk:
+:class:`WeightSync` streams the live sharded Megatron model into a colocated engine without touching disk:
 
 1. ``iter_hf_weights`` (the project's one Megatron -> HF mapping; TP all-gather and PP broadcast inside)
-   yields full HF-named tensors; they are grouped into buckets of at most ``bucket_mb`` (a tensor larger
-   than that travels alone), so at most one bucket of full tensors is alive at a time, never the model.
-2. Each bucket is handed to vLLM's in-place ``reload_weights`` (one call for the whole stream), then the
-   prefix cache is reset.
+   yields full HF-named tensors; :func:`weight_buckets` groups them into buckets of at most
+   ``rollout.weight_sync.bucket_mb`` (a tensor larger than that travels alone), so at most one bucket
+   of full tensors is alive at a time, never the model.
+2. The buckets are handed to the engine's in-place ``load_weights`` (one call for the whole stream).
 3. Checksums (CRC-32 of the raw bytes, plus dtype and shape) are taken on the trainer side as tensors
-   leave ``iter_hf_weights`` and on the engine side as vLLM's loader takes them, inside the worker.
-   vLLM fuses qkv / gate_up and repacks linear weights for oneDNN on CPU, so its parameters cannot be
-   compared with HF tensors bit for bit; what it received can. Any missing, extra or altered tensor
-   stops the run with a :class:`WeightSyncError` naming it.
-4. A probe forward: the engine's prompt log-probs of fixed random sequences vs the trainer's own
-   (:func:`megarlhf.rollout.logprobs.token_logprobs`) within ``probe_tolerance``; this catches what the
-   checksums cannot (a loader that puts a received tensor in the wrong place).
+   leave ``iter_hf_weights`` and on the engine side as its loader takes them. vLLM fuses qkv / gate_up
+   and repacks linear weights for oneDNN on CPU, so its parameters cannot be compared with HF tensors
+   bit for bit; what it received can. Any missing, extra or altered tensor stops the run with a
+   :class:`WeightSyncError` naming it.
+4. A probe forward: the engine's prompt log-probs of fixed random sequences vs the trainer's, through
+   the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
+   training uses), gated by the dtype-aware tolerances of :mod:`megarlhf.gates` (max and mean gap);
+   this catches what the checksums cannot (a loader that puts a received tensor in the wrong place).
 
-The verdict is agreed over the default process group, so every rank raises together instead of one
-rank leaving the others waiting in the next collective.
+The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
+the others waiting in the next collective. The disaggregated placement
+(:mod:`megarlhf.rollout.disaggregated`) moves bytes differently but verifies with the same functions.
 
 Hand-written because the bucketing, the two-sided checksums and the probe are megarlhf's own contract;
-vLLM does the loading (``reload_weights``) and Megatron the gathering.
+the engines do the loading and Megatron the gathering.
 """
 from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
-from megarlhf.rollout.engine import RolloutEngine
-from megarlhf.rollout.logprobs import token_logprobs
+from megarlhf.gates import Tolerances, gap_problems
+from megarlhf.rollout.config import WeightSyncConfig
 from model_providers.hf_checkpoint import iter_hf_weights
+
+PROBE_SEED = 1234  # the probe's random sequences are the same at every sync
 
 
 class WeightSyncError(RuntimeError):
@@ -59,104 +61,126 @@ def compare_checksums(sent: dict[str, tuple], received: dict[str, tuple]) -> lis
     return problems
 
 
-@dataclass(frozen=True)
-class WeightSyncConfig:
-    bucket_mb: float = 256.0
-    probe_sequences: int = 2
-    probe_length: int = 32
-    probe_seed: int = 1234
-    # fp32 trainer vs fp32 vLLM agree to ~3e-5 on the tiny models; bf16 needs a looser bound
-    probe_tolerance: float = 1e-4
-
-    def validate(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.probe_sequences < 0 or (self.probe_sequences and self.probe_length < 2):
-            raise ValueError("WeightSyncConfig: probe_sequences must be >= 0 and probe_length >= 2")
+def layout_problems(sent: Iterable[str], expected: set[str]) -> list[str]:
+    """The trainer must send exactly the HF checkpoint's tensors."""
+    sent = set(sent)
+    if sent == expected:
+        return []
+    return [f"the trainer sent {sorted(sent - expected)} beyond the HF layout and lacks {sorted(expected - sent)}"]
 
 
-def _agree(problems: list[str], what: str) -> None:
-    """Raises WeightSyncError on every rank if any rank found a problem."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    everyone = [problems]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, problems)
-    lines = [f"rank {r}: {p}" for r, probs in enumerate(everyone) for p in probs]
-    if lines:
-        shown = "\n  ".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
-        raise WeightSyncError(f"weight sync verification failed ({what}):\n  {shown}")
+def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float,
+                   stats: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Groups ``(name, tensor)`` pairs into buckets of at most ``bucket_mb`` (a larger tensor alone);
+    counts ``buckets``, ``bytes`` and ``max_bucket_bytes`` into ``stats``."""
+    limit = int(bucket_mb * 2**20)
+    bucket, size = [], 0
+
+    def release():
+        stats["buckets"] = stats.get("buckets", 0) + 1
+        stats["bytes"] = stats.get("bytes", 0) + size
+        stats["max_bucket_bytes"] = max(stats.get("max_bucket_bytes", 0), size)
+        return bucket
+
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield release()
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield release()
+
+
+def sync_metrics(stats: dict, tensors: int, seconds: float) -> dict[str, float]:
+    return {"time/weight_sync_s": seconds, "weight_sync/bytes": float(stats.get("bytes", 0)),
+            "weight_sync/bytes_per_s": stats.get("bytes", 0) / max(seconds, 1e-9),
+            "weight_sync/tensors": float(tensors), "weight_sync/buckets": float(stats.get("buckets", 0)),
+            "weight_sync/max_bucket_bytes": float(stats.get("max_bucket_bytes", 0))}
+
+
+def verdict_error(lines: list[str], what: str) -> WeightSyncError:
+    shown = "\n  ".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
+    return WeightSyncError(f"weight sync verification failed ({what}):\n  {shown}")
+
+
+def probe_sequences(vocab_size: int, config: WeightSyncConfig) -> torch.Tensor:
+    """The probe's fixed random sequences [probe_sequences, probe_length] (host; token ids)."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=gen)
+
+
+def trainer_probe_logprobs(actor, probe: torch.Tensor, config) -> torch.Tensor:
+    """The trainer's teacher-forced log-probs [S, L-1] (host, fp32, temperature 1) of the probe
+    sequences, through the training forward (collective over the actor's model-parallel group)."""
+    from megarlhf.training import ExperienceBatch, compute_logprobs
+
+    sequences = probe.tolist()
+    batch = ExperienceBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
+                                           device=actor.runtime.device)
+    return compute_logprobs(actor, batch, config, temperature=1.0)[:, 1:].cpu()
+
+
+def probe_problems(trainer: torch.Tensor, engine: torch.Tensor, tolerances: Tolerances
+                   ) -> tuple[float, float, list[str]]:
+    """(max gap, mean gap, problems) of the probe's trainer vs engine log-probs [S, L-1]."""
+    diff = (trainer.float() - engine.float()).abs()
+    worst, mean = float(diff.max()), float(diff.mean())
+    problems = gap_problems("probe forward", worst, mean, tolerances.probe_max, tolerances.probe_mean,
+                            ("probe_max", "probe_mean"))
+    if problems and diff.numel():
+        seq, pos = divmod(int(diff.view(-1).nan_to_num(float("inf")).argmax()), diff.shape[1])
+        problems[0] += f" (largest at probe sequence {seq}, token {pos + 1})"
+    return worst, mean, problems
 
 
 class WeightSync:
-    """Pushes the trainer's weights into ``engine`` and proves they arrived (see the module docstring)."""
+    """Pushes the actor's weights into a colocated ``engine`` and proves they arrived (module docstring).
 
-    def __init__(self, engine: RolloutEngine, provider, config: WeightSyncConfig = WeightSyncConfig()):
-        config.validate()
-        self.engine, self.provider, self.config = engine, provider, config
-        self.expected = set(n for n in provider.hf_tensor_shapes("lm"))
-        vocab = provider.hf_config.vocab_size
-        gen = torch.Generator().manual_seed(config.probe_seed)
-        self.probe = torch.randint(0, vocab, (config.probe_sequences, config.probe_length), generator=gen)
+    ``config`` is the run's ``RunConfig``; ``tolerances`` the run's resolved gates."""
 
-    def _buckets(self, model, sent: dict, stats: dict):
-        """Full HF tensors from the trainer, released in buckets of at most ``bucket_mb``."""
-        limit = int(self.config.bucket_mb * 2**20)
-        bucket, size = [], 0
-        for name, tensor in iter_hf_weights(model, self.provider):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > limit:
-                yield from self._release(bucket, size, stats)
-                bucket, size = [], 0
-            sent[name] = tensor_checksum(tensor)
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield from self._release(bucket, size, stats)
+    def __init__(self, engine, actor, config, tolerances: Tolerances):
+        self.engine, self.actor, self.config, self.tolerances = engine, actor, config, tolerances
+        self.sync_config = config.rollout.weight_sync
+        self.runtime = actor.runtime
+        self.expected = set(actor.provider.hf_tensor_shapes("lm"))
+        self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
 
-    @staticmethod
-    def _release(bucket: list, size: int, stats: dict):
-        stats["buckets"] += 1
-        stats["bytes"] += size
-        stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], size)
-        while bucket:  # drop each tensor once vLLM has taken it
-            yield bucket.pop(0)
+    def _agree(self, problems: list[str], what: str) -> None:
+        """Raises WeightSyncError on every trainer rank if any rank found a problem."""
+        everyone = self.runtime.all_gather_objects(problems, over="trainers")
+        lines = [f"rank {r}: {p}" for r, found in enumerate(everyone) for p in found]
+        if lines:
+            raise verdict_error(lines, what)
 
-    def sync(self, model: torch.nn.Module) -> dict[str, float]:
-        """Loads ``model``'s current weights into the engine and verifies them; returns metrics.
+    def sync(self) -> dict[str, float]:
+        """Loads the actor's current weights into the engine and verifies them; returns metrics.
 
-        Collective over all ranks (the gathers inside ``iter_hf_weights`` and the verdict).
+        Collective over the trainer ranks (the gathers inside ``iter_hf_weights`` and the verdicts).
         """
-        sent, received = {}, {}
-        stats = {"buckets": 0, "bytes": 0, "max_bucket_bytes": 0}
-        start = time.perf_counter()
-        self.engine.load_weights(self._buckets(model, sent, stats),
-                                 on_arrival=lambda name, t: received.__setitem__(name, tensor_checksum(t)))
-        sync_s = time.perf_counter() - start
-        problems = compare_checksums(sent, received)
-        if set(sent) != self.expected:
-            problems.append(f"the trainer sent {sorted(set(sent) - self.expected)} beyond the HF layout and "
-                            f"lacks {sorted(self.expected - set(sent))}")
-        _agree(problems, "checksums of the tensors the engine received")
-        metrics = {"time/weight_sync_s": sync_s, "weight_sync/bytes": float(stats["bytes"]),
-                   "weight_sync/bytes_per_s": stats["bytes"] / max(sync_s, 1e-9),
-                   "weight_sync/tensors": float(len(sent)), "weight_sync/buckets": float(stats["buckets"]),
-                   "weight_sync/max_bucket_bytes": float(stats["max_bucket_bytes"])}
-        if self.config.probe_sequences:
-            start = time.perf_counter()
-            metrics["weight_sync/probe_max_abs_diff"] = self._probe(model)
-            metrics["time/weight_sync_probe_s"] = time.perf_counter() - start
-        return metrics
+        sent, received, stats = {}, {}, {}
 
-    def _probe(self, model) -> float:
-        trainer = token_logprobs(model, self.probe, vocab_size=self.provider.hf_config.vocab_size)
-        engine = torch.tensor(self.engine.prompt_logprobs(self.probe.tolist()), dtype=torch.float32)
-        diff = (trainer - engine).abs()
-        worst = float(diff.max())
-        problems = []
-        if not worst <= self.config.probe_tolerance:  # also catches nan
-            seq, pos = divmod(int(diff.view(-1).nan_to_num(float("inf")).argmax()), diff.shape[1])
-            problems.append(f"probe forward: engine vs trainer log-prob max |diff| {worst:.3g} > tolerance "
-                            f"{self.config.probe_tolerance:g} (probe sequence {seq}, token {pos + 1})")
-        _agree(problems, "probe forward")
-        return worst
+        def outgoing():
+            weights = iter_hf_weights(self.actor.model, self.actor.provider)
+            for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
+                while bucket:  # drop each tensor once the engine has taken it
+                    name, tensor = bucket.pop(0)
+                    sent[name] = tensor_checksum(tensor)
+                    yield name, tensor
+
+        start = time.perf_counter()
+        self.engine.load_weights(outgoing(), on_arrival=lambda name, t: received.__setitem__(name, tensor_checksum(t)))
+        seconds = time.perf_counter() - start
+        problems = compare_checksums(sent, received) + layout_problems(sent, self.expected)
+        self._agree(problems, "checksums of the tensors the engine received")
+        metrics = sync_metrics(stats, len(sent), seconds)
+        if self.sync_config.probe_sequences:
+            start = time.perf_counter()
+            trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
+            engine = torch.tensor(self.engine.prompt_logprobs(self.probe.tolist()), dtype=torch.float32)
+            worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
+            self._agree(problems, "probe forward")
+            metrics.update({"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,
+                            "time/weight_sync_probe_s": time.perf_counter() - start})
+        return metrics

@@ -48,20 +48,20 @@ def run_eval(args: argparse.Namespace) -> int:
     from megarlhf.trainers.evaluate import evaluate
     from megarlhf.trainers.rollout_phase import build_rollout_phase, serve_engine_rank
     from megarlhf.trainers.run import start_run
-    from megarlhf.training import build_reference
+    from megarlhf.training import build_frozen
 
     config = _config(args)
     if not config.data.eval_path:
         raise ValueError("megarlhf eval needs data.eval_path (the held-out prompts)")
     run = start_run(config)
     if run.is_engine_rank:
-        serve_engine_rank(config)
+        serve_engine_rank(config, run.runtime)
         return 0
     prompts = run.load_prompts(config.data.eval_path)
-    policy = build_reference(config)  # frozen weights: the engine is synced from them and verified
-    phase = build_rollout_phase(config, policy, [])
+    policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
+    phase = build_rollout_phase(config, policy, [], config.tolerances)
     reward = CombinedReward(config.reward)
-    metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.dp_rank, run.dp_size,
+    metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
                        (run.tokenizer.eos_token_id,))
     reward.close()
     phase.close()
@@ -79,7 +79,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     config = _config(args)
     run = start_run(config)
-    actor = build_actor(config)
+    actor = build_actor(config, run.runtime)
     if RunCheckpointer(config, {"actor": actor}).resume() is None:
         raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
                                 f"run_dir={config.logging.run_dir!r})")

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_filter,
-                                 kl_reward_penalty, overlong_penalty)
+from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty, overlong_penalty
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
+from megarlhf.gates import gap_problems
 from megarlhf.rewards import CombinedReward, RewardInput
 from megarlhf.rollout.engine import RolloutBatch
 from megarlhf.training import (ExperienceBatch, TrainModel, compute_logprobs, compute_values,
                                old_logprobs_from_update)
+from parallel.runtime import Runtime
 
 
 class Step0GateError(RuntimeError):
@@ -22,8 +23,8 @@ class Step0GateError(RuntimeError):
 
 
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
-                  config: RunConfig, shape_length: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rewards [N] of the rollout's samples and metrics; with ``shape_length``, DAPO's overlong
+                  config: RunConfig, shape_length: bool = True) -> tuple[list[float], dict[str, float]]:
+    """Rewards (one per sample of the rollout) and metrics; with ``shape_length``, DAPO's overlong
     penalty is added when configured (evaluation scores answers only)."""
     samples = [RewardInput(prompt=examples[p].prompt, response=tokenizer.decode(r, skip_special_tokens=True),
                            ground_truth=examples[p].ground_truth, metadata=examples[p].metadata)
@@ -31,21 +32,21 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
     result = reward(samples)
     for failure in result.failures:
         print(f"[reward] sample {failure}", flush=True)
-    rewards = torch.tensor(result.rewards, dtype=torch.float32)
+    rewards = list(result.rewards)
     metrics = dict(result.metrics)
     overlong = config.algorithm.overlong
     if overlong is not None and shape_length:
-        lengths = torch.tensor([len(r) for r in rollout.response_ids])
+        lengths = torch.tensor([len(r) for r in rollout.response_ids])  # host: reward bookkeeping
         penalty = overlong_penalty(lengths, config.rollout.max_new_tokens, overlong)
-        rewards = rewards + penalty
+        rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
     return rewards, metrics
 
 
-def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int) -> ExperienceBatch:
-    """The token-aligned batch of the rollout; group ids are global prompt positions."""
+def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, device: torch.device) -> ExperienceBatch:
+    """The token-aligned batch of the rollout on ``device``; group ids are global prompt positions."""
     return ExperienceBatch.from_sequences(
-        rollout.prompt_ids, rollout.response_ids, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
+        rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
         group_ids=[group_offset + p for p in rollout.prompt_index])
 
 
@@ -55,7 +56,8 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
 
     The actor's scoring pass is skipped when the update's own forward gives the same numbers
     (:func:`megarlhf.training.old_logprobs_from_update`), except at step 0, whose gate must hold before
-    any update."""
+    any update. The gate (:mod:`megarlhf.gates`) bounds the max and the mean gap over the response
+    tokens of the whole global batch."""
     fields, metrics = {}, {}
     if gate_step0 or not old_logprobs_from_update(config):
         fields["old_logprobs"] = compute_logprobs(actor, batch, config)
@@ -64,57 +66,57 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
     if critic is not None:
         fields["values"] = compute_values(critic, batch, config)
     if gate_step0:
-        gap = (fields["old_logprobs"] - batch.rollout_logprobs).abs()[batch.response_mask]
-        metrics["mismatch/step0_logprob_gap_max"] = gap.max().item() if gap.numel() else 0.0
-        if metrics["mismatch/step0_logprob_gap_max"] > config.train.step0_logprob_tolerance:
-            raise Step0GateError(
-                f"step-0 gate: the actor's log-probs of the rollout differ from vLLM's by up to "
-                f"{metrics['mismatch/step0_logprob_gap_max']:.3e} (train.step0_logprob_tolerance="
-                f"{config.train.step0_logprob_tolerance}); the engine does not run the model being trained")
+        metrics.update(_step0_gate(fields["old_logprobs"], batch, config, actor.runtime))
     return batch.replace(**fields), metrics
 
 
-def compute_advantages(batch: ExperienceBatch, rewards: torch.Tensor, config: RunConfig,
-                       baseline_rewards: torch.Tensor | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
-    """Runs the configured estimator; KL enters as a token reward when ``kl_mode == "reward"``.
+def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, config: RunConfig,
+                runtime: Runtime) -> dict[str, float]:
+    gap = (logprobs - batch.rollout_logprobs).abs()[batch.response_mask]
+    count, total = runtime.all_reduce([gap.numel(), gap.double().sum()])
+    worst = runtime.all_reduce([gap.max() if gap.numel() else 0.0], op="max")[0]
+    mean = total / max(count, 1.0)
+    tolerances = config.tolerances
+    problems = gap_problems("step-0 gate", worst, mean, tolerances.step0_max, tolerances.step0_mean,
+                            ("step0_max", "step0_mean"))
+    if problems:
+        raise Step0GateError(f"{'; '.join(problems)}: the actor's log-probs of the first rollout differ from the "
+                             f"engine's, so the engine does not run the model being trained")
+    return {"mismatch/step0_logprob_gap_max": worst, "mismatch/step0_logprob_gap_mean": mean}
 
-    With DAPO dynamic sampling, samples of groups whose rewards are all equal are masked out of the
-    update (their advantage is zero anyway; masking keeps every rank's batch shape intact).
+
+def compute_advantages(batch: ExperienceBatch, rewards: list[float], config: RunConfig, runtime: Runtime,
+                       baseline_rewards: list[float] | None = None,
+                       informative: list[bool] | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
+    """Runs the configured estimator; KL enters as a token reward when ``algorithm.kl_in_reward``.
+
+    ``informative`` (DAPO dynamic sampling) marks the samples to train on; the others are masked out of
+    the update (their group's rewards were all equal).
     """
-    from megatron.core import parallel_state as ps
-
-    algo, mask, metrics = config.algorithm, batch.response_mask, {}
+    algo, mask, device = config.algorithm, batch.response_mask, batch.device
     token_rewards = None
-    if algo.kl_mode == "reward" and batch.ref_logprobs is not None:
+    if algo.kl_in_reward:
         token_rewards = kl_reward_penalty(None, batch.old_logprobs, batch.ref_logprobs, mask, algo.kl)
-    inputs = AdvantageInputs(rewards=rewards, response_mask=mask, token_rewards=token_rewards,
-                             values=batch.values, group_ids=batch.group_ids, baseline_rewards=baseline_rewards)
-    dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
-    out = ADVANTAGE_ESTIMATORS.get(algo.estimator)(inputs, algo.advantage, dp_group=dp_group)
-    if algo.dynamic_sampling:
-        kept = dynamic_sampling_filter(rewards, batch.group_ids)
-        keep_rows = torch.zeros(batch.batch_size, dtype=torch.bool)
-        keep_rows[kept.kept_indices] = True
-        mask = mask & keep_rows[:, None]
-        metrics.update({"dapo/groups_dropped": float(kept.num_groups_dropped),
-                        "dapo/groups": float(kept.num_groups)})
-    return batch.replace(advantages=out.advantages, returns=out.returns, response_mask=mask), metrics
+    baseline = (torch.tensor(baseline_rewards, dtype=torch.float32, device=device)
+                if baseline_rewards is not None else None)
+    inputs = AdvantageInputs(rewards=torch.tensor(rewards, dtype=torch.float32, device=device), response_mask=mask,
+                             token_rewards=token_rewards, values=batch.values, group_ids=batch.group_ids,
+                             baseline_rewards=baseline)
+    out = ADVANTAGE_ESTIMATORS.get(algo.estimator)(inputs, algo.advantage, dp_group=runtime.dp.group)
+    if informative is not None:
+        mask = mask & torch.tensor(informative, dtype=torch.bool, device=device)[:, None]
+    return batch.replace(advantages=out.advantages, returns=out.returns, response_mask=mask), {}
 
 
-def rollout_metrics(rollout: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(rollout: RolloutBatch, rewards: list[float], runtime: Runtime) -> dict[str, float]:
     """Reward and response-length statistics over the global batch (all data-parallel replicas)."""
-    from megatron.core import parallel_state as ps
-
-    lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float64)
+    lengths = [len(r) for r in rollout.response_ids]
     truncated = float(sum(reason == "length" for reason in rollout.finish_reasons))
-    r = rewards.double()
-    sums = torch.tensor([len(lengths), r.sum(), (r * r).sum(), lengths.sum(), truncated], dtype=torch.float64)
-    peak = lengths.max().reshape(1) if len(lengths) else torch.zeros(1, dtype=torch.float64)
-    if ps.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group())
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
-    n, r_sum, r_sq, len_sum, trunc = sums.tolist()
+    r = torch.tensor(rewards, dtype=torch.float32).double()  # host: the rewards as the estimator sees them
+    n, r_sum, r_sq, len_sum, trunc = runtime.all_reduce(
+        [len(lengths), r.sum().item(), (r * r).sum().item(), sum(lengths), truncated])
+    peak = runtime.all_reduce([max(lengths, default=0)], op="max")[0]
     mean = r_sum / n
     return {"reward/mean": mean, "reward/std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
-            "response_len/mean": len_sum / n, "response_len/max": peak.item(),
+            "response_len/mean": len_sum / n, "response_len/max": peak,
             "response/truncated_fraction": trunc / n}

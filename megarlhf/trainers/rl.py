@@ -1,14 +1,16 @@
 """The RL driver: GRPO, PPO with a GAE critic, DAPO, Dr.GRPO, RLOO, REINFORCE++, ReMax, GSPO, CISPO.
 
 The algorithm is the recipe's choice of advantage estimator, policy loss, KL use and shaping; the loop
-is the same. Every rank runs it (SPMD under torchrun or srun). One step:
+is the same, and what an estimator needs (a critic, groups, a greedy baseline) is read from its
+registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torchrun or srun). One step:
 
  1. data       this data-parallel replica draws its share of the step's global batch of prompts
  2. wake       trainer state (actor, critic, reference) is offloaded; the engine's weights wake
- 3. sync       actor shards -> full HF-named tensors -> vLLM, in buckets, checksum-verified
- 4. rollout    vLLM samples ``rollout.n_samples`` responses per prompt, with their log-probs
+ 3. sync       actor shards -> full HF-named tensors -> engine, in buckets, checksum-verified
+ 4. rollout    the engine samples ``rollout.n_samples`` responses per prompt, with their log-probs
  5. sleep      the engine sleeps and the trainer state comes back
  6. reward     verifiers, user functions or a reward model, per sample and time-bounded
+               (DAPO's dynamic sampling repeats 1-6 until the batch holds enough informative groups)
  7. score      reference log-probs, critic values, and the actor's log-probs (the PPO "old" policy)
                unless the update's own forward gives the same numbers (one optimizer step per RL
                step); at step 0 the actor's log-probs must equal the engine's (the step-0 gate)
@@ -17,8 +19,9 @@ is the same. Every rank runs it (SPMD under torchrun or srun). One step:
 10. record     metrics.jsonl + TensorBoard + console; a checkpoint every ``checkpoint.every`` steps;
                evaluation every ``eval.every`` steps (before that step's update) and at the end
 
-Steps 2-5 live in :mod:`megarlhf.trainers.rollout_phase` (colocated or disaggregated engines), 6-8 in
-:mod:`megarlhf.trainers.experience`, 9 in :mod:`megarlhf.training`.
+Steps 1-6 live in :mod:`megarlhf.trainers.collect` (2-5 in :mod:`megarlhf.trainers.rollout_phase`,
+colocated or disaggregated engines), 6-8 in :mod:`megarlhf.trainers.experience`, 9 in
+:mod:`megarlhf.training`.
 """
 from __future__ import annotations
 
@@ -28,80 +31,62 @@ from pathlib import Path
 from megarlhf.config.schema import RunConfig
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rewards import CombinedReward
-from megarlhf.rollout.engine import SamplingConfig
+from megarlhf.rollout.config import greedy_sampling
+from megarlhf.trainers.collect import Collected, collect
 from megarlhf.trainers.evaluate import evaluate
-from megarlhf.trainers.experience import (build_experience, compute_advantages, rollout_metrics, score,
-                                          score_rewards)
+from megarlhf.trainers.experience import build_experience, compute_advantages, score, score_rewards
 from megarlhf.trainers.rollout_phase import build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import actor_update, build_actor, build_critic, build_reference, critic_update
+from megarlhf.training import actor_update, build_actor, build_critic, build_frozen, critic_update
 from model_providers.hf_checkpoint import export_hf_checkpoint
-
-
-def _sampling(config: RunConfig, stop_token_ids: tuple[int, ...], greedy: bool = False) -> SamplingConfig:
-    r = config.rollout
-    if greedy:  # ReMax's baseline: one greedy response per prompt
-        return SamplingConfig(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids)
-    return SamplingConfig(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids)
 
 
 def train_rl(config: RunConfig) -> Path | None:
     """Runs ``config.train.steps`` RL steps (resuming if asked); returns the exported HF directory
     (None on the engine ranks of the disaggregated placement, which only serve rollouts)."""
     run = start_run(config)
+    runtime = run.runtime
     if run.is_engine_rank:
-        serve_engine_rank(config)
+        serve_engine_rank(config, runtime)
         return None
     prompts = run.load_prompts(config.data.train_path)
     eval_prompts = run.load_prompts(config.data.eval_path) if config.data.eval_path else None
-    actor = build_actor(config)
-    reference = build_reference(config) if config.algorithm.uses_reference else None
-    critic = build_critic(config) if config.algorithm.uses_critic else None
-    phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None])
+    actor = build_actor(config, runtime)
+    reference = build_frozen(config, runtime, "reference") if config.algorithm.uses_reference else None
+    critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
+    phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None], config.tolerances)
     reward = CombinedReward(config.reward)
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
     steps = config.train.steps
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
-                               rank=run.launch.rank, resume_after_step=first_step - 1)
+                               rank=runtime.launch.rank, resume_after_step=first_step - 1,
+                               log_every=config.logging.log_every)
     stop = (run.tokenizer.eos_token_id,)
-    share = config.train.global_batch_size // run.dp_size
 
     def run_eval(step: int) -> dict[str, float]:
         if eval_prompts is None:
             return {}
-        return evaluate(phase, eval_prompts.examples, reward, run.tokenizer, config, step, run.dp_rank,
-                        run.dp_size, stop)
+        return evaluate(phase, eval_prompts.examples, reward, run.tokenizer, config, step, runtime, stop)
 
     for step in range(first_step, steps):
         start = time.perf_counter()
-        examples = [prompts[i] for i in sampler.next_batch()]                                  # 1 data
-        offset = run.dp_rank * share
         metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
         rollout_start = time.perf_counter()
-        rollout, phase_metrics = phase.generate(                                               # 2-5
-            [e.prompt_ids for e in examples], _sampling(config, stop),
-            sample_seed(config.seed, step, offset, config.rollout.n_samples))
+        got = collect(phase, sampler, prompts, reward, run.tokenizer, config, runtime, step, stop)  # 1-6
+        baseline = greedy_baseline(phase, got, reward, run.tokenizer, config, step, stop)
         rollout_s = time.perf_counter() - rollout_start
-        rewards, reward_metrics = score_rewards(reward, examples, rollout, run.tokenizer, config)  # 6
-        baseline = None
-        if config.algorithm.estimator == "remax":
-            greedy, _ = phase.generate([e.prompt_ids for e in examples], _sampling(config, stop, greedy=True),
-                                       sample_seed(config.seed, step, offset, 1))
-            greedy_rewards, _ = score_rewards(reward, examples, greedy, run.tokenizer, config)
-            baseline = greedy_rewards[rollout.prompt_index]
-        batch = build_experience(rollout, offset, run.pad_id)
+        batch = build_experience(got.rollout, got.group_offset, run.pad_id, runtime.device)
         train_start = time.perf_counter()
         batch, score_metrics = score(batch, config, actor, reference, critic, gate_step0=step == 0)  # 7
-        batch, advantage_metrics = compute_advantages(batch, rewards, config, baseline)          # 8
+        batch, advantage_metrics = compute_advantages(batch, got.rewards, config, runtime, baseline,  # 8
+                                                      got.informative)
         update_metrics = actor_update(actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9
         if critic is not None:
             update_metrics.update(critic_update(critic, batch, config, on_nonfinite=config.train.on_nonfinite))
         _check_step0_ppo_kl(step, config, update_metrics)
-        metrics.update({**phase_metrics, **reward_metrics, **rollout_metrics(rollout, rewards),  # 10 record
-                        **score_metrics, **advantage_metrics, **update_metrics,
+        metrics.update({**got.metrics, **score_metrics, **advantage_metrics, **update_metrics,  # 10 record
                         "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                         "time/step_s": time.perf_counter() - start})
         recorder.log(step, metrics)
@@ -120,8 +105,23 @@ def train_rl(config: RunConfig) -> Path | None:
     return export_dir
 
 
+def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, config: RunConfig, step: int,
+                    stop: tuple[int, ...]) -> list[float] | None:
+    """For an estimator that declares ``greedy_baseline`` (ReMax): each sample's baseline is the reward
+    of one greedy response to its prompt (the engine keeps the weights it was just synced with)."""
+    if not config.algorithm.needs.greedy_baseline:
+        return None
+    greedy, _ = phase.generate([e.prompt_ids for e in got.examples], greedy_sampling(config.rollout, stop),
+                               sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
+    greedy_rewards, _ = score_rewards(reward, got.examples, greedy, tokenizer, config)
+    return [greedy_rewards[p] for p in got.rollout.prompt_index]
+
+
 def _check_step0_ppo_kl(step: int, config: RunConfig, metrics: dict[str, float]) -> None:
-    """With one optimizer update per step, the step-0 ratio is exactly 1, so ``actor/ppo_kl`` must be 0."""
-    if step == 0 and config.train.updates_per_step == 1 and abs(metrics.get("actor/ppo_kl", 0.0)) > 1e-6:
+    """With one optimizer update per step, the step-0 ratio is exactly 1, so ``actor/ppo_kl`` must be 0
+    (within the dtype's gate, :mod:`megarlhf.gates`)."""
+    tolerance = config.tolerances.step0_ppo_kl
+    if step == 0 and config.train.updates_per_step == 1 and not abs(metrics.get("actor/ppo_kl", 0.0)) <= tolerance:
         raise RuntimeError(f"step-0 gate: actor/ppo_kl = {metrics['actor/ppo_kl']:.3e} with one update per step "
-                           f"(must be 0: the actor scored the batch it trains on)")
+                           f"(must be 0 within gates.step0_ppo_kl={tolerance:g}: the actor scored the batch it "
+                           f"trains on)")

@@ -14,22 +14,32 @@ from megarlhf.config import save_config
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
-from parallel.runtime import LaunchEnv, init_disaggregated, init_parallel, read_launch_env
+from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
 @dataclass
 class RunContext:
     config: RunConfig
-    launch: LaunchEnv
+    runtime: Runtime
     run_dir: Path
     tokenizer: object
-    dp_rank: int
-    dp_size: int
-    is_engine_rank: bool  # disaggregated placement: this rank only serves a rollout engine
+
+    @property
+    def is_engine_rank(self) -> bool:
+        """Disaggregated placement: this rank only serves a rollout engine."""
+        return self.runtime.is_engine_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.runtime.dp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.runtime.dp.size
 
     @property
     def is_main(self) -> bool:
-        return self.launch.rank == 0
+        return self.runtime.launch.rank == 0
 
     @property
     def pad_id(self) -> int:
@@ -78,23 +88,16 @@ def start_run(config: RunConfig) -> RunContext:
     With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
     ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
     """
-    from megatron.core import parallel_state as ps
-
     tokenizer = load_tokenizer(config.model.path)
     placement, world = config.rollout.placement, read_launch_env().world_size
     if placement.mode == "disaggregated":
-        trainers = placement.num_trainer_ranks(world)
-        launch = init_disaggregated(config.parallel, trainers, seed=config.seed)
+        runtime = init_disaggregated(config.parallel, placement.num_trainer_ranks(world), seed=config.seed)
     else:
         placement.validate(world)
-        trainers = world
-        launch = init_parallel(config.parallel, seed=config.seed)
-    is_engine = launch.rank >= trainers
+        runtime = init_parallel(config.parallel, seed=config.seed)
     run_dir = Path(config.logging.run_dir)
-    if launch.rank == 0:
+    if runtime.launch.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dp_rank, dp_size = (0, 1) if is_engine else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    return RunContext(config=config, launch=launch, run_dir=run_dir, tokenizer=tokenizer, dp_rank=dp_rank,
-                      dp_size=dp_size, is_engine_rank=is_engine)
+    return RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)

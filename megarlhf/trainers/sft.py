@@ -24,19 +24,19 @@ def train_sft(config: RunConfig) -> Path:
     run = start_run(config)
     dataset = load_sft_dataset(config.data.train_path, run.tokenizer, config.data)
     steps = config.train.steps
-    actor = build_actor(config, total_steps=steps)
+    actor = build_actor(config, run.runtime, total_steps=steps)
     checkpointer = RunCheckpointer(config, {"actor": actor})
     sampler, first_step = run.resume(checkpointer, len(dataset))
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
-                               rank=run.launch.rank, resume_after_step=first_step - 1,
-                               console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
+                               rank=run.runtime.launch.rank, resume_after_step=first_step - 1,
+                               console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"),
+                               log_every=config.logging.log_every)
     for step in range(first_step, steps):
         start = time.perf_counter()
         examples = [dataset[i] for i in sampler.next_batch()]
         metrics = sft_step(actor, examples, config, on_nonfinite=config.train.on_nonfinite, pad_id=run.pad_id)
         metrics["time/step_s"] = time.perf_counter() - start
-        if step % config.logging.log_every == 0 or step == steps - 1:
-            recorder.log(step, metrics)
+        recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     recorder.close()

@@ -2,7 +2,7 @@
 
 * :mod:`~megarlhf.training.models`: actor / critic (Megatron DDP + optimizer + lr schedule) and the
   frozen reference, from a ``RunConfig``.
-* :mod:`~megarlhf.training.experience`: the experience batch and its token-aligned [B, L] layout.
+* :mod:`~megarlhf.training.batch`: the experience batch and its token-aligned [B, L] layout.
 * :mod:`~megarlhf.training.packing`: token-budgeted micro-batches, packed or padded, CP-sharded.
 * :mod:`~megarlhf.training.forward`: the one forward (fused log-probs / entropy, or values) through
   Megatron's schedule.
@@ -10,8 +10,8 @@
 * :mod:`~megarlhf.training.update`: scoring, ``actor_update``, ``critic_update``.
 * :mod:`~megarlhf.training.sft`: ``sft_step``.
 """
-from megarlhf.training.experience import ExperienceBatch
-from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_reference, params_dtype,
+from megarlhf.training.batch import ExperienceBatch
+from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_frozen, params_dtype,
                                       rl_optimizer_steps)
 from megarlhf.training.packing import MicroBatch, build_micro_batches, plan_micro_batches
 from megarlhf.training.sft import sft_batch, sft_step
@@ -20,7 +20,7 @@ from megarlhf.training.update import (actor_update, compute_logprobs, compute_va
                                       old_logprobs_from_update)
 
 __all__ = [
-    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_reference", "params_dtype",
+    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "params_dtype",
     "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "StepResult", "optimizer_step", "actor_update", "compute_logprobs",
     "compute_values", "critic_update", "old_logprobs_from_update",

@@ -6,48 +6,59 @@ the final hidden states and computes, only at the positions the micro-batch want
 
 * ``logprobs`` models: log-probs of the next token (and its entropy) with the fused vocab-parallel op
   (:func:`megarlhf.ops.logprob_entropy`); the [tokens x vocab] logits are never built. Megatron's padded
-  vocabulary rows are removed from the softmax with the rollout scorer's helper
-  (:func:`megarlhf.rollout.logprobs._mask_padded_vocab`), so these log-probs are HF's and vLLM's.
+  vocabulary rows are removed from the softmax (:func:`mask_padded_vocab`), so these log-probs are
+  HF's and vLLM's.
 * ``values`` models (value head, :mod:`model_providers.value_head`): the head's scalar per position.
 
 The per-position outputs are put back in the experience's token-aligned [n, L] layout by
 :meth:`MicroBatch.to_rows` (autograd-aware, so a loss computed there trains the model), then either
 handed to a loss function (training; :mod:`megarlhf.training.step`) or collected (forward-only;
-:func:`forward_only` returns [B, L] tensors on every rank).
+:func:`forward_only` returns [B, L] tensors on every rank). Training, scoring and the weight-sync
+probe all read log-probs through this module: there is one trainer-side log-prob path.
 
 Hand-written because the hook, the padded-vocab handling and the token-aligned layout are the project's
-own plumbing around Megatron's schedule; it generalises ``megarlhf.rollout.logprobs.token_logprobs``.
+own plumbing around Megatron's schedule.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megarlhf.ops import logprob_entropy
-from megarlhf.rollout.logprobs import _mask_padded_vocab
 from megarlhf.training.packing import MicroBatch
+from parallel.runtime import Runtime
 
 OUTPUT_KINDS = ("logprobs", "values")
+PADDED_LOGIT = -1.0e30
 
 
-def _processor(kind: str, mb: MicroBatch, vocab_size: int, temperature: float, entropy: bool):
+def mask_padded_vocab(hidden: Tensor, weight: Tensor, vocab_size: int, tp_rank: int) -> tuple[Tensor, Tensor]:
+    """Removes Megatron's padded vocabulary rows (beyond the HF ``vocab_size``) from the softmax exactly.
+
+    Appends a hidden column of ones and a weight column that is 0 for real rows and -1e30 for padded
+    ones, so a padded row's logit is -1e30 and its ``exp`` is 0, while real logits are unchanged.
+    """
+    v_local = weight.shape[0]
+    rows = torch.arange(tp_rank * v_local, (tp_rank + 1) * v_local, device=weight.device)
+    bias = torch.where(rows < vocab_size, 0.0, PADDED_LOGIT).to(weight.dtype).unsqueeze(1)
+    ones = torch.ones(hidden.shape[0], 1, dtype=hidden.dtype, device=hidden.device)
+    return torch.cat([hidden, ones], dim=1), torch.cat([weight, bias], dim=1)
+
+
+def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, temperature: float, entropy: bool):
     """A GPTModel ``output_processor``: hidden [S, b, H] -> {name: [b, S] fp32} at the wanted positions."""
-    from megatron.core import parallel_state as ps
-
     mask = mb.label_mask.reshape(-1)
+    tp = runtime.tp
 
     def logprobs(*, hidden_states, output_layer, output_weight, **_):
         weight = output_weight if output_weight is not None else output_layer.weight
         s, b, h = hidden_states.shape
         hidden = hidden_states.transpose(0, 1).reshape(b * s, h)
-        tp_size = ps.get_tensor_model_parallel_world_size()
-        if weight.shape[0] * tp_size > vocab_size:
-            hidden, weight = _mask_padded_vocab(hidden, weight, vocab_size, ps.get_tensor_model_parallel_rank())
-        lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask,
-                                  tp_group=ps.get_tensor_model_parallel_group() if tp_size > 1 else None,
+        if weight.shape[0] * tp.size > vocab_size:
+            hidden, weight = mask_padded_vocab(hidden, weight, vocab_size, tp.rank)
+        lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, tp_group=tp.group,
                                   temperature=temperature, compute_entropy=entropy)
         out = {"logprobs": lp.view(b, s)}
         if entropy:
@@ -56,7 +67,7 @@ def _processor(kind: str, mb: MicroBatch, vocab_size: int, temperature: float, e
 
     def values(*, hidden_states, output_layer, **_):
         v = output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()  # [b, S]
-        return {"values": torch.where(mb.label_mask, v, torch.zeros((), dtype=v.dtype))}
+        return {"values": torch.where(mb.label_mask, v, v.new_zeros(()))}
 
     return {"logprobs": logprobs, "values": values}[kind]
 
@@ -64,8 +75,9 @@ def _processor(kind: str, mb: MicroBatch, vocab_size: int, temperature: float, e
 LossFn = Callable[[MicroBatch, dict], tuple[Tensor, dict]]
 
 
-def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], *, kind: str, vocab_size: int,
-                 temperature: float = 1.0, entropy: bool = False, loss_fn: LossFn | None = None) -> list:
+def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, *, kind: str,
+                 vocab_size: int, temperature: float = 1.0, entropy: bool = False,
+                 loss_fn: LossFn | None = None) -> list:
     """Runs ``micro_batches`` through Megatron's schedule; forward-only when ``loss_fn`` is None.
 
     Forward-only: returns, on the last pipeline stage, one ``{name: [n, width]}`` dict per micro-batch
@@ -86,14 +98,14 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], *, kin
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       output_processor=_processor(kind, mb, vocab_size, temperature, entropy))
+                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy))
 
         def finish(output_tensor, non_loss_data=False):
             rows = {name: mb.to_rows(value) for name, value in output_tensor.items()}
             if loss_fn is None:
                 return {name: value.detach() for name, value in rows.items()}
             share, metrics = loss_fn(mb, rows)
-            return share * count, torch.ones((), dtype=torch.int), metrics
+            return share * count, torch.ones((), dtype=torch.int, device=share.device), metrics
 
         return output, finish
 
@@ -104,37 +116,24 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], *, kin
         forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
 
 
-def broadcast_from_last_stage(tensor: Tensor) -> Tensor:
-    """``tensor`` as the last pipeline stage holds it, on every stage (in place; same shape everywhere)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        group = ps.get_pipeline_model_parallel_group()
-        last = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
-        dist.broadcast(tensor, src=last, group=group)
-    return tensor
-
-
 @torch.no_grad()
-def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int], *,
-                 kind: str, vocab_size: int, temperature: float = 1.0, entropy: bool = False) -> dict[str, Tensor]:
-    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned, identical on every rank.
-
-    The model is put in eval mode for the pass and restored after.
+def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int],
+                 runtime: Runtime, *, kind: str, vocab_size: int, temperature: float = 1.0,
+                 entropy: bool = False) -> dict[str, Tensor]:
+    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned, identical on every rank of
+    the pipeline, on the runtime's device. The model is put in eval mode for the pass and restored after.
     """
     was_training = model.training
     model.eval()
     try:
-        results = run_schedule(model, micro_batches, kind=kind, vocab_size=vocab_size,
+        results = run_schedule(model, micro_batches, runtime, kind=kind, vocab_size=vocab_size,
                                temperature=temperature, entropy=entropy)
     finally:
         model.train(was_training)
-    from megatron.core import parallel_state as ps
-
     names = ["values"] if kind == "values" else ["logprobs"] + (["entropy"] if entropy else [])
-    out = {name: torch.zeros(batch_shape, dtype=torch.float32) for name in names}
-    if ps.is_pipeline_last_stage():
+    out = {name: torch.zeros(batch_shape, dtype=torch.float32, device=runtime.device) for name in names}
+    if runtime.is_last_stage:
         for mb, rows in zip(micro_batches, results):
             for name in names:
                 out[name][mb.rows, :mb.width] = rows[name].float()
-    return {name: broadcast_from_last_stage(value) for name, value in out.items()}
+    return {name: runtime.broadcast_from_last_stage(value) for name, value in out.items()}

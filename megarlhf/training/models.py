@@ -7,7 +7,8 @@
   constant / cosine / linear decay to ``optim.min_lr`` over the run's optimizer steps).
 * critic: the value-head model from ``model.critic_path`` (or ``model.path``), same machinery, its own
   learning rate (``optim.critic_lr``, default the actor's).
-* reference: the causal LM from ``model.path``, eval mode, no gradients, no DDP, no optimizer.
+* reference (and the evaluated policy of ``megarlhf eval``): the causal LM from ``model.path``, eval
+  mode, no gradients, no DDP, no optimizer (:func:`build_frozen`).
 
 Every model is built for packed sequences (``packed_sequences=True``) with ``variable_seq_lengths=True``
 (micro-batches differ in length, so pipeline stages exchange shapes); the trainable ones get
@@ -24,18 +25,20 @@ from typing import Any
 
 import torch
 
+from megarlhf.dtypes import torch_dtype
 from megarlhf.config.schema import RunConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from parallel.runtime import Runtime
 
 
 @dataclass
 class TrainModel:
-    """A model of the run: Megatron stage (DDP-wrapped when trainable), provider, optimizer, scheduler."""
+    """A model of the run: Megatron stage (DDP-wrapped when trainable), provider, optimizer, scheduler,
+    and the runtime it lives in (device and groups)."""
 
-    role: str  # "actor", "critic" or "reference"
+    role: str  # "actor", "critic", "reference" or "policy" (a frozen policy that is evaluated)
     model: torch.nn.Module
     provider: Any  # model_providers.base.ModelProvider
+    runtime: Runtime
     optimizer: Any = None  # Megatron optimizer (None for the reference)
     scheduler: Any = None  # Megatron OptimizerParamScheduler (None for the reference)
 
@@ -53,10 +56,7 @@ class TrainModel:
 
 
 def params_dtype(config: RunConfig) -> torch.dtype:
-    if config.model.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={config.model.dtype!r}: the trainer supports {sorted(DTYPES)} "
-                         f"(float16 would need dynamic loss scaling, which megarlhf does not implement)")
-    return DTYPES[config.model.dtype]
+    return torch_dtype(config.model.dtype, "model.dtype")
 
 
 def rl_optimizer_steps(config: RunConfig) -> int:
@@ -75,7 +75,8 @@ def _variable_lengths(model):
     return model
 
 
-def _wrap_trainable(role: str, model, provider, config: RunConfig, lr: float, total_steps: int) -> TrainModel:
+def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runtime, lr: float,
+                    total_steps: int) -> TrainModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -100,10 +101,10 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, lr: float, to
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim.schedule,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps,
         wd_incr_style="constant")
-    return TrainModel(role, ddp, provider, optimizer, scheduler)
+    return TrainModel(role, ddp, provider, runtime, optimizer, scheduler)
 
 
-def build_actor(config: RunConfig, total_steps: int | None = None) -> TrainModel:
+def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = None) -> TrainModel:
     """The actor from ``model.path``; ``total_steps``: optimizer steps of the lr schedule (default
     :func:`rl_optimizer_steps`). Megatron's parallel state must be initialised."""
     from model_providers.hf_checkpoint import load_hf_model
@@ -111,10 +112,10 @@ def build_actor(config: RunConfig, total_steps: int | None = None) -> TrainModel
     provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
     _variable_lengths(model)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
-    return _wrap_trainable("actor", model, provider, config, config.optim.lr, steps)
+    return _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
 
 
-def build_critic(config: RunConfig, total_steps: int | None = None) -> TrainModel:
+def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = None) -> TrainModel:
     """The critic (value head) from ``model.critic_path`` or ``model.path``, with ``optim.critic_lr``."""
     from model_providers.value_head import load_value_model
 
@@ -123,15 +124,18 @@ def build_critic(config: RunConfig, total_steps: int | None = None) -> TrainMode
     _variable_lengths(model)
     lr = config.optim.critic_lr or config.optim.lr
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
-    return _wrap_trainable("critic", model, provider, config, lr, steps)
+    return _wrap_trainable("critic", model, provider, config, runtime, lr, steps)
 
 
-def build_reference(config: RunConfig) -> TrainModel:
-    """The frozen reference policy from ``model.path`` (eval mode, ``requires_grad=False``)."""
+def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
+    """A frozen causal LM from ``model.path`` (eval mode, ``requires_grad=False``, no optimizer): the
+    ``"reference"`` policy of the KL term, or the ``"policy"`` that ``megarlhf eval`` evaluates."""
     from model_providers.hf_checkpoint import load_hf_model
 
+    if role not in ("reference", "policy"):
+        raise ValueError(f"build_frozen: role must be 'reference' or 'policy', got {role!r}")
     provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
     _variable_lengths(model)
     model.eval()
     model.requires_grad_(False)
-    return TrainModel("reference", model, provider)
+    return TrainModel(role, model, provider, runtime)

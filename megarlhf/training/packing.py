@@ -18,6 +18,9 @@ each position and a mask of the positions whose output is wanted. :meth:`MicroBa
 per-position output of the model (this rank's shard) back to the experience's token-aligned [n, L]
 layout: the output at position t - 1 (predicting token t) lands in column t.
 
+Devices: the plan and each micro-batch's fields are computed from the batch's lengths, and every tensor
+a micro-batch holds (and :meth:`MicroBatch.to_rows` creates) is on the batch's device.
+
 Hand-written because the budgeted grouping and the token-aligned round trip are the project's own
 contract; the CP split itself is :mod:`parallel.cp_sharding`'s.
 """
@@ -95,17 +98,17 @@ class MicroBatch:
             raise ValueError(f"MicroBatch.to_rows: outputs of shape {tuple(local.shape)}, expected the "
                              f"tokens' {tuple(self.tokens.shape)}")
         n, width = self.lengths.numel(), self.width
+        cols = torch.arange(width, device=local.device)
         if self.packed:
             full = unshard(self.plan, local[0], self.cp_group)  # [T]: output at each packed position
             starts = self.plan.cu_seqlens[:-1].long()
-            cols = torch.arange(width)
             index = (starts[:, None] + cols[None, :] - 1).clamp(0, full.numel() - 1)
             shifted = full[index]
         else:
             full = unshard(self.plan, local, self.cp_group, seq_dim=1)  # [n, S]
             shifted = torch.cat([full.new_zeros(n, 1), full[:, :width - 1]], dim=1)
-        valid = (torch.arange(width)[None, :] >= 1) & (torch.arange(width)[None, :] < self.lengths[:, None])
-        return torch.where(valid, shifted, torch.zeros((), dtype=shifted.dtype))
+        valid = (cols[None, :] >= 1) & (cols[None, :] < self.lengths[:, None])
+        return torch.where(valid, shifted, shifted.new_zeros(()))
 
 
 def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
@@ -122,20 +125,21 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
     """The micro-batches of a batch of sequences, for this CP rank.
 
     ``input_ids`` [B, L], ``lengths`` [B]; ``wanted`` [B, L] bool, token-aligned: the tokens whose
-    output (log-prob, value) the caller needs (e.g. the response mask); column 0 is ignored.
+    output (log-prob, value) the caller needs (e.g. the response mask); column 0 is ignored. The
+    micro-batches live on ``input_ids``' device.
     """
     if wanted.shape != input_ids.shape:
         raise ValueError(f"build_micro_batches: wanted has shape {tuple(wanted.shape)}, input_ids "
                          f"{tuple(input_ids.shape)}")
-    wanted = wanted.bool() & (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None])
+    device = input_ids.device
+    wanted = wanted.bool() & (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None])
     result = []
     for rows in plan_micro_batches(lengths.tolist(), budget, packed):
-        rows = torch.tensor(rows, dtype=torch.long)
+        rows = torch.tensor(rows, dtype=torch.long, device=device)
         ids, lens = input_ids[rows], lengths[rows]
         labels, masks = _next_token_fields(ids, lens, wanted[rows])
         if packed:
-            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-            plan = make_shard_plan(cu, cp_size, cp_rank)
+            plan = make_shard_plan([0, *lens.cumsum(0).tolist()], cp_size, cp_rank).to(device)
             row = torch.cat([ids[i, :n] for i, n in enumerate(lens.tolist())])
             fields = [shard(plan, t, 0).unsqueeze(0) for t in (row, torch.cat(labels), torch.cat(masks))]
             positions = plan.local_position_ids().unsqueeze(0)
@@ -144,8 +148,9 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
             width = int(lens.max())
             multiple = 2 * cp_size if cp_size > 1 else 1
             padded = -(-width // multiple) * multiple
-            plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False)
-            full = [torch.zeros(len(rows), padded, dtype=dtype) for dtype in (torch.long, torch.long, torch.bool)]
+            plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
+            full = [torch.zeros(len(rows), padded, dtype=dtype, device=device)
+                    for dtype in (torch.long, torch.long, torch.bool)]
             for i, n in enumerate(lens.tolist()):
                 full[0][i, :n], full[1][i, :n], full[2][i, :n] = ids[i, :n], labels[i], masks[i]
             fields = [shard(plan, t, 0, seq_dim=1) for t in full]

@@ -17,36 +17,39 @@ import torch
 
 from megarlhf.algorithms import aggregate_loss
 from megarlhf.config.schema import RunConfig
-from megarlhf.training.experience import ExperienceBatch
+from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.models import TrainModel
 from megarlhf.training.step import loss_normaliser, micro_batches_for, optimizer_step
 
 
-def sft_batch(examples: Sequence, pad_id: int = 0) -> ExperienceBatch:
-    """``SFTExample``s as an :class:`ExperienceBatch` whose response mask is the loss mask."""
+def sft_batch(examples: Sequence, device: torch.device, pad_id: int = 0) -> ExperienceBatch:
+    """``SFTExample``s as an :class:`ExperienceBatch` on ``device`` whose response mask is the loss mask."""
     if not examples:
         raise ValueError("sft_batch: no examples")
     width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), width, dtype=torch.bool)
+    ids, mask = [], []
     for i, example in enumerate(examples):
         if len(example.loss_mask) != len(example.input_ids):
             raise ValueError(f"sft_batch: example {i} has {len(example.input_ids)} input_ids but "
                              f"{len(example.loss_mask)} loss_mask entries")
         if example.loss_mask and example.loss_mask[0]:
             raise ValueError(f"sft_batch: example {i} has loss on its first token, which has no prediction")
-        ids[i, :len(example.input_ids)] = torch.tensor(example.input_ids, dtype=torch.long)
-        mask[i, :len(example.loss_mask)] = torch.tensor(example.loss_mask, dtype=torch.bool)
-    lengths = torch.tensor([len(e.input_ids) for e in examples])
-    return ExperienceBatch(ids, lengths, mask)
+        pad = width - len(example.input_ids)
+        ids.append(list(example.input_ids) + [pad_id] * pad)
+        mask.append([bool(m) for m in example.loss_mask] + [False] * pad)
+    lengths = [len(e.input_ids) for e in examples]
+    return ExperienceBatch(torch.tensor(ids, dtype=torch.long, device=device),
+                           torch.tensor(lengths, dtype=torch.long, device=device),
+                           torch.tensor(mask, dtype=torch.bool, device=device))
 
 
 def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_nonfinite: str = "abort",
              pad_id: int = 0) -> dict[str, float]:
     """One optimizer step on this rank's ``examples``; returns ``sft/loss`` (global token mean),
     ``sft/tokens``, ``sft/grad_norm``, ``sft/lr``, ``sft/skipped_steps``, identical on every rank."""
-    batch = sft_batch(examples, pad_id)
-    normaliser = loss_normaliser(batch.response_mask)
+    runtime = actor.runtime
+    batch = sft_batch(examples, runtime.device, pad_id)
+    normaliser = loss_normaliser(batch.response_mask, runtime)
     factor = float(normaliser.grad_average_factor)
 
     def loss_fn(mb, out):
@@ -54,7 +57,7 @@ def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_non
         share = aggregate_loss(-out["logprobs"], mask, "token_mean", normaliser)
         return share, {"loss": share.item() / factor, "tokens": float(mask.sum())}
 
-    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config)
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, runtime)
     result = optimizer_step(actor, mbs, loss_fn, ["loss", "tokens"], loss_name="loss", on_nonfinite=on_nonfinite)
     return {"sft/loss": result.metrics["loss"], "sft/tokens": result.metrics["tokens"],
             "sft/grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),

@@ -31,13 +31,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megarlhf.algorithms import LossNormaliser, compute_normaliser
-from megarlhf.training.forward import LossFn, broadcast_from_last_stage, run_schedule
+from megarlhf.training.forward import LossFn, run_schedule
 from megarlhf.training.models import TrainModel
-from megarlhf.training.packing import MicroBatch
+from megarlhf.training.packing import MicroBatch, build_micro_batches
+from parallel.runtime import Runtime
 
 NONFINITE_MODES = ("abort", "skip")
 
@@ -55,19 +55,17 @@ class StepResult:
     reason: str = ""  # why it was skipped
 
 
-def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], dp_group) -> dict[str, float]:
-    """Sums ``names`` over the micro-batches of the last pipeline stage and over ``dp_group``; every rank
-    gets the result."""
-    from megatron.core import parallel_state as ps
-
-    sums = torch.zeros(len(names), dtype=torch.float64)
-    if ps.is_pipeline_last_stage():
+def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: Runtime) -> dict[str, float]:
+    """Sums ``names`` over the micro-batches of the last pipeline stage and over the data-parallel
+    group; every rank gets the result."""
+    sums = [0.0] * len(names)
+    if runtime.is_last_stage:
         for metrics in per_micro_batch:
-            sums += torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(sums, group=dp_group)
-    broadcast_from_last_stage(sums)
-    return dict(zip(names, sums.tolist()))
+            sums = [total + float(metrics[name]) for total, name in zip(sums, names)]
+    sums = runtime.all_reduce(sums, over="dp")
+    if runtime.pp.size > 1:  # the other stages hold zeros: the last stage's sums reach them
+        sums = runtime.all_reduce(sums, over="pp")
+    return dict(zip(names, sums))
 
 
 def _nonfinite(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -89,8 +87,8 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _nonfinite_reason(role: str, loss_name: str, loss: float, params: list[str], grads: list[str]) -> str:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+def _nonfinite_reason(role: str, loss_name: str, loss: float, params: list[str], grads: list[str],
+                      rank: int) -> str:
     what = []
     if not math.isfinite(loss):
         what.append(f"the {role} loss is non-finite ({loss_name} = {loss})")
@@ -101,13 +99,6 @@ def _nonfinite_reason(role: str, loss_name: str, loss: float, params: list[str],
     if not what:
         what.append("another rank found non-finite gradients or parameters")
     return "; ".join(what) + "; no optimizer step was taken"
-
-
-def _any_rank(flag: bool) -> bool:
-    value = torch.tensor([1.0 if flag else 0.0])
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
 
 
 def _grad_norm(trainable: TrainModel, norm_from_step) -> float:
@@ -130,22 +121,21 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     ``metric_names`` (sums over the micro-batch, divided by the DP factor where they are loss shares);
     ``loss_name`` is the metric that must be finite.
     """
-    from megatron.core import parallel_state as ps
-
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
     if not trainable.trainable:
         raise ValueError(f"optimizer_step: the {trainable.role} model has no optimizer")
     _zero_grads(trainable)
     trainable.model.train()
-    per_mb = run_schedule(trainable.model, micro_batches, kind=trainable.kind, vocab_size=trainable.vocab_size,
-                          temperature=temperature, entropy=entropy, loss_fn=loss_fn)
-    metrics = reduce_metric_sums(per_mb, metric_names, ps.get_data_parallel_group())
+    runtime = trainable.runtime
+    per_mb = run_schedule(trainable.model, micro_batches, runtime, kind=trainable.kind,
+                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=loss_fn)
+    metrics = reduce_metric_sums(per_mb, metric_names, runtime)
     lr = float(trainable.optimizer.param_groups[0]["lr"])
     bad_params, bad_grads = _nonfinite(trainable.model)
     loss = metrics[loss_name]
-    if _any_rank(not math.isfinite(loss) or bool(bad_params) or bool(bad_grads)):
-        reason = _nonfinite_reason(trainable.role, loss_name, loss, bad_params, bad_grads)
+    if runtime.any_rank(not math.isfinite(loss) or bool(bad_params) or bool(bad_grads)):
+        reason = _nonfinite_reason(trainable.role, loss_name, loss, bad_params, bad_grads, runtime.launch.rank)
         _zero_grads(trainable)
         if on_nonfinite == "abort":
             raise NonFiniteError(f"{trainable.role} update: {reason}")
@@ -158,32 +148,16 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     return StepResult(metrics, grad_norm, lr, skipped=False)
 
 
-def dp_group():
-    """Megatron's pure data-parallel group (no CP), or None when it has one rank."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group() if dist.is_initialized() and ps.get_data_parallel_world_size() > 1 else None
-
-
-def loss_normaliser(mask: Tensor, max_response_length: int | None = None) -> LossNormaliser:
+def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | None = None) -> LossNormaliser:
     """The step's global counts over this rank's ``mask`` [B, L] and the data-parallel group (every CP
     rank holds whole sequences, so CP ranks are not counted twice), with the gradient-average factor of
     DDP's group (dp x cp)."""
-    from megatron.core import parallel_state as ps
-
-    normaliser = compute_normaliser([mask], dp_group(), max_response_length=max_response_length)
-    factor = ps.get_data_parallel_world_size(with_context_parallel=True) if dist.is_initialized() else 1
-    return dataclasses.replace(normaliser, grad_average_factor=factor)
+    normaliser = compute_normaliser([mask], runtime.dp.group, max_response_length=max_response_length)
+    return dataclasses.replace(normaliser, grad_average_factor=runtime.dp_cp.size)
 
 
-def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config) -> list[MicroBatch]:
+def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime) -> list[MicroBatch]:
     """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing."""
-    from megatron.core import parallel_state as ps
-
-    from megarlhf.training.packing import build_micro_batches
-
-    cp = ps.get_context_parallel_world_size()
     return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
-                               packed=config.train.packing, cp_size=cp,
-                               cp_rank=ps.get_context_parallel_rank(),
-                               cp_group=ps.get_context_parallel_group() if cp > 1 else None)
+                               packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
+                               cp_group=runtime.cp.group)

@@ -7,7 +7,7 @@
   step whose per-token loss is
 
       policy_loss(name = algorithm.policy_loss)  [x TIS weights]
-      + kl_loss(logprobs, ref_logprobs)           if algorithm.kl_mode == "loss"
+      + kl_loss(logprobs, ref_logprobs)           if algorithm.kl_in_loss (mode "loss" and kl.coef > 0)
       - entropy_coef * entropy                     if algorithm.entropy_coef != 0
 
   aggregated in ``algorithm.loss_aggregation`` with the mini-batch's global normaliser (counts over all
@@ -35,39 +35,38 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, entropy_bonus,
                                  kl_loss, rollout_correction, value_loss)
 from megarlhf.config.schema import RunConfig
-from megarlhf.training.experience import ExperienceBatch
-from megarlhf.training.forward import broadcast_from_last_stage, forward_only
+from megarlhf.rollout.config import scoring_temperature
+from megarlhf.training.batch import ExperienceBatch
+from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import StepResult, dp_group, loss_normaliser, micro_batches_for, optimizer_step
+from megarlhf.training.step import StepResult, loss_normaliser, micro_batches_for, optimizer_step
+from parallel.runtime import Runtime
 
 ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy"]
 CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
 
 
-def sampling_temperature(config: RunConfig) -> float:
-    """Log-probs are taken at the rollout's sampling temperature (1 for greedy rollouts)."""
-    return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
-
-
-def compute_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig,
-                     entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probs [B, L] of ``batch``'s response tokens under ``model`` (and entropies if asked)."""
-    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config)
-    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), kind="logprobs",
-                       vocab_size=model.vocab_size, temperature=sampling_temperature(config), entropy=entropy)
+def compute_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig, entropy: bool = False,
+                     temperature: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs [B, L] of ``batch``'s response tokens under ``model`` (and entropies if asked), at the
+    rollout's scoring temperature (:func:`megarlhf.rollout.config.scoring_temperature`) unless
+    ``temperature`` is given."""
+    temperature = scoring_temperature(config.rollout) if temperature is None else temperature
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime)
+    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
+                       vocab_size=model.vocab_size, temperature=temperature, entropy=entropy)
     return (out["logprobs"], out["entropy"]) if entropy else out["logprobs"]
 
 
 def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
     """Critic values [B, L] at ``batch``'s response tokens."""
-    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config)
-    return forward_only(critic.model, mbs, tuple(batch.input_ids.shape), kind="values",
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, critic.runtime)
+    return forward_only(critic.model, mbs, tuple(batch.input_ids.shape), critic.runtime, kind="values",
                         vocab_size=critic.vocab_size)["values"]
 
 
@@ -77,34 +76,29 @@ def old_logprobs_from_update(config: RunConfig) -> bool:
     gap masking changes the loss's token count, KL-in-reward builds advantages from them. (Truncated IS
     weights are per token or per sequence, so each micro-batch computes its own.)"""
     algo = config.algorithm
-    return config.train.updates_per_step == 1 and algo.kl_mode != "reward" and algo.mismatch.mask_threshold is None
+    return config.train.updates_per_step == 1 and not algo.kl_in_reward and algo.mismatch.mask_threshold is None
 
 
-def _normaliser(mask: Tensor, config: RunConfig):
-    return loss_normaliser(mask, max_response_length=config.rollout.max_new_tokens)
+def _normaliser(mask: Tensor, config: RunConfig, runtime: Runtime):
+    return loss_normaliser(mask, runtime, max_response_length=config.rollout.max_new_tokens)
 
 
-def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
+def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor, runtime: Runtime) -> dict[str, float]:
     """The per-rank mismatch metrics made global: token-weighted means, max of the max."""
     count = float(mask.sum())
     names = sorted(k for k in metrics if not k.endswith("_max"))
-    sums = torch.tensor([float(metrics[k]) * count for k in names] + [count], dtype=torch.float64)
-    peak = torch.tensor([float(metrics["mismatch/logprob_abs_diff_max"])], dtype=torch.float64)
-    group = dp_group()
-    if group is not None:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    total = max(sums[-1].item(), 1.0)
-    return {**{k: sums[i].item() / total for i, k in enumerate(names)},
-            "mismatch/logprob_abs_diff_max": peak.item()}
+    sums = runtime.all_reduce([float(metrics[k]) * count for k in names] + [count])
+    peak = runtime.all_reduce([float(metrics["mismatch/logprob_abs_diff_max"])], op="max")[0]
+    total = max(sums[-1], 1.0)
+    return {**{k: sums[i] / total for i, k in enumerate(names)}, "mismatch/logprob_abs_diff_max": peak}
 
 
 def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig,
-                   seen_logprobs: Tensor | None = None):
+                   runtime: Runtime, seen_logprobs: Tensor | None = None):
     """The actor's per-micro-batch loss; without ``mini.old_logprobs`` the forward's own (detached)
     log-probs are the old ones and are written into ``seen_logprobs`` [B, L]."""
     algo = config.algorithm
-    normaliser = _normaliser(mask, config)
+    normaliser = _normaliser(mask, config, runtime)
     factor = float(normaliser.grad_average_factor)
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
 
@@ -123,7 +117,7 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
         result = policy_loss(PolicyLossInputs(lp, old, mini.advantages[rows, :width], m, weights), algo.policy)
         per_token = result.loss
         kl = torch.zeros_like(per_token)
-        if algo.kl_mode == "loss":
+        if algo.kl_in_loss:
             kl = kl_loss(lp, mini.ref_logprobs[rows, :width], m, algo.kl)
             per_token = per_token + kl
         if algo.entropy_coef:
@@ -159,7 +153,7 @@ def _mean_of_steps(role: str, results: list[StepResult], per_token: tuple[str, .
 def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
     """The row indices of each optimizer step: ``train.mini_batches`` contiguous splits of this rank's
     batch, repeated for ``train.epochs_per_step`` epochs."""
-    splits = torch.arange(batch.batch_size).tensor_split(config.train.mini_batches)
+    splits = torch.arange(batch.batch_size, device=batch.device).tensor_split(config.train.mini_batches)
     if any(rows.numel() == 0 for rows in splits):
         raise ValueError(f"{where}: {batch.batch_size} sequences on this rank cannot fill "
                          f"train.mini_batches={config.train.mini_batches} mini-batches")
@@ -169,45 +163,46 @@ def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
 
 def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
                  on_nonfinite: str = "abort") -> dict[str, float]:
-    """Trains the actor on this DP rank's ``batch`` (needs advantages, ref_logprobs when ``kl_mode ==
-    "loss"``, and old_logprobs unless :func:`old_logprobs_from_update`); returns the metrics of the
-    module docstring, identical on every rank."""
+    """Trains the actor on this DP rank's ``batch`` (needs advantages, ref_logprobs when
+    ``algorithm.kl_in_loss``, and old_logprobs unless :func:`old_logprobs_from_update`); returns the
+    metrics of the module docstring, identical on every rank."""
     algo = config.algorithm
     from_update = batch.old_logprobs is None
     if from_update and not old_logprobs_from_update(config):
         raise ValueError("actor_update: the batch has no old_logprobs, and this configuration needs them before "
                          "the update (train.mini_batches / train.epochs_per_step > 1, "
-                         "algorithm.mismatch.mask_threshold, or algorithm.kl_mode='reward')")
-    needed = ["advantages"] + (["ref_logprobs"] if algo.kl_mode == "loss" else [])
+                         "algorithm.mismatch.mask_threshold, or algorithm.kl_mode='reward' with kl.coef > 0)")
+    needed = ["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
     batch.require("actor_update", *needed)
+    runtime = actor.runtime
     mask, is_weights, metrics = batch.response_mask, None, {}
     if batch.rollout_logprobs is not None and not from_update:
         corrected = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, mask, algo.mismatch)
-        metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
+        metrics.update(_global_mismatch_metrics(corrected.metrics, mask, runtime))
         mask, is_weights = corrected.response_mask, corrected.is_weights
     batch = batch.replace(response_mask=mask)
-    seen = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if from_update else None
+    seen = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.device) if from_update else None
     results = []
     for rows in _mini_batch_rows(batch, config, "actor_update"):
         mini = batch.select(rows)
         weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
-        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
+        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, runtime)
         results.append(optimizer_step(
-            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, seen), ACTOR_SUMS,
-            loss_name="loss", temperature=sampling_temperature(config), entropy=True,
+            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, runtime, seen), ACTOR_SUMS,
+            loss_name="loss", temperature=scoring_temperature(config.rollout), entropy=True,
             on_nonfinite=on_nonfinite))
     if from_update and batch.rollout_logprobs is not None:
-        seen = broadcast_from_last_stage(seen)
+        seen = runtime.broadcast_from_last_stage(seen)
         corrected = rollout_correction(seen, batch.rollout_logprobs, mask, algo.mismatch)
-        metrics.update(_global_mismatch_metrics(corrected.metrics, mask))
+        metrics.update(_global_mismatch_metrics(corrected.metrics, mask, runtime))
     metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
                                   ("loss", "pg_loss", "kl_loss")))
     return metrics
 
 
-def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig):
+def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig, runtime: Runtime):
     algo = config.algorithm
-    normaliser = _normaliser(mini.response_mask, config)
+    normaliser = _normaliser(mini.response_mask, config, runtime)
     factor = float(normaliser.grad_average_factor)
 
     def loss_fn(mb, out):
@@ -230,7 +225,7 @@ def critic_update(critic: TrainModel, batch: ExperienceBatch, config: RunConfig,
     results = []
     for rows in _mini_batch_rows(batch, config, "critic_update"):
         mini = batch.select(rows)
-        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config)
-        results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config), CRITIC_SUMS,
+        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, critic.runtime)
+        results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config, critic.runtime), CRITIC_SUMS,
                                       loss_name="value_loss", on_nonfinite=on_nonfinite))
     return _mean_of_steps("critic", results, ("value_clip_fraction",), ("value_loss",))

@@ -1,6 +1,7 @@
 """Policy losses, value loss and entropy bonus against hand-worked per-token values and hand-derived
 gradients (CISPO's stop-gradient weight, GSPO's sequence ratio), plus properties: dual clip bounds
-the loss for negative advantages, clip-higher uses both bounds it is given, padding never leaks."""
+the loss for negative advantages, clip-higher uses both bounds it is given and combines with the dual
+clip in the one ppo_clip loss, padding never leaks."""
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ def test_ppo_clip_hand_worked():
     # (0.5, +1): max(-0.5, -0.8) = -0.5           (0.5, -1): max(0.5, 0.8) = 0.8 clipped
     # (1.1, +2): max(-2.2, -2.2) = -2.2
     inputs, lp = _case([1.5, 1.5, 0.5, 0.5, 1.1], [1.0, -1.0, 1.0, -1.0, 2.0])
-    out, grad = _run("ppo_clip", inputs, lp, clip_eps=0.2)
+    out, grad = _run("ppo_clip", inputs, lp)  # defaults: 0.2 both sides, no dual clip
     assert _close(out.loss, [-1.2, 1.5, -0.5, 0.8, -2.2])
     # d/dlogprob of -A r is -A r where unclipped, 0 where the clip won
     assert _close(grad, [0.0, 1.5, -0.5, 0.0, -2.2])
@@ -56,11 +57,11 @@ def test_clip_higher_uses_both_bounds():
     # (0.5, -1): max(0.5, 0.9) = 0.9 clipped by the low bound   (0.85, -1): max(0.85, 0.9) = 0.9
     # (0.85, +1): max(-0.85, -0.9) = -0.85
     inputs, lp = _case([1.5, 1.25, 0.5, 0.85, 0.85], [1.0, 1.0, -1.0, -1.0, 1.0])
-    out, grad = _run("clip_higher", inputs, lp, clip_eps_low=0.1, clip_eps_high=0.3)
+    out, grad = _run("ppo_clip", inputs, lp, clip_eps_low=0.1, clip_eps_high=0.3)
     assert _close(out.loss, [-1.3, -1.25, 0.9, 0.9, -0.85])
     assert _close(grad, [0.0, -1.25, 0.0, 0.0, -0.85])
     assert abs(out.metrics["policy/clip_fraction"].item() - 3 / 5) <= 1e-12
-    symmetric, _ = _run("ppo_clip", *_case([1.25], [1.0]), clip_eps=0.2)
+    symmetric, _ = _run("ppo_clip", *_case([1.25], [1.0]), clip_eps_low=0.2, clip_eps_high=0.2)
     assert _close(symmetric.loss, [-1.2])
 
 
@@ -68,17 +69,32 @@ def test_dual_clip_hand_worked_and_bound():
     # c = 3, eps 0.2: (5, -1): ppo loss max(5, 1.2) = 5 > 3 -> 3 (dual clip)
     # (2, -1): 2 <= 3 -> 2   (5, +1): max(-5, -1.2) = -1.2 (A > 0 untouched)   (0.5, -2): max(1, 1.6) = 1.6
     inputs, lp = _case([5.0, 2.0, 5.0, 0.5], [-1.0, -1.0, 1.0, -2.0])
-    out, grad = _run("dual_clip", inputs, lp, clip_eps=0.2, dual_clip_c=3.0)
+    out, grad = _run("ppo_clip", inputs, lp, dual_clip_c=3.0)
     assert _close(out.loss, [3.0, 2.0, -1.2, 1.6])
     assert _close(grad, [0.0, 2.0, 0.0, 0.0])
     assert abs(out.metrics["policy/dual_clip_fraction"].item() - 1 / 4) <= 1e-12
     generator = torch.Generator().manual_seed(0)
     ratios = torch.exp(3 * torch.randn(200, generator=generator, dtype=torch.float64)).tolist()
     advantages = (-torch.rand(200, generator=generator, dtype=torch.float64) * 2).tolist()
-    out, _ = _run("dual_clip", *_case(ratios, advantages), dual_clip_c=3.0)
+    out, _ = _run("ppo_clip", *_case(ratios, advantages), dual_clip_c=3.0)
     bound = -3.0 * torch.tensor([advantages], dtype=torch.float64)
     assert (out.loss <= bound + 1e-12).all()
     assert (out.loss > bound - 1e-12).any()  # the bound was active somewhere
+
+
+def test_clip_higher_with_dual_clip_together():
+    # DAPO-style: [1 - 0.2, 1 + 0.28] = [0.8, 1.28] and c = 3, in one loss:
+    # (1.5, +1): max(-1.5, -1.28) = -1.28 (high bound)   (1.25, +1): -1.25 (inside the raised bound)
+    # (0.5, -1): max(0.5, 0.8) = 0.8 (low bound)          (5, -1): max(5, 1.28) = 5 > 3 -> 3 (dual clip)
+    # (2, -2): max(4, 2.56) = 4 <= 6 -> 4 (unclipped)
+    inputs, lp = _case([1.5, 1.25, 0.5, 5.0, 2.0], [1.0, 1.0, -1.0, -1.0, -2.0])
+    out, grad = _run("ppo_clip", inputs, lp, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0)
+    assert _close(out.loss, [-1.28, -1.25, 0.8, 3.0, 4.0])
+    assert _close(grad, [0.0, -1.25, 0.0, 0.0, 4.0])
+    assert abs(out.metrics["policy/clip_fraction"].item() - 3 / 5) <= 1e-12
+    assert abs(out.metrics["policy/dual_clip_fraction"].item() - 1 / 5) <= 1e-12
+    without_dual, _ = _run("ppo_clip", *_case([5.0], [-1.0]), clip_eps_low=0.2, clip_eps_high=0.28)
+    assert _close(without_dual.loss, [5.0]) and "policy/dual_clip_fraction" not in without_dual.metrics
 
 
 def _gspo_inputs():
@@ -210,12 +226,12 @@ def test_entropy_bonus():
 
 
 def test_bad_config_and_inputs_are_named():
-    with pytest.raises(ValueError, match="PolicyLossConfig.dual_clip_c must be > 1"):
+    with pytest.raises(ValueError, match="PolicyLossConfig.dual_clip_c must be > 1 or null"):
         PolicyLossConfig(dual_clip_c=1.0)
     with pytest.raises(ValueError, match="PolicyLossConfig.clip_eps_high must be >= 0"):
         PolicyLossConfig(clip_eps_high=-0.1)
-    with pytest.raises(ValueError, match="PolicyLossConfig.clip_eps must be < 1"):
-        PolicyLossConfig(clip_eps=1.0)
+    with pytest.raises(ValueError, match="PolicyLossConfig.clip_eps_low must be < 1"):
+        PolicyLossConfig(clip_eps_low=1.0)
     with pytest.raises(ValueError, match=r"PolicyLossInputs: advantages has shape \(2, 2\)"):
         PolicyLossInputs(logprobs=torch.zeros(2, 3), old_logprobs=torch.zeros(2, 3),
                          advantages=torch.zeros(2, 2), response_mask=torch.ones(2, 3))

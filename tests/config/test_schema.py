@@ -24,7 +24,8 @@ rollout:
   max_new_tokens: 128
 algorithm:
   estimator: grpo
-  policy_loss: clip_higher
+  policy_loss: ppo_clip
+  policy: {clip_eps_high: 0.28, dual_clip_c: 3.0}
   kl: {coef: 0.0}
 reward:
   functions:
@@ -54,7 +55,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     assert config.parallel == ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert config.rollout.n_samples == 4 and config.rollout.temperature == 0.7
     assert config.algorithm.advantage == AdvantageConfig(eps=1e-5)
-    assert config.algorithm.policy == PolicyLossConfig(clip_eps_high=0.3)
+    assert config.algorithm.policy == PolicyLossConfig(clip_eps_high=0.3, dual_clip_c=3.0)
     assert config.algorithm.kl == KLConfig(estimator="k1", coef=0.0)
     assert config.algorithm.mismatch.tis_level is None
     assert config.algorithm.overlong == OverlongConfig(buffer_length=32)
@@ -78,17 +79,22 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.temperature=[1]", r"rollout\.temperature: expected float, got \[1\]"),
     # the algorithm configs' own range checks, reported under the full key
     ("algorithm.advantage.gamma=1.5", r"algorithm\.advantage\.gamma must be in \[0, 1\], got 1\.5"),
-    ("algorithm.policy.clip_eps=1.2", r"algorithm\.policy\.clip_eps must be < 1"),
+    ("algorithm.policy.clip_eps_low=1.2", r"algorithm\.policy\.clip_eps_low must be < 1"),
     ("algorithm.kl.clamp_min=20", r"algorithm\.kl\.clamp_min \(20\.0\) must be <= algorithm\.kl\.clamp_max"),
     ("algorithm.mismatch.tis_level=batch", r"algorithm\.mismatch\.tis_level must be one of \('token', 'sequence'\)"),
-    ("rollout.top_p=0", r"rollout\.top_p must be in \(0, 1\], got 0\.0"),
+    ("rollout.top_p=0.9", r"rollout\.top_p: top-p / top-k filtering is refused: the trainer scores samples with "
+                          r"the full softmax at rollout\.temperature"),
+    ("rollout.top_k=50", r"rollout\.top_k: top-p / top-k filtering is refused"),
     # Literal fields list their values
-    ("model.dtype=fp8", r"model\.dtype: 'fp8' is not allowed; allowed values: 'float32', 'bfloat16', 'float16'"),
+    ("model.dtype=fp8", r"model\.dtype='fp8' is not a supported dtype; supported: float32, bfloat16"),
+    ("model.dtype=float16", r"model\.dtype='float16' is not a supported dtype; supported: float32, bfloat16 \(float16 "
+                            r"needs loss scaling"),
+    ("rollout.dtype=float16", r"rollout\.dtype='float16' is not a supported dtype"),
     ("algorithm.loss_aggregation=mean", r"allowed values: 'token_mean', 'seq_mean_token_sum', "),
     ("optim.schedule=step", r"optim\.schedule: 'step' is not allowed; allowed values: 'constant', 'cosine', 'linear'"),
     # registry names list the known names
     ("algorithm.estimator=ppo", r"algorithm\.estimator: unknown advantage estimator 'ppo'; known: dr_grpo, gae, grpo"),
-    ("algorithm.policy_loss=clip", r"algorithm\.policy_loss: unknown policy loss 'clip'; known: cispo, clip_higher"),
+    ("algorithm.policy_loss=clip", r"algorithm\.policy_loss: unknown policy loss 'clip'; known: cispo, gspo, ppo_clip"),
     ("algorithm.kl.estimator=k4", r"algorithm\.kl\.estimator 'k4' is not one of \['k1', 'k2', 'k3'\]"),
     ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: exact_match, "
                                      r"math_verify, numeric, or a dotted path"),

@@ -3,7 +3,7 @@
 :func:`ensure_local_slurm` installs Debian's slurmctld / slurmd / slurm-client / munge if sbatch is
 missing, starts munged, writes a minimal slurm.conf whose node line is ``slurmd -C``'s (no GPUs, one
 partition), starts slurmctld and slurmd unless they run already, and waits until the node is idle.
-No systemd: the daemons are started by hand (PLATFORM.md, "Slurm on a single CPU machine").
+No systemd: the daemons are started by hand (docs/PLATFORM.md, "Slurm on a single CPU machine").
 :func:`slurm_unavailable` says why it cannot be done here (None when it can).
 
 Run as a script to set the cluster up by hand: ``python tests/launch/_local_slurm.py``.

@@ -174,7 +174,7 @@ def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
 
     from model_providers.hf_checkpoint import load_hf_model
 
-    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=3)
+    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=3).launch
     result = {"last_stage": ps.is_pipeline_last_stage()}
     for arch in ARCHS:
         provider, model = load_hf_model(models / arch)

@@ -9,8 +9,8 @@ the original order and gradients summed over the CP group (what Megatron DDP doe
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megarlhf.testing.launch import write_rank_result
 from parallel import cpu_compat
 from parallel.config import ParallelConfig
-from parallel.context_parallel import (global_token_mean, make_shard_plan, shard, shard_packed_batch, unshard,
+from parallel.context_parallel import (make_shard_plan, packed_seq_params_for, shard, unshard,
                                        with_cp_attention)
 from parallel.runtime import init_parallel, shutdown
 
@@ -51,6 +51,22 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+
+
+def shard_packed_batch(tokens, cu, cp, cp_rank, labels, loss_mask, group=None):
+    """One CP rank's share of a packed row, as megarlhf.training.packing builds it."""
+    plan = make_shard_plan(cu, cp, cp_rank)
+    return SimpleNamespace(tokens=shard(plan, tokens).unsqueeze(0), labels=shard(plan, labels).unsqueeze(0),
+                           loss_mask=shard(plan, loss_mask).unsqueeze(0),
+                           position_ids=plan.local_position_ids().unsqueeze(0),
+                           packed_seq_params=packed_seq_params_for(plan, group), plan=plan)
+
+
+def global_token_mean(values: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
+    """This rank's share of the token mean over ``group``: summed over the group it is the mean."""
+    count = mask.sum().detach().clone()
+    dist.all_reduce(count, group=group)
+    return (values * mask).sum() / count
 
 
 def data():

@@ -143,7 +143,7 @@ def main():
     ref_logits = pipeline_logits(reference, tokens)
     ref_losses = train_two_steps(reference, args.distributed_optimizer, tokens, labels)
 
-    launch = init_parallel(ParallelConfig(args.tp, args.pp), seed=11)
+    launch = init_parallel(ParallelConfig(args.tp, args.pp), seed=11).launch
     from megatron.core import parallel_state as ps
 
     model = build_model(ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())

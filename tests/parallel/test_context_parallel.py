@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from megarlhf.testing.launch import read_rank_results, run_torchrun
-from parallel.context_parallel import (global_token_mean, make_shard_plan, rank_token_index, shard,
-                                       validate_context_parallel, with_cp_attention)
+from parallel.context_parallel import make_shard_plan, rank_token_index, shard, with_cp_attention
 from parallel.cp_attention import ContextParallelAttention, TokenLayout, _LocalTiledAttention
 
 WORKER = Path(__file__).with_name("_worker_context_parallel.py")
@@ -115,12 +114,6 @@ def test_tiled_attention_matches_naive_float64_packed_gqa(block):
         assert (mine - expected).abs().max() < 1e-12
 
 
-def test_global_token_mean_single_rank_by_hand():
-    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    mask = torch.tensor([1, 0, 1, 1])
-    assert global_token_mean(values, mask).item() == pytest.approx(8.0 / 3.0)
-
-
 def test_with_cp_attention_swaps_only_when_needed():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -134,19 +127,11 @@ def test_with_cp_attention_swaps_only_when_needed():
         with_cp_attention(with_cp_attention(spec, 2), 2)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(context_parallel_size=2, sequence_lengths=[30]), "not divisible by 2 \\* context_parallel_size = 4"),
-    (dict(context_parallel_size=2, spec_has_cp_attention=False), "needs megarlhf's CP attention"),
-    (dict(context_parallel_size=1, packed=True, spec_has_cp_attention=False), "packed sequences"),
-    (dict(context_parallel_size=2, sequence_parallel=True, on_cpu=True), "sequence_parallel is not supported"),
-    (dict(context_parallel_size=0), "positive integer"),
-    (dict(context_parallel_size=2, sequence_lengths=[8, 0], packed=True), "sequence 1 of the packed batch"),
+@pytest.mark.parametrize("cu, cp, padding, message", [
+    ([0, 30], 2, False, "not divisible by 2 \\* context_parallel_size = 4"),
+    ([0, 8, 8], 2, True, "sequence 1 of the packed batch has length 0"),
+    ([0, 8], 0, True, "positive integer"),
 ])
-def test_validate_context_parallel_explains(kwargs, message):
+def test_shard_plan_errors_explain_the_constraint(cu, cp, padding, message):
     with pytest.raises(ValueError, match=message):
-        validate_context_parallel(**kwargs)
-
-
-def test_validate_context_parallel_accepts_valid_layouts():
-    validate_context_parallel(2, sequence_lengths=[32, 64])
-    validate_context_parallel(2, sequence_lengths=[13, 7], packed=True)  # packed sequences get padded
+        make_shard_plan(cu, cp, 0, allow_padding=padding)

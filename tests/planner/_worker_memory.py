@@ -1,6 +1,6 @@
 """Rank script for tests/planner/test_measured.py: the trainer phase of one RL step, its memory measured.
 
-Runs the real trainer functions (build_actor / build_reference / build_critic, score, compute_advantages,
+Runs the real trainer functions (build_actor / build_frozen / build_critic, score, compute_advantages,
 actor_update, critic_update) on a fake rollout batch, twice in this process:
 
 1. with a negligible model (``BASE``): warms up the runtime (allocator, autograd, gloo, oneDNN), then
@@ -22,7 +22,7 @@ import torch
 from megarlhf.config import RunConfig, load_config
 from megarlhf.testing.launch import write_rank_result
 from megarlhf.trainers.experience import compute_advantages, score
-from megarlhf.training import ExperienceBatch, actor_update, build_actor, build_critic, build_reference, critic_update
+from megarlhf.training import ExperienceBatch, actor_update, build_actor, build_critic, build_frozen, critic_update
 from parallel.runtime import init_parallel
 
 PROMPT_LEN, RESPONSE_LEN, SEQUENCES = 32, 96, 16
@@ -46,9 +46,9 @@ def _fake_batch(vocab: int, seed: int) -> tuple[ExperienceBatch, torch.Tensor]:
     prompts = torch.randint(1, vocab, (SEQUENCES, PROMPT_LEN), generator=gen).tolist()
     responses = torch.randint(1, vocab, (SEQUENCES, RESPONSE_LEN), generator=gen).tolist()
     logprobs = [[-1.0] * RESPONSE_LEN for _ in range(SEQUENCES)]
-    batch = ExperienceBatch.from_sequences(prompts, responses, rollout_logprobs=logprobs,
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=torch.device("cpu"), rollout_logprobs=logprobs,
                                            group_ids=[i // 4 for i in range(SEQUENCES)])
-    return batch, torch.rand(SEQUENCES, generator=gen)
+    return batch, torch.rand(SEQUENCES, generator=gen).tolist()
 
 
 class SavedBytes:
@@ -69,14 +69,14 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def trainer_phase(config: RunConfig, count_saved: bool = False) -> dict:
-    actor = build_actor(config)
+def trainer_phase(config: RunConfig, runtime, count_saved: bool = False) -> dict:
+    actor = build_actor(config, runtime)
     uses_ref = config.algorithm.uses_reference
-    reference = build_reference(config) if uses_ref else None
-    critic = build_critic(config) if config.algorithm.uses_critic else None
+    reference = build_frozen(config, runtime, "reference") if uses_ref else None
+    critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
     batch, rewards = _fake_batch(actor.vocab_size, config.seed)
     batch, _ = score(batch, config, actor, reference, critic, gate_step0=False)
-    batch, _ = compute_advantages(batch, rewards, config)
+    batch, _ = compute_advantages(batch, rewards, config, runtime)
     saved = SavedBytes(actor.model)
     # Two updates: Adam allocates its state in the first optimizer step, after that step's backward, so
     # only from the second update on is the steady state (state + activations at once) reached.
@@ -103,12 +103,13 @@ def main() -> None:
     out_dir, base_recipe, recipe, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     base = load_config(RunConfig, base_recipe, overrides)
     config = load_config(RunConfig, recipe, overrides)
-    launch = init_parallel(config.parallel, seed=config.seed)
+    runtime = init_parallel(config.parallel, seed=config.seed)
+    launch = runtime.launch
     torch.set_num_threads(1)
-    trainer_phase(base)
+    trainer_phase(base, runtime)
     baseline = _rss_kib("VmRSS")
     _reset_peak()
-    result = trainer_phase(config, count_saved=True)
+    result = trainer_phase(config, runtime, count_saved=True)
     peak = _rss_kib("VmHWM")
     write_rank_result(out_dir, launch.rank, {"baseline_kib": baseline, "peak_kib": peak,
                                              "model_peak_bytes": (peak - baseline) * 1024, **result})

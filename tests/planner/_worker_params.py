@@ -14,7 +14,7 @@ def main() -> None:
     counts = []
     for tp, pp in ((2, 1), (1, 2)):
         ps.destroy_model_parallel()
-        launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+        launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)).launch
         for model_dir in models:
             _, model = load_hf_model(model_dir)
             counts.append({"model": model_dir, "tp": tp, "pp": pp, "stage": ps.get_pipeline_model_parallel_rank(),

@@ -12,7 +12,7 @@ SHAPE = ModelShape(name="toy", hidden_size=64, ffn_size=128, num_layers=2, num_h
 
 def _config(**sections) -> RunConfig:
     tree = {"model": {"path": "toy", "dtype": "bfloat16"}, "data": {"train_path": "x", "max_prompt_length": 32},
-            "rollout": {"n_samples": 2, "max_new_tokens": 32, "kv_cache_mb": 1, "weight_sync_bucket_mb": 1},
+            "rollout": {"n_samples": 2, "max_new_tokens": 32, "kv_cache_mb": 1, "weight_sync": {"bucket_mb": 1}},
             "train": {"global_batch_size": 4, "micro_batch_tokens": 128}}
     for key, value in sections.items():
         tree.setdefault(key, {}).update(value)

@@ -39,7 +39,7 @@ class RecordingSync:
     def __init__(self, groups: dict[str, list[torch.Tensor]]):
         self.groups, self.seen = groups, {}
 
-    def sync(self, module):
+    def sync(self):
         self.seen = {name: [t.untyped_storage().nbytes() > 0 for t in ts] for name, ts in self.groups.items()}
         return {}
 
@@ -50,7 +50,7 @@ def batch_for(rank: int, step: int, vocab: int):
     g = torch.Generator().manual_seed(100 * rank + step)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
     responses = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 4, 8, 5)]
-    batch = ExperienceBatch.from_sequences(prompts, responses)
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=torch.device("cpu"))
     shape = batch.input_ids.shape
     return batch.replace(old_logprobs=-2.0 + 0.3 * torch.randn(shape, generator=g),
                          ref_logprobs=-2.0 + 0.3 * torch.randn(shape, generator=g),
@@ -116,14 +116,16 @@ def counts(actor, reference) -> dict[str, int]:
             "reference_bytes": sum(p.numel() * p.element_size() for p in reference.model.parameters())}
 
 
-def run_case(model_dir: str, dist_opt: bool, dtype: str, rank: int) -> dict:
+def run_case(model_dir: str, dist_opt: bool, dtype: str, runtime) -> dict:
     from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
-    from megarlhf.training import actor_update, build_actor, build_reference
+    from megarlhf.training import actor_update, build_actor, build_frozen
 
     config = RunConfig(model=ModelConfig(path=model_dir, dtype=dtype), data=DataConfig(train_path="unused.jsonl"),
                        optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=dist_opt),
                        train=TrainConfig(micro_batch_tokens=24, mini_batches=2))
-    actor, twin, reference = build_actor(config), build_actor(config), build_reference(config)
+    actor, twin = build_actor(config, runtime), build_actor(config, runtime)
+    reference = build_frozen(config, runtime, "reference")
+    rank = runtime.launch.rank
     vocab = actor.vocab_size
     first = [actor_update(m, batch_for(rank, 0, vocab), config) for m in (actor, twin)]
     state = state_tensors(actor)
@@ -168,10 +170,10 @@ def run_case(model_dir: str, dist_opt: bool, dtype: str, rank: int) -> dict:
 def main() -> None:
     model_dir, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    launch = init_parallel(ParallelConfig(), seed=1234)
-    result = {"world": launch.world_size}
+    runtime = init_parallel(ParallelConfig(), seed=1234)
+    result = {"world": runtime.launch.world_size}
     for dist_opt, dtype in CASES:
-        result[f"{'dist' if dist_opt else 'plain'}-{dtype}"] = run_case(model_dir, dist_opt, dtype, launch.rank)
+        result[f"{'dist' if dist_opt else 'plain'}-{dtype}"] = run_case(model_dir, dist_opt, dtype, runtime)
     write_rank_result(out_dir, dist.get_rank(), result)
 
 

@@ -4,7 +4,7 @@ Trainer ranks [0, W-E) hold the tiny model in Megatron (TP=1, DP = W-E); engine 
 out-of-process vLLM engine each and serve. The trainers record
 * the verified sync metrics (sync0 before training, sync1 after 3 AdamW steps);
 * greedy generations from the engines vs the trainer's own greedy decoding, and the engines' sampled-
-  token log-probs vs trainer teacher forcing (``ragged_token_logprobs``), before and after training;
+  token log-probs vs trainer teacher forcing (the training forward), before and after training;
 * seeded sampling asked twice;
 * the message of a third sync whose bucket is perturbed by one ulp on the engine side (after the
   trainer's checksum, before vLLM's loader), which must stop trainers and engines alike.
@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _worker_rollout import NEW_TOKENS, prompts, train_with, trainer_greedy
+from _worker_rollout import NEW_TOKENS, prompts, run_config, train_with, trainer_greedy, trainer_logprobs
 from megarlhf.testing.launch import write_rank_result
 from parallel.config import ParallelConfig
 from parallel.runtime import init_disaggregated
@@ -26,19 +26,18 @@ from parallel.runtime import init_disaggregated
 TARGET = "model.layers.1.mlp.down_proj.weight"
 
 
-def compare(rollout, model, provider, prompt_list, seed: int) -> dict:
+def compare(rollout, actor, config, prompt_list, seed: int) -> dict:
     """Engine rollouts of this replica's prompts vs the trainer's greedy decoding and teacher forcing."""
-    from megarlhf.rollout.engine import SamplingConfig
-    from megarlhf.rollout.logprobs import ragged_token_logprobs
+    from megarlhf.rollout.config import SamplingConfig
 
-    vocab = provider.hf_config.vocab_size
-    greedy = rollout.generate(prompt_list, SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS,
+    model, vocab = actor.model, actor.provider.hf_config.vocab_size
+    greedy = rollout.generate(prompt_list, SamplingConfig(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS,
                                                           ignore_eos=True))
     reference = trainer_greedy(model, prompt_list, vocab)
     sampled = rollout.generate(prompt_list, SamplingConfig(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS,
                                                            seed=seed))
     sequences = [p + r for p, r in zip(sampled.prompt_ids, sampled.response_ids)]
-    trainer_lp = ragged_token_logprobs(model, sequences, vocab_size=vocab)
+    trainer_lp = trainer_logprobs(actor, config, sequences)
     diffs = [abs(t - e) for tl, lp in zip(trainer_lp, sampled.logprobs) for t, e in zip(tl[-len(lp):], lp)]
     return {"greedy_prompt_index": greedy.prompt_index, "trainer_greedy": reference,
             "greedy_equal": sum(r == reference[i] for i, r in zip(greedy.prompt_index, greedy.response_ids)),
@@ -46,23 +45,24 @@ def compare(rollout, model, provider, prompt_list, seed: int) -> dict:
             "logprob_max_diff": max(diffs), "greedy_finish": sorted(set(greedy.finish_reasons))}
 
 
-def trainer(rollout, model, provider, dp_rank: int, dp_size: int) -> dict:
-    from megarlhf.rollout.engine import SamplingConfig
+def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
+    from megarlhf.rollout.config import SamplingConfig
     from megarlhf.rollout.weight_sync import WeightSyncError
 
+    model, provider = actor.model, actor.provider
     everything = prompts(provider.hf_config.vocab_size)
     mine = everything[dp_rank::dp_size]
-    result = {"sync0": rollout.sync(model)}
-    result["before"] = compare(rollout, model, provider, mine, seed=3)
+    result = {"sync0": rollout.sync()}
+    result["before"] = compare(rollout, actor, config, mine, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
-    result["sync1"] = rollout.sync(model)
-    result["after"] = compare(rollout, model, provider, mine, seed=4)
-    cfg = SamplingConfig(n=3, temperature=1.0, top_k=50, max_new_tokens=12, seed=77)
+    result["sync1"] = rollout.sync()
+    result["after"] = compare(rollout, actor, config, mine, seed=4)
+    cfg = SamplingConfig(n=3, temperature=0.9, max_new_tokens=12, seed=77)
     a, b = rollout.generate(mine[:8], cfg), rollout.generate(mine[:8], cfg)
     result["seeded_equal"] = a.response_ids == b.response_ids and a.logprobs == b.logprobs
     result["seeded_prompt_index"] = a.prompt_index
     try:
-        rollout.sync(model)  # the engines corrupt this one
+        rollout.sync()  # the engines corrupt this one
         result["corrupted"] = None
     except WeightSyncError as err:
         result["corrupted"] = str(err)
@@ -107,25 +107,24 @@ def main() -> None:
     num_engines, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    launch = init_disaggregated(ParallelConfig(), num_trainer_ranks=world - num_engines, seed=1234)
-    from megarlhf.rollout.disaggregated import DisaggregatedRollout, RolloutPlacementConfig
-    from megarlhf.rollout.engine import EngineConfig
-    from megarlhf.rollout.weight_sync import WeightSyncConfig
-    from megatron.core import parallel_state as ps
+    runtime = init_disaggregated(ParallelConfig(), num_trainer_ranks=world - num_engines, seed=1234)
+    from megarlhf.rollout.config import RolloutPlacementConfig
+    from megarlhf.rollout.disaggregated import DisaggregatedRollout
+    from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
-    placement = RolloutPlacementConfig(mode="disaggregated", num_engine_ranks=num_engines)
-    is_engine = launch.rank >= world - num_engines
-    provider, model = (None, None) if is_engine else load_hf_model(model_dir)
-    rollout = DisaggregatedRollout(placement, model_dir, provider,
-                                   EngineConfig(in_process=False, max_model_len=256, kv_cache_bytes=64 * 2**20),
-                                   WeightSyncConfig(bucket_mb=0.25))
-    if is_engine:
+    config = run_config(model_dir, 1)
+    config.rollout.placement = RolloutPlacementConfig(mode="disaggregated", num_engine_ranks=num_engines)
+    actor = None
+    if not runtime.is_engine_rank:
+        provider, model = load_hf_model(model_dir, packed_sequences=True)
+        actor = TrainModel("actor", model, provider, runtime)
+    rollout = DisaggregatedRollout(config, runtime, actor, config.tolerances)
+    if runtime.is_engine_rank:
         result = engine(rollout)
     else:
-        result = trainer(rollout, model, provider, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        result["tp_world"] = ps.get_tensor_model_parallel_world_size()
-        result["dp_world"] = ps.get_data_parallel_world_size()
+        result = trainer(rollout, actor, config, runtime.dp.rank, runtime.dp.size)
+        result["tp_world"], result["dp_world"] = runtime.tp.size, runtime.dp.size
     write_rank_result(out_dir, dist.get_rank(), result)
 
 

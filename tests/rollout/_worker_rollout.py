@@ -50,6 +50,17 @@ def full_logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return logits[..., :vocab]
 
 
+def trainer_logprobs(actor, config, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    """The trainer's teacher-forced log-probs of tokens 1.. of each sequence: the training forward
+    (packed micro-batches, fused log-prob op), as scoring and the sync probe use it."""
+    from megarlhf.training import ExperienceBatch, compute_logprobs
+
+    batch = ExperienceBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
+                                           device=torch.device("cpu"))
+    out = compute_logprobs(actor, batch, config, temperature=temperature)
+    return [out[i, 1:len(s)].tolist() for i, s in enumerate(sequences)]
+
+
 @torch.no_grad()
 def trainer_greedy(model, prompt_list: list[list[int]], vocab: int) -> list[list[int]]:
     """Greedy decoding with the Megatron model: right-padded batch, argmax at each sequence's last token."""
@@ -66,15 +77,15 @@ def trainer_greedy(model, prompt_list: list[list[int]], vocab: int) -> list[list
     return [s[len(p):] for s, p in zip(seqs, prompt_list)]
 
 
-def rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp: int, seed: int) -> dict:
+def rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp: int, seed: int) -> dict:
     """Engine greedy + sampled rollouts for this rank's share vs the trainer (all ranks, all prompts)."""
-    from megarlhf.rollout.engine import SamplingConfig
-    from megarlhf.rollout.logprobs import ragged_token_logprobs
+    from megarlhf.rollout.config import SamplingConfig
 
+    model, provider = actor.model, actor.provider
     rank, world = dist.get_rank(), dist.get_world_size()
     share = list(range(NUM_PROMPTS)) if engine_tp > 1 else list(range(rank, NUM_PROMPTS, world))
     mine = [prompt_list[i] for i in share]
-    greedy = engine.generate(mine, SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    greedy = engine.generate(mine, SamplingConfig(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
     sampled = engine.generate(mine, SamplingConfig(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed))
     engine_greedy = {share[i]: r for i, r in zip(greedy.prompt_index, greedy.response_ids)}
     all_greedy = {k: v for part in gather_objects(engine_greedy) for k, v in part.items()}
@@ -82,7 +93,7 @@ def rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp: int, see
     reference = trainer_greedy(model, prompt_list, vocab)
     samples = [(p + r, lp) for p, r, lp in zip(sampled.prompt_ids, sampled.response_ids, sampled.logprobs)]
     all_samples = [s for part in gather_objects(samples) for s in part]
-    trainer_lp = ragged_token_logprobs(model, [seq for seq, _ in all_samples], vocab_size=vocab)
+    trainer_lp = trainer_logprobs(actor, config, [seq for seq, _ in all_samples])
     diffs = [abs(t - e) for (seq, lp), tl in zip(all_samples, trainer_lp) for t, e in zip(tl[-len(lp):], lp)]
     return {"greedy_equal": sum(all_greedy[i] == reference[i] for i in range(NUM_PROMPTS)),
             "greedy_prompts": len(all_greedy), "sampled_tokens": len(diffs), "logprob_max_diff": max(diffs),
@@ -113,26 +124,29 @@ def train_with(model, provider, opt, steps: int) -> list[float]:
 
 
 @torch.no_grad()
-def logprobs_vs_naive(model, provider) -> dict:
-    """token_logprobs vs log_softmax of the full (gathered, unpadded) logits, at temperature 1 and 0.7."""
-    from megarlhf.rollout.logprobs import token_logprobs
+def logprobs_vs_naive(actor, config) -> dict:
+    """The training forward's log-probs vs log_softmax of the full (gathered, unpadded) logits, at
+    temperature 1 and 0.7, packed into several micro-batches (a small token budget)."""
+    import copy
 
-    vocab = provider.hf_config.vocab_size
+    vocab = actor.provider.hf_config.vocab_size
     ids = torch.randint(0, vocab, (4, 20), generator=torch.Generator().manual_seed(9))
-    logits = full_logits(model.eval(), ids, vocab)[:, :-1]
+    logits = full_logits(actor.model.eval(), ids, vocab)[:, :-1]
+    small = copy.deepcopy(config)
+    small.train.micro_batch_tokens = 40  # two sequences per micro-batch
     out = {}
     for temp in (1.0, 0.7):
         ref = torch.log_softmax(logits.double() / temp, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        got = token_logprobs(model, ids, vocab_size=vocab, temperature=temp, micro_batch_size=2)
-        out[f"t{temp}"] = (got.double() - ref).abs().max().item()
+        got = torch.tensor(trainer_logprobs(actor, small, ids.tolist(), temperature=temp), dtype=torch.float64)
+        out[f"t{temp}"] = (got - ref).abs().max().item()
     out["shape"] = list(got.shape)
     return out
 
 
 def seeded_repeat(engine, prompt_list) -> dict:
-    from megarlhf.rollout.engine import SamplingConfig
+    from megarlhf.rollout.config import SamplingConfig
 
-    cfg = SamplingConfig(n=3, temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=12, seed=77)
+    cfg = SamplingConfig(n=3, temperature=0.9, max_new_tokens=12, seed=77)
     a, b = engine.generate(prompt_list[:8], cfg), engine.generate(prompt_list[:8], cfg)
     other = engine.generate(prompt_list[:8], SamplingConfig(n=3, temperature=1.0, max_new_tokens=12, seed=78))
     return {"same_seed_equal": a.response_ids == b.response_ids and a.logprobs == b.logprobs,
@@ -141,7 +155,7 @@ def seeded_repeat(engine, prompt_list) -> dict:
             "responses": a.response_ids}
 
 
-def corrupted_syncs(sync, model) -> dict:
+def corrupted_syncs(sync) -> dict:
     """Messages of a sync whose stream perturbs one tensor by one ulp, and of one that drops a tensor."""
     from megarlhf.rollout.weight_sync import WeightSyncError
 
@@ -162,7 +176,7 @@ def corrupted_syncs(sync, model) -> dict:
     for case, corrupt in {"perturbed": perturb, "skipped": skip}.items():
         engine.load_weights = lambda weights, on_arrival=None: real_load(corrupt(weights), on_arrival)
         try:
-            sync.sync(model)
+            sync.sync()
             messages[case] = None
         except WeightSyncError as err:
             messages[case] = str(err)
@@ -199,7 +213,7 @@ def restore(model, opt, snap: dict) -> None:
 def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_list) -> dict:
     """Offload -> rollout -> onload: bit-identical state; the next steps match a run without the trip."""
     from megarlhf.rollout.colocate import ColocateScheduler, ColocateStateError, OffloadedModel
-    from megarlhf.rollout.engine import SamplingConfig
+    from megarlhf.rollout.config import SamplingConfig
     from model_providers.hf_checkpoint import load_hf_model
 
     _, reference = load_hf_model(model_dir)
@@ -213,7 +227,8 @@ def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_li
     result["actor_params_freed"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     result["grads_freed"] = all(p.grad.untyped_storage().nbytes() == 0 for p in model.parameters())
     result["reference_freed"] = all(p.untyped_storage().nbytes() == 0 for p in reference.parameters())
-    result["rollout_tokens"] = engine.generate(prompt_list[:4], SamplingConfig(max_new_tokens=8, seed=1)).num_tokens
+    result["rollout_tokens"] = engine.generate(prompt_list[:4], SamplingConfig(n=1, temperature=1.0, max_new_tokens=8,
+                                                                               seed=1)).num_tokens
     try:
         sched.enter_rollout()
         result["illegal_enter"] = None
@@ -234,27 +249,41 @@ def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_li
     return result
 
 
+def run_config(model_dir: str, engine_tp: int):
+    from megarlhf.config.schema import ModelConfig, RunConfig
+    from megarlhf.data.source import DataConfig
+    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
+
+    return RunConfig(model=ModelConfig(path=model_dir, dtype="float32"),
+                     data=DataConfig(train_path="unused.jsonl", max_prompt_length=192),
+                     rollout=RolloutConfig(tensor_parallel_size=engine_tp, max_new_tokens=64, kv_cache_mb=64,
+                                           weight_sync=WeightSyncConfig(bucket_mb=0.25)))
+
+
 def main() -> None:
     trainer_tp, engine_tp, model_dir, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    init_parallel(ParallelConfig(tensor_model_parallel_size=trainer_tp), seed=1234)
+    runtime = init_parallel(ParallelConfig(tensor_model_parallel_size=trainer_tp), seed=1234)
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
-    provider, model = load_hf_model(model_dir)
-    engine = RolloutEngine(model_dir, EngineConfig(tensor_parallel_size=engine_tp, max_model_len=256,
-                                                   kv_cache_bytes=64 * 2**20))
-    sync = WeightSync(engine, provider, WeightSyncConfig(bucket_mb=0.25))
+    config = run_config(model_dir, engine_tp)
+    provider, model = load_hf_model(model_dir, packed_sequences=True)
+    actor = TrainModel("actor", model, provider, runtime)
+    engine = RolloutEngine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
+                                                                max_prompt_length=192))
+    sync = WeightSync(engine, actor, config, config.tolerances)
     prompt_list = prompts(provider.hf_config.vocab_size)
-    result = {"sync0": sync.sync(model), "naive_logprobs": logprobs_vs_naive(model, provider)}
-    result["before"] = rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp, seed=3)
+    result = {"sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
+    result["before"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
-    result["sync1"] = sync.sync(model)
-    result["after"] = rollout_vs_trainer(engine, model, provider, prompt_list, engine_tp, seed=4)
+    result["sync1"] = sync.sync()
+    result["after"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=4)
     result["seeded"] = seeded_repeat(engine, prompt_list)
     result["colocate"] = colocate_round_trip(engine, sync, model, provider, model_dir, prompt_list)
-    result["corrupted"] = corrupted_syncs(sync, model)
+    result["corrupted"] = corrupted_syncs(sync)
     write_rank_result(out_dir, dist.get_rank(), result)
 
 

@@ -36,10 +36,11 @@ class RecordingEngine:
 class RecordingSync:
     """Records what the actor looked like when the sync read it (params resident, grads freed); can fail."""
 
-    def __init__(self, log, fail=False):
-        self.log, self.fail = log, fail
+    def __init__(self, log, model, fail=False):
+        self.log, self.model, self.fail = log, model, fail
 
-    def sync(self, model):
+    def sync(self):
+        model = self.model
         self.log.append(("sync", not any(freed(p) for p in model.parameters()),
                          all(freed(p.grad) for p in model.parameters())))
         if self.fail:
@@ -89,7 +90,7 @@ def test_round_trip_is_bit_exact_and_order_is_explicit():
     tensors = live(actor, opt) + live(critic, critic_opt)
     shapes = [t.shape for t in tensors]
     n_params = sum(p.numel() for p in actor.parameters()) + sum(p.numel() for p in critic.parameters())
-    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log), OffloadedModel("actor", actor, [opt]),
+    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor), OffloadedModel("actor", actor, [opt]),
                               [OffloadedModel("critic", critic, [critic_opt])])
     metrics = sched.enter_rollout()
     # the sync saw the actor's params resident and its grads already offloaded; then the params went too
@@ -138,7 +139,7 @@ def test_failed_sync_leaves_the_trainer_whole():
     log = []
     actor, opt = trained(0)
     before = state_of(actor, opt)
-    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, fail=True),
+    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor, fail=True),
                               OffloadedModel("actor", actor, [opt]))
     with pytest.raises(RuntimeError, match="sync failed"):
         sched.enter_rollout()

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megarlhf.rollout.disaggregated import DisaggregatedRollout, RolloutPlacementConfig
+from megarlhf.config.schema import ModelConfig, RunConfig
+from megarlhf.rollout.config import RolloutPlacementConfig
+from megarlhf.rollout.disaggregated import DisaggregatedRollout
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 from parallel.config import ParallelConfig
 from parallel.runtime import init_disaggregated
@@ -106,8 +108,8 @@ def test_placement_config_errors_name_the_field():
             RolloutPlacementConfig("disaggregated", bad).validate(4)
     with pytest.raises(ValueError, match="mode='spread'"):
         RolloutPlacementConfig("spread").validate(4)
-    with pytest.raises(ValueError, match="needs RolloutPlacementConfig.mode='disaggregated'"):
-        DisaggregatedRollout(RolloutPlacementConfig(), "unused")
+    with pytest.raises(ValueError, match="needs rollout.placement.mode='disaggregated'"):
+        DisaggregatedRollout(RunConfig(model=ModelConfig(path="unused")), runtime=None)
 
 
 def test_init_disaggregated_rejects_a_layout_without_engines():

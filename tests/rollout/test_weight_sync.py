@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarlhf.rollout.weight_sync import WeightSyncConfig, compare_checksums, tensor_checksum
+from megarlhf.rollout.config import WeightSyncConfig
+from megarlhf.rollout.weight_sync import compare_checksums, tensor_checksum, weight_buckets
 
 LAYOUTS = ("tp1", "tp2")
 
@@ -67,9 +68,18 @@ def test_compare_checksums_reports_every_kind_of_difference():
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="bucket_mb"):
-        WeightSyncConfig(bucket_mb=0).validate()
+        WeightSyncConfig(bucket_mb=0)
     with pytest.raises(ValueError, match="probe_length"):
-        WeightSyncConfig(probe_length=1).validate()
+        WeightSyncConfig(probe_length=1)
+
+
+def test_buckets_are_bounded_and_keep_order():
+    mib = 2**20
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate([mib // 2, mib // 2, mib // 4, 3 * mib])]
+    stats = {}
+    buckets = [[name for name, _ in b] for b in weight_buckets(iter(tensors), 1.0, stats)]
+    assert buckets == [["t0", "t1"], ["t2"], ["t3"]]  # a tensor larger than the limit travels alone
+    assert stats == {"buckets": 3, "bytes": 4 * mib + mib // 4, "max_bucket_bytes": 3 * mib}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -38,6 +38,8 @@ RESPONSE_LENGTHS = (9, 12, 4, 14, 7, 3, 11, 6)
 VOCAB = 384
 STEPS, SAVE_AT = 4, 2
 
+RUNTIME = None  # set by main: the Runtime init_parallel returned
+
 
 def make_config(model_dir: str, critic_dir: str, ckpt_dir: Path, distributed: bool = True, **checkpoint):
     from megarlhf.config.schema import (CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig,
@@ -65,7 +67,8 @@ def global_batch(step: int):
     g = torch.Generator().manual_seed(step)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     responses = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
-    batch = ExperienceBatch.from_sequences(prompts, responses, group_ids=[i // 2 for i in range(8)])
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=torch.device("cpu"),
+                                           group_ids=[i // 2 for i in range(8)])
     rewards = torch.rand(8, generator=g)
     out = ADVANTAGE_ESTIMATORS.get("grpo")(
         AdvantageInputs(rewards=rewards, response_mask=batch.response_mask, group_ids=batch.group_ids),
@@ -76,13 +79,13 @@ def global_batch(step: int):
 
 def rl_step(models: dict, config, step: int) -> dict:
     """One RL step on this DP rank's share of the step's batch; metrics plus one draw from each RNG."""
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from megarlhf.training import actor_update, compute_logprobs, compute_values, critic_update
 
     batch, noise = global_batch(step)
-    rows = torch.arange(batch.batch_size)[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+    dp = RUNTIME.dp
+    rows = torch.arange(batch.batch_size)[dp.rank::dp.size]
     local = batch.select(rows)
     noise = noise[:, rows, :local.input_ids.shape[1]]
     actor, critic = models["actor"], models.get("critic")
@@ -101,7 +104,7 @@ def rl_step(models: dict, config, step: int) -> dict:
 def build(config) -> dict:
     from megarlhf.training import build_actor, build_critic
 
-    return {"actor": build_actor(config), "critic": build_critic(config)}
+    return {"actor": build_actor(config, RUNTIME), "critic": build_critic(config, RUNTIME)}
 
 
 def snapshot(models: dict) -> dict:
@@ -233,7 +236,7 @@ def reshard_check(model_dir: str, critic_dir: str, dp2_work: Path, work: Path) -
 def actor_only(config) -> dict:
     from megarlhf.training import build_actor
 
-    return {"actor": build_actor(config)}
+    return {"actor": build_actor(config, RUNTIME)}
 
 
 def listing(directory: Path) -> list[str]:
@@ -328,9 +331,10 @@ def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
 
 
 def main() -> None:
+    global RUNTIME
     mode, out_dir, model_dir, critic_dir, work = sys.argv[1:6]
     work = Path(work)
-    init_parallel(ParallelConfig())
+    RUNTIME = init_parallel(ParallelConfig())
     if mode == "kill":
         kill_mode(model_dir, critic_dir, work)
         return

@@ -181,7 +181,7 @@ def test_should_save_and_constructor_errors(tmp_path):
         return RunConfig(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"),
                          checkpoint=CheckpointConfig(**checkpoint), logging=LoggingConfig(run_dir=str(tmp_path)))
 
-    actor = TrainModel("actor", torch.nn.Linear(1, 1), None, optimizer=object())
+    actor = TrainModel("actor", torch.nn.Linear(1, 1), None, None, optimizer=object())
     every3 = RunCheckpointer(config(every=3), {"actor": actor})
     assert [s for s in range(1, 11) if every3.should_save(s, 10)] == [3, 6, 9, 10]
     at_end = RunCheckpointer(config(every=0), {"actor": actor})
@@ -191,4 +191,4 @@ def test_should_save_and_constructor_errors(tmp_path):
     with pytest.raises(ValueError, match="must include 'actor'"):
         RunCheckpointer(config(), {"critic": actor})
     with pytest.raises(ValueError, match=r"\['reference'\] have no optimizer"):
-        RunCheckpointer(config(), {"actor": actor, "reference": TrainModel("reference", actor.model, None)})
+        RunCheckpointer(config(), {"actor": actor, "reference": TrainModel("reference", actor.model, None, None)})

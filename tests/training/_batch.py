@@ -23,7 +23,8 @@ def experience(vocab: int = VOCAB, seed: int = 0) -> ExperienceBatch:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     responses = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
-    batch = ExperienceBatch.from_sequences(prompts, responses, group_ids=[i // 2 for i in range(len(prompts))])
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=torch.device("cpu"),
+                                           group_ids=[i // 2 for i in range(len(prompts))])
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.3])
     out = ADVANTAGE_ESTIMATORS.get("grpo")(
         AdvantageInputs(rewards=rewards, response_mask=batch.response_mask, group_ids=batch.group_ids),

@@ -28,9 +28,8 @@ TEMPERATURE = 0.8
 def main() -> None:
     tp, cp, pp = (int(x) for x in sys.argv[1:4])
     model_dir, critic_dir, out_dir = sys.argv[4:7]
-    init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp))
-    from megatron.core import parallel_state as ps
+    runtime = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                           context_parallel_size=cp))
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from megarlhf.training import actor_update, build_actor, build_critic, compute_logprobs, compute_values, \
@@ -47,15 +46,15 @@ def main() -> None:
     batch = batch.replace(old_logprobs=old, ref_logprobs=lp0 + noise(lp0.shape, 2, 0.3),
                           rollout_logprobs=old + noise(lp0.shape, 3, 0.4), values=v0 + noise(v0.shape, 4, 0.3),
                           returns=batch.returns + noise(v0.shape, 5, 0.2))
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp, dp_rank = runtime.dp.size, runtime.dp.rank
     rows = torch.arange(batch.batch_size)[dp_rank::dp]
     local = batch.select(rows)
     mask = local.response_mask
 
-    actor = build_actor(cfg)
+    actor = build_actor(cfg, runtime)
     lp = compute_logprobs(actor, local, cfg)
     actor_metrics = actor_update(actor, local, cfg)
-    critic = build_critic(cfg)
+    critic = build_critic(cfg, runtime)
     values = compute_values(critic, local, cfg)
     critic_metrics = critic_update(critic, local, cfg)
     result = {

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _batch import experience, hf_logprobs, hf_values, noise, run_config  # noqa: E402
 
 TEMPERATURE = 0.8
+RUNTIME = None  # set by main: the Runtime init_parallel returned
 
 
 def norm(grads) -> float:
@@ -53,7 +54,7 @@ def megatron_grads(trainable, head: str) -> dict[str, torch.Tensor]:
 def forward_checks(cfg, batch, hf) -> dict:
     from megarlhf.training import build_actor, compute_logprobs
 
-    actor = build_actor(cfg)
+    actor = build_actor(cfg, RUNTIME)
     ref_lp, ref_ent = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
     mask = batch.response_mask
     packed, entropy = compute_logprobs(actor, batch, cfg, entropy=True)
@@ -69,7 +70,7 @@ def forward_checks(cfg, batch, hf) -> dict:
 def actor_checks(cfg, batch, hf) -> dict:
     from megarlhf.training import actor_update, build_actor, build_micro_batches
 
-    actor = build_actor(cfg)
+    actor = build_actor(cfg, RUNTIME)
     lp0, _ = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
     lp0 = lp0.detach()
     old = lp0 + noise(lp0.shape, 1, 0.15)
@@ -113,7 +114,7 @@ def old_from_update_checks(cfg, batch, lp0) -> dict:
     from megarlhf.training import actor_update, build_actor, compute_logprobs
 
     batch = batch.replace(ref_logprobs=lp0 + noise(lp0.shape, 2, 0.3), rollout_logprobs=lp0 + noise(lp0.shape, 3, 0.4))
-    scored, fused = build_actor(cfg), build_actor(cfg)
+    scored, fused = build_actor(cfg, RUNTIME), build_actor(cfg, RUNTIME)
     before = [p.detach().clone() for p in scored.model.parameters()]
     with_scoring = actor_update(scored, batch.replace(old_logprobs=compute_logprobs(scored, batch, cfg)), cfg)
     from_update = actor_update(fused, batch, cfg)
@@ -121,7 +122,7 @@ def old_from_update_checks(cfg, batch, lp0) -> dict:
     two_steps = copy.deepcopy(cfg)
     two_steps.train.mini_batches = 2
     try:
-        actor_update(build_actor(two_steps), batch, two_steps)
+        actor_update(build_actor(two_steps, RUNTIME), batch, two_steps)
         refused = None
     except ValueError as error:
         refused = str(error)
@@ -134,7 +135,7 @@ def old_from_update_checks(cfg, batch, lp0) -> dict:
 def critic_checks(cfg, batch, hf_rm) -> dict:
     from megarlhf.training import build_critic, compute_values, critic_update
 
-    critic = build_critic(cfg)
+    critic = build_critic(cfg, RUNTIME)
     values_hf = hf_values(hf_rm, batch.input_ids)
     m = batch.response_mask
     values = compute_values(critic, batch, cfg)
@@ -165,7 +166,7 @@ def state_snapshot(trainable) -> list[torch.Tensor]:
 def gate_checks(cfg, batch, lp0) -> dict:
     from megarlhf.training import NonFiniteError, actor_update, build_actor
 
-    actor = build_actor(cfg)
+    actor = build_actor(cfg, RUNTIME)
     batch = batch.replace(old_logprobs=lp0, ref_logprobs=lp0)
     actor_update(actor, batch, cfg)  # a good step first, so there is optimizer state to protect
     before, steps_before = state_snapshot(actor), actor.scheduler.num_steps
@@ -202,7 +203,7 @@ def sft_checks(cfg, batch, hf) -> dict:
     from megarlhf.data.sft import SFTExample
     from megarlhf.training import build_actor, sft_step
 
-    actor = build_actor(cfg)
+    actor = build_actor(cfg, RUNTIME)
     examples = [SFTExample(batch.input_ids[i, :n].tolist(), batch.response_mask[i, :n].int().tolist())
                 for i, n in enumerate(batch.lengths.tolist())]
     metrics = sft_step(actor, examples, cfg)
@@ -216,8 +217,9 @@ def sft_checks(cfg, batch, hf) -> dict:
 
 
 def main() -> None:
+    global RUNTIME
     model_dir, critic_dir, out_dir = sys.argv[1:4]
-    init_parallel(ParallelConfig())
+    RUNTIME = init_parallel(ParallelConfig())
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     def hf():

@@ -7,6 +7,9 @@ log pi_old(input_ids[b, t] | input_ids[b, :t])`` and ``values[b, t]`` the critic
 before token t is generated (both computed from the hidden state at t - 1). Column 0 is never a response
 token (a prompt has at least one token), and padding may hold anything: it is masked everywhere.
 
+Devices: a batch lives on one device (the runtime's); :meth:`ExperienceBatch.from_sequences` builds it
+there from token lists in one host-to-device copy per field, and every derived batch stays there.
+
 Hand-written because it is the project's own contract between the RL driver, the scorer and the trainer.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ class ExperienceBatch:
             raise ValueError(f"{where}: input_ids must be a [B, L] tensor")
         batch, width = self.input_ids.shape
         self.input_ids = self.input_ids.long()
-        self.lengths = torch.as_tensor(self.lengths, dtype=torch.long)
+        self.lengths = torch.as_tensor(self.lengths, dtype=torch.long, device=self.input_ids.device)
         if tuple(self.lengths.shape) != (batch,):
             raise ValueError(f"{where}: lengths has shape {tuple(self.lengths.shape)}, expected ({batch},)")
         if batch and (int(self.lengths.min()) < 2 or int(self.lengths.max()) > width):
@@ -52,7 +55,7 @@ class ExperienceBatch:
             raise ValueError(f"{where}: response_mask has shape {tuple(self.response_mask.shape)}, "
                              f"expected {(batch, width)}")
         self.response_mask = self.response_mask.bool()
-        beyond = torch.arange(width)[None, :] >= self.lengths[:, None]
+        beyond = torch.arange(width, device=self.input_ids.device)[None, :] >= self.lengths[:, None]
         if bool(self.response_mask[:, 0].any()) or bool((self.response_mask & beyond).any()):
             raise ValueError(f"{where}: response_mask marks column 0 or a position past a sequence's length "
                              f"(column 0 is always prompt; padding is never response)")
@@ -62,41 +65,56 @@ class ExperienceBatch:
                 raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {(batch, width)}")
         if self.group_ids is not None and tuple(self.group_ids.shape) != (batch,):
             raise ValueError(f"{where}: group_ids has shape {tuple(self.group_ids.shape)}, expected ({batch},)")
+        device = self.input_ids.device
+        elsewhere = [f.name for f in dataclasses.fields(self)
+                     if isinstance(getattr(self, f.name), Tensor) and getattr(self, f.name).device != device]
+        if elsewhere:
+            raise ValueError(f"{where}: {', '.join(elsewhere)} not on the batch's device {device}")
 
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                       pad_id: int = 0, rollout_logprobs: Sequence[Sequence[float]] | None = None,
+                       device: torch.device, pad_id: int = 0,
+                       rollout_logprobs: Sequence[Sequence[float]] | None = None,
                        group_ids: Sequence[int] | None = None) -> "ExperienceBatch":
-        """Builds a batch from token lists; ``rollout_logprobs[i]`` (one per response token) land on the
-        response positions."""
+        """Builds a batch on ``device`` from token lists; ``rollout_logprobs[i]`` (one per response token)
+        land on the response positions."""
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
                              f"responses (need the same non-zero number)")
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         width = max(lengths)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
-        lps = None if rollout_logprobs is None else torch.zeros(len(prompts), width)
+        ids, mask, lps = [], [], []
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             if len(prompt) < 1:
                 raise ValueError(f"ExperienceBatch.from_sequences: prompt {i} is empty")
-            ids[i, :lengths[i]] = torch.tensor([*prompt, *response], dtype=torch.long)
-            mask[i, len(prompt):lengths[i]] = True
-            if lps is not None:
+            pad = width - lengths[i]
+            ids.append([*prompt, *response] + [pad_id] * pad)
+            mask.append([False] * len(prompt) + [True] * len(response) + [False] * pad)
+            if rollout_logprobs is not None:
                 if len(rollout_logprobs[i]) != len(response):
                     raise ValueError(f"ExperienceBatch.from_sequences: rollout_logprobs[{i}] has "
                                      f"{len(rollout_logprobs[i])} entries for {len(response)} response tokens")
-                lps[i, len(prompt):lengths[i]] = torch.tensor(list(rollout_logprobs[i]), dtype=torch.float32)
-        groups = None if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long)
-        return cls(ids, torch.tensor(lengths), mask, rollout_logprobs=lps, group_ids=groups)
+                lps.append([0.0] * len(prompt) + [float(x) for x in rollout_logprobs[i]] + [0.0] * pad)
+        # one host -> device copy per field
+        return cls(torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(lengths, dtype=torch.long, device=device),
+                   torch.tensor(mask, dtype=torch.bool, device=device),
+                   rollout_logprobs=(torch.tensor(lps, dtype=torch.float32, device=device)
+                                     if rollout_logprobs is not None else None),
+                   group_ids=(torch.tensor(list(group_ids), dtype=torch.long, device=device)
+                              if group_ids is not None else None))
 
     def select(self, rows: Tensor | Sequence[int]) -> "ExperienceBatch":
         """The rows ``rows`` (in that order), trimmed to their longest sequence."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         width = int(self.lengths[rows].max()) if rows.numel() else 2
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         picked = {}
@@ -112,13 +130,6 @@ class ExperienceBatch:
     def replace(self, **fields) -> "ExperienceBatch":
         """A copy with some fields replaced (e.g. ``batch.replace(old_logprobs=lp)``)."""
         return dataclasses.replace(self, **fields)
-
-    def split(self, num_parts: int) -> list["ExperienceBatch"]:
-        """``num_parts`` contiguous, near-equal parts in row order (mini-batches); each part non-empty."""
-        if not 1 <= num_parts <= self.batch_size:
-            raise ValueError(f"ExperienceBatch.split: cannot split {self.batch_size} sequences into "
-                             f"{num_parts} non-empty mini-batches")
-        return [self.select(part) for part in torch.arange(self.batch_size).tensor_split(num_parts)]
 
     def require(self, where: str, *names: str) -> None:
         """Raises naming the per-token fields ``where`` needs that are missing."""

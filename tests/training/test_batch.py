@@ -1,5 +1,5 @@
-"""ExperienceBatch: construction from token lists (token-aligned layout), validation messages, row
-selection and mini-batch splits."""
+"""ExperienceBatch: construction from token lists on a given device (token-aligned layout), validation
+messages (shapes, devices), row selection."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from megarlhf.training import ExperienceBatch
 
 def small() -> ExperienceBatch:
     return ExperienceBatch.from_sequences([[1, 2], [3], [4, 5, 6]], [[7, 8, 9], [10, 11], [12]],
-                                          pad_id=0, rollout_logprobs=[[-1.0, -2.0, -3.0], [-4.0, -5.0], [-6.0]],
+                                          device=torch.device("cpu"), pad_id=0, rollout_logprobs=[[-1.0, -2.0, -3.0], [-4.0, -5.0], [-6.0]],
                                           group_ids=[0, 0, 1])
 
 
@@ -23,16 +23,20 @@ def test_from_sequences_is_token_aligned():
     assert b.group_ids.tolist() == [0, 0, 1]
 
 
-def test_select_and_split():
+def test_select():
     b = small()
     picked = b.select([1, 2])
     assert picked.input_ids.tolist() == [[3, 10, 11, 0], [4, 5, 6, 12]]  # trimmed to the longest
     assert picked.rollout_logprobs.shape == (2, 4) and picked.group_ids.tolist() == [0, 1]
-    parts = b.split(2)
-    assert [p.batch_size for p in parts] == [2, 1]
-    assert torch.equal(parts[1].input_ids, b.input_ids[2:, :4])
-    with pytest.raises(ValueError, match="cannot split 3 sequences into 4"):
-        b.split(4)
+    assert picked.device == b.device
+
+
+def test_every_field_lives_on_the_batch_device():
+    b = small()
+    assert all(t.device == torch.device("cpu") for t in (b.input_ids, b.lengths, b.response_mask,
+                                                         b.rollout_logprobs, b.group_ids))
+    with pytest.raises(ValueError, match="advantages not on the batch's device cpu"):
+        b.replace(advantages=torch.zeros(b.input_ids.shape, device="meta"))
 
 
 def test_validation_messages():
@@ -44,6 +48,6 @@ def test_validation_messages():
     with pytest.raises(ValueError, match=r"lengths must lie in \[2, 5\]"):
         ExperienceBatch(b.input_ids, torch.tensor([5, 1, 4]), b.response_mask)
     with pytest.raises(ValueError, match="rollout_logprobs\\[0\\] has 1 entries for 2 response tokens"):
-        ExperienceBatch.from_sequences([[1]], [[2, 3]], rollout_logprobs=[[-1.0]])
+        ExperienceBatch.from_sequences([[1]], [[2, 3]], device=torch.device("cpu"), rollout_logprobs=[[-1.0]])
     with pytest.raises(ValueError, match="actor_update: the experience batch has no old_logprobs, advantages"):
         b.require("actor_update", "old_logprobs", "advantages", "rollout_logprobs")

@@ -1,0 +1,29 @@
+"""The floating-point dtypes megarlhf trains and rolls out in: the one table every layer reads.
+
+``float32`` and ``bfloat16``. ``float16`` is refused everywhere: training in it needs dynamic loss
+scaling, which megarlhf does not implement, and its narrow exponent range overflows in RL log-ratios.
+The recipe keys that name a dtype (``model.dtype``, ``rollout.dtype``) are validated against this
+table; the trainer, the rollout engines, the planner and the verification gates convert through it.
+"""
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_dtype_name(name: str, key: str) -> None:
+    """Raises a ValueError naming ``key`` unless ``name`` is a supported dtype."""
+    if name not in DTYPES:
+        extra = " (float16 needs loss scaling, which megarlhf does not implement)" if name == "float16" else ""
+        raise ValueError(f"{key}={name!r} is not a supported dtype; supported: {', '.join(DTYPES)}{extra}")
+
+
+def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
+    """The torch dtype of a supported dtype name (errors name ``key``)."""
+    check_dtype_name(name, key)
+    return DTYPES[name]
+
+
+def dtype_bytes(name: str) -> int:
+    return torch_dtype(name).itemsize

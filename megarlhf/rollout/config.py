@@ -1,0 +1,172 @@
+"""The rollout settings of a run and the sampling/scoring contract built from them.
+
+:class:`RolloutConfig` is the ``rollout`` section of a recipe and the only place rollout defaults live;
+the engines, the weight sync and the rollout phase take it (or an object built from it here) rather
+than keeping their own copies of its values.
+
+The sampling/scoring contract (one definition for the engine and the trainer). A rollout sample's
+log-prob, as the engine reports it and as the trainer recomputes it, is::
+
+    log softmax(logits / T_s)[token],   T_s = rollout.temperature if it is > 0 else 1
+
+over the whole vocabulary (Megatron's padded rows excluded): vLLM is asked for ``raw_logprobs`` at
+``T in {0, 1}`` and for ``processed_logprobs`` (after temperature) otherwise; the HF engine computes the
+same quantity; the trainer divides its logits by :func:`scoring_temperature`. Top-p / top-k filtering
+is refused (see :data:`RolloutConfig.refused_keys`): samples drawn from a filtered distribution have a
+behaviour policy that the full-softmax log-probs do not describe, so PPO ratios and truncated-IS
+weights would be silently biased, and vLLM's processed log-probs under filtering would fail the step-0
+gate at ``T != 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from megarlhf.dtypes import check_dtype_name
+
+ROLLOUT_BACKENDS = ("vllm", "hf")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _positive_ints(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+               f"{type(owner).__name__}.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RolloutPlacementConfig:
+    """Where rollout engines live. ``colocate``: on every rank, with the trainers (offload around
+    rollouts). ``disaggregated``: on the last ``num_engine_ranks`` ranks, trainers on the others."""
+
+    mode: Literal["colocate", "disaggregated"] = "colocate"
+    num_engine_ranks: int = 0  # disaggregated only
+
+    def validate(self, world_size: int) -> None:
+        if self.mode not in ("colocate", "disaggregated"):
+            raise ValueError(f"RolloutPlacementConfig.mode={self.mode!r}: must be 'colocate' or 'disaggregated'")
+        if self.mode == "colocate" and self.num_engine_ranks != 0:
+            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: only the "
+                             f"disaggregated mode has separate engine ranks (colocate needs 0)")
+        if self.mode == "disaggregated" and not 1 <= self.num_engine_ranks < world_size:
+            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: the disaggregated "
+                             f"mode needs at least 1 engine rank and 1 trainer rank out of {world_size} ranks")
+
+    def num_trainer_ranks(self, world_size: int) -> int:
+        self.validate(world_size)
+        return world_size - self.num_engine_ranks
+
+
+@dataclass
+class WeightSyncConfig:
+    """How trainer weights reach the engines (:mod:`megarlhf.rollout.weight_sync`). The probe's
+    tolerance is a verification gate (:mod:`megarlhf.gates`), not a setting of the sync."""
+
+    bucket_mb: float = 256.0  # full HF tensors travel in buckets of at most this size (a larger tensor alone)
+    probe_sequences: int = 2  # random sequences scored by engine and trainer after each sync (0: no probe)
+    probe_length: int = 32
+
+    def __post_init__(self):
+        _check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
+        _check(isinstance(self.probe_sequences, int) and self.probe_sequences >= 0,
+               f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")
+        _check(isinstance(self.probe_length, int) and self.probe_length >= 2,
+               f"WeightSyncConfig.probe_length must be an int >= 2, got {self.probe_length!r}")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation settings of the RL loop (and of evaluation, which overrides the temperature)."""
+
+    backend: Literal["vllm", "hf"] = "vllm"  # vLLM engines, or plain transformers (no vLLM needed)
+    n_samples: int = 8  # responses per prompt
+    temperature: float = 1.0
+    max_new_tokens: int = 1024
+    dtype: str | None = None  # the engines' dtype; None: model.dtype
+    tensor_parallel_size: int = 1  # of each vLLM engine
+    kv_cache_mb: int = 512  # KV cache of each vLLM engine (vLLM's kv_cache_memory_bytes, CPU and GPU)
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast engine start, slower decoding
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    # colocate (engines on every rank, trainer state offloaded around rollouts) or disaggregated
+    # (engines on the last placement.num_engine_ranks ranks, weights broadcast to them)
+    placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
+
+    # Keys users bring from other frameworks that megarlhf refuses, with the reason (the config loader
+    # reports it instead of "unknown key").
+    refused_keys: ClassVar[dict[str, str]] = {
+        key: ("top-p / top-k filtering is refused: the trainer scores samples with the full softmax at "
+              "rollout.temperature, so samples from a filtered distribution would bias the PPO ratio and the "
+              "truncated-IS weights (and fail the step-0 gate at temperature != 1); sample with "
+              "rollout.temperature alone")
+        for key in ("top_p", "top_k", "min_p")}
+
+    def __post_init__(self):
+        _positive_ints(self, "n_samples", "max_new_tokens", "tensor_parallel_size", "kv_cache_mb")
+        _check(self.backend in ROLLOUT_BACKENDS,
+               f"RolloutConfig.backend={self.backend!r}: must be one of {', '.join(ROLLOUT_BACKENDS)}")
+        _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
+        if self.dtype is not None:
+            check_dtype_name(self.dtype, "RolloutConfig.dtype")
+        _check(self.backend == "vllm" or (self.tensor_parallel_size == 1 and self.placement.mode == "colocate"),
+               f"RolloutConfig.backend='hf' runs one colocated engine per rank: tensor_parallel_size must be 1 "
+               f"(got {self.tensor_parallel_size}) and placement.mode 'colocate' (got {self.placement.mode!r})")
+
+    def engine_dtype(self, model_dtype: str) -> str:
+        return self.dtype or model_dtype
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample one batch: ``n`` responses per prompt at ``temperature`` (0: greedy).
+
+    ``seed=None`` draws from the engine's own generator (not reproducible); a seed makes prompt ``i`` of
+    a call use seeds ``seed + i * n + j`` for its samples ``j``, so a batch is reproducible as a whole.
+    Built from the run config by :func:`rollout_sampling` / :func:`greedy_sampling` (no defaults of its
+    own for what the config sets).
+    """
+
+    n: int
+    temperature: float
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [("n", self.n >= 1), ("temperature", self.temperature >= 0.0),
+                  ("max_new_tokens", self.max_new_tokens >= 1)]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"SamplingConfig.{name}={getattr(self, name)!r} is out of range")
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature of the log-probs reported for these samples (1 when greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def rollout_sampling(rollout: RolloutConfig, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
+    """The RL rollout's sampling: ``rollout.n_samples`` per prompt at ``rollout.temperature``."""
+    return SamplingConfig(n=rollout.n_samples, temperature=rollout.temperature,
+                          max_new_tokens=rollout.max_new_tokens, stop_token_ids=stop_token_ids)
+
+
+def greedy_sampling(rollout: RolloutConfig, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
+    """One greedy response per prompt (a greedy-baseline estimator's baseline)."""
+    return SamplingConfig(n=1, temperature=0.0, max_new_tokens=rollout.max_new_tokens,
+                          stop_token_ids=stop_token_ids)
+
+
+def scoring_temperature(rollout: RolloutConfig) -> float:
+    """The temperature the trainer scores rollout samples at (the contract of the module docstring)."""
+    return rollout.temperature if rollout.temperature > 0 else 1.0
+
+
+def vllm_logprobs_mode(rollout: RolloutConfig) -> str:
+    """vLLM's ``logprobs_mode`` that reports the contract's log-probs for ``rollout.temperature``."""
+    return "raw_logprobs" if rollout.temperature in (0.0, 1.0) else "processed_logprobs"
