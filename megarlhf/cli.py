@@ -6,6 +6,10 @@ a sub-parser. Adding ``train`` or ``eval`` is one ``COMMANDS.register(name)(Comm
 Command modules import their heavy dependencies (Megatron, transformers, model providers) inside
 ``run`` so that ``megarlhf --help`` and argument errors answer at once.
 
+Options and positionals may be mixed after the command (``megarlhf plan RECIPE --gpus 8 key=value``):
+a command's own arguments are parsed with argparse's ``parse_intermixed_args`` (commands with
+sub-commands of their own, like ``convert``, parse as usual).
+
 Errors a user can fix (a missing directory, an incomplete checkpoint, a layout the world size does not
 divide, an unsupported model) are printed as one line naming the problem, exit status 1; argument
 errors exit with argparse's status 2.
@@ -66,6 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed; a command's arguments intermixed (options may follow positionals)."""
+    parser = build_parser()
+    argv = list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        return parser.parse_args(argv)  # usage, --help, --version, or an unknown command
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = commands.choices[argv[0]]
+    if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+        return parser.parse_args(argv)
+    args = sub.parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is the whole story (bad paths, configs, layouts)."""
     from megarlhf.checkpoint import CheckpointError
@@ -75,7 +94,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default: ``sys.argv[1:]``), runs the command, returns the exit status."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     # Import-time notices of the libraries (no Apex / Transformer Engine on CPU, their internal
     # deprecations) tell a user of the command nothing they can act on.
     warnings.filterwarnings("ignore", module=r"megatron\.")

@@ -7,7 +7,7 @@ sliding-window checks) and its weight-mapping table. Anything the translation ca
 refused up front with an error that names the feature, rather than producing a subtly different model.
 
 Why hand-written: the translation is megarlhf's contract with HF configs; Megatron-Bridge, which has one,
-does not install here (Python 3.12 + Transformer Engine; see PLATFORM.md).
+does not install here (Python 3.12 + Transformer Engine; see docs/PLATFORM.md).
 """
 from __future__ import annotations
 

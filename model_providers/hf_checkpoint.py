@@ -26,6 +26,7 @@ from typing import Collection, Iterator
 import torch
 import torch.distributed as dist
 
+from megarlhf.errors import CheckpointError
 from model_providers.base import ModelProvider
 from model_providers.mapping import WeightMapping
 
@@ -38,10 +39,6 @@ COPIED_FILE_PATTERN = re.compile(
 # Transformer Engine's spec fuses the pre-attention / pre-MLP norms into the following linear layer.
 TE_FUSED_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-
-
-class CheckpointError(ValueError):
-    """An HF checkpoint is missing, incomplete, or does not match the model's config."""
 
 
 class _LazySlice:

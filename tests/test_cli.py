@@ -72,3 +72,29 @@ def test_non_positive_parallel_size(tmp_path, capsys):
     assert cli.main(["convert", "hf-to-megatron", "--hf", str(tmp_path), "--out", str(tmp_path / "o"),
                      "--tp", "0"]) == 1
     assert "tensor_model_parallel_size must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_options_may_follow_the_recipe_and_overrides():
+    args = cli.parse_args(["plan", "recipe.yaml", "--gpus", "8", "optim.lr=1e-6", "--json", "seed=3"])
+    assert (args.command, args.recipe, args.gpus, args.json) == ("plan", "recipe.yaml", 8, True)
+    assert args.overrides == ["optim.lr=1e-6", "seed=3"]
+    same = cli.parse_args(["plan", "--gpus", "8", "--json", "recipe.yaml", "optim.lr=1e-6", "seed=3"])
+    assert vars(same) == vars(args)
+    train = cli.parse_args(["train", "r.yaml", "a.b=1", "c=2"])
+    assert (train.command, train.recipe, train.overrides) == ("train", "r.yaml", ["a.b=1", "c=2"])
+    export = cli.parse_args(["export", "r.yaml", "--out", "hf", "x=1"])
+    assert (export.out, export.overrides) == ("hf", ["x=1"])
+
+
+def test_plan_with_flags_after_the_recipe_runs(capsys):
+    from pathlib import Path
+
+    recipe = str(Path(__file__).parents[1] / "examples" / "recipes" / "qwen2.5-7b_grpo.yaml")
+    plans = []
+    for argv in (["plan", recipe, "--json", "--gpus", "8"], ["plan", "--gpus", "8", "--json", recipe],
+                 ["plan", recipe, "--json"]):
+        assert cli.main(argv) in (0, 1)  # 1: the plan does not fit
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1]
+    # 8 ranks shard the distributed optimizer over more data-parallel ranks than the default layout's
+    assert plans[0]["stages"][0]["actor_optimizer"] < plans[2]["stages"][0]["actor_optimizer"]

@@ -53,7 +53,9 @@ def compute_normaliser(masks: Sequence[Tensor], dp_group=None,
                        max_response_length: int | None = None) -> LossNormaliser:
     """Counts the step's response tokens and sequences over every micro-batch mask of this rank and
     every rank of ``dp_group`` (None: this process is the whole batch). Call it once per step, with
-    the masks of all micro-batches the step will see, on every rank of the group.
+    the masks of all micro-batches the step will see, on every rank of the group. A step whose global
+    batch has no response token gets ``num_tokens == 0`` (:func:`aggregate_loss` refuses it; the
+    trainers skip such a step).
     """
     if len(masks) == 0:
         raise ValueError("compute_normaliser: masks is empty; pass the response mask of every micro-batch")
@@ -62,8 +64,6 @@ def compute_normaliser(masks: Sequence[Tensor], dp_group=None,
         mask = check_mask("compute_normaliser", f"masks[{index}]", mask)
         counts += torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(torch.float64)
     num_tokens, num_sequences = (int(c) for c in all_reduce_sum(counts, dp_group).tolist())
-    if num_tokens == 0:
-        raise ValueError("compute_normaliser: the step's global batch has no response token")
     if max_response_length is not None and not max_response_length > 0:
         raise ValueError(f"compute_normaliser: max_response_length must be > 0, got {max_response_length}")
     return LossNormaliser(num_tokens=num_tokens, num_sequences=num_sequences,
@@ -80,6 +80,9 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, normaliser: LossNormal
     """
     mask = check_mask("aggregate_loss", "mask", mask)
     check_shape("aggregate_loss", "loss", loss, tuple(mask.shape))
+    if normaliser.num_tokens == 0:
+        raise ValueError("aggregate_loss: the step's global batch has no response token (nothing to average; "
+                         "a trainer skips such a step instead)")
     masked = zero_masked(loss, mask)
     factor = float(normaliser.grad_average_factor)
     if mode == "token_mean":

@@ -69,6 +69,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from megarlhf.errors import CheckpointError
+
 MARKER_FILE = "megarlhf_checkpoint.json"
 FORMAT = "megarlhf.dist_checkpoint"
 FORMAT_VERSION = 1
@@ -78,10 +80,6 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # TransformerConfig fields that decide tensor shapes: a mismatch is reported before Megatron's own error.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, incompatible with the model, or cannot be written."""
 
 
 @dataclass

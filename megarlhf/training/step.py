@@ -148,6 +148,12 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     return StepResult(metrics, grad_norm, lr, skipped=False)
 
 
+def skipped_step(trainable: TrainModel, metric_names: list[str], reason: str) -> StepResult:
+    """A step that is not taken (nothing to train on): no forward, no optimizer or scheduler step."""
+    return StepResult({name: 0.0 for name in metric_names}, None, float(trainable.optimizer.param_groups[0]["lr"]),
+                      skipped=True, reason=reason)
+
+
 def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | None = None) -> LossNormaliser:
     """The step's global counts over this rank's ``mask`` [B, L] and the data-parallel group (every CP
     rank holds whole sequences, so CP ranks are not counted twice), with the gradient-average factor of

@@ -44,10 +44,13 @@ from megarlhf.rollout.config import scoring_temperature
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import StepResult, loss_normaliser, micro_batches_for, optimizer_step
+from megarlhf.training.step import (StepResult, loss_normaliser, micro_batches_for, optimizer_step,
+                                    skipped_step)
 from parallel.runtime import Runtime
 
 ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy"]
+# every response token of the mini-batch is masked out (e.g. DAPO groups with equal rewards, or gap masking)
+NOTHING_TO_TRAIN = "no response token to train on in this mini-batch on any rank"
 CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
 
 
@@ -94,11 +97,10 @@ def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor, runtime: 
 
 
 def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig,
-                   runtime: Runtime, seen_logprobs: Tensor | None = None):
+                   normaliser, seen_logprobs: Tensor | None = None):
     """The actor's per-micro-batch loss; without ``mini.old_logprobs`` the forward's own (detached)
     log-probs are the old ones and are written into ``seen_logprobs`` [B, L]."""
     algo = config.algorithm
-    normaliser = _normaliser(mask, config, runtime)
     factor = float(normaliser.grad_average_factor)
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
 
@@ -186,9 +188,13 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
     for rows in _mini_batch_rows(batch, config, "actor_update"):
         mini = batch.select(rows)
         weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
+        normaliser = _normaliser(mini.response_mask, config, runtime)
+        if normaliser.num_tokens == 0:
+            results.append(skipped_step(actor, ACTOR_SUMS, NOTHING_TO_TRAIN))
+            continue
         mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, runtime)
         results.append(optimizer_step(
-            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, runtime, seen), ACTOR_SUMS,
+            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, normaliser, seen), ACTOR_SUMS,
             loss_name="loss", temperature=scoring_temperature(config.rollout), entropy=True,
             on_nonfinite=on_nonfinite))
     if from_update and batch.rollout_logprobs is not None:
@@ -200,9 +206,8 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
     return metrics
 
 
-def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig, runtime: Runtime):
+def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig, normaliser):
     algo = config.algorithm
-    normaliser = _normaliser(mini.response_mask, config, runtime)
     factor = float(normaliser.grad_average_factor)
 
     def loss_fn(mb, out):
@@ -225,7 +230,11 @@ def critic_update(critic: TrainModel, batch: ExperienceBatch, config: RunConfig,
     results = []
     for rows in _mini_batch_rows(batch, config, "critic_update"):
         mini = batch.select(rows)
+        normaliser = _normaliser(mini.response_mask, config, critic.runtime)
+        if normaliser.num_tokens == 0:
+            results.append(skipped_step(critic, CRITIC_SUMS, NOTHING_TO_TRAIN))
+            continue
         mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, critic.runtime)
-        results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config, critic.runtime), CRITIC_SUMS,
+        results.append(optimizer_step(critic, mbs, _critic_loss_fn(mini, config, normaliser), CRITIC_SUMS,
                                       loss_name="value_loss", on_nonfinite=on_nonfinite))
     return _mean_of_steps("critic", results, ("value_clip_fraction",), ("value_loss",))

@@ -88,8 +88,10 @@ def test_nan_in_padding_of_loss_is_not_read():
 
 def test_errors_name_the_problem():
     mask = torch.ones(2, 3)
-    with pytest.raises(ValueError, match="no response token"):
-        compute_normaliser([torch.zeros(2, 3)])
+    empty = compute_normaliser([torch.zeros(2, 3)])  # an all-masked batch is counted, not refused...
+    assert (empty.num_tokens, empty.num_sequences) == (0, 0)
+    with pytest.raises(ValueError, match="no response token"):  # ...but it has no loss to average
+        aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 3), "token_mean", empty)
     with pytest.raises(ValueError, match="masks is empty"):
         compute_normaliser([])
     normaliser = compute_normaliser([mask])
