@@ -92,7 +92,7 @@ def train_rl(config: RunConfig) -> Path | None:
         recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
-    if first_step < steps and eval_prompts is not None:
+    if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
     recorder.close()
     reward.close()
