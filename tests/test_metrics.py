@@ -51,3 +51,13 @@ def test_plot_curves_writes_png_and_refuses_empty(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="none of the metrics"):
         plot_curves(tmp_path / "metrics.jsonl", tmp_path / "x.png", keys=["absent"])
+
+
+def test_log_every_records_due_steps_the_last_and_evaluations(tmp_path):
+    rec = MetricsRecorder(tmp_path, total_steps=7, tensorboard=False, stream=io.StringIO(), log_every=3)
+    for step in range(7):
+        rec.log(step, {"x": float(step), **({"eval/accuracy": 0.5} if step == 4 else {})})
+    rec.log(7, {"eval/accuracy": 0.75})  # the final evaluation
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 3, 4, 6, 7]
+    with pytest.raises(ValueError, match="log_every must be an int >= 1"):
+        MetricsRecorder(tmp_path, total_steps=1, tensorboard=False, log_every=0)

@@ -132,3 +132,52 @@ def test_resolved_config_round_trip(recipe, tmp_path):
     # and nothing needs the original recipe: every default is written out
     text = saved.read_text()
     assert "gae_whiten: true" in text and "log_ratio_limit: 20.0" in text and "tensorboard: true" in text
+
+
+def test_what_an_estimator_needs_comes_from_its_registry_entry(recipe):
+    from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, EstimatorNeeds
+
+    # reinforce_pp_baseline subtracts a group mean: one sample per prompt would give all-zero advantages
+    with pytest.raises(ConfigError, match="'reinforce_pp_baseline' compares samples of a prompt"):
+        load_config(RunConfig, recipe, ["algorithm.estimator=reinforce_pp_baseline", "rollout.n_samples=1"])
+    for name in ADVANTAGE_ESTIMATORS.names():
+        config = load_config(RunConfig, recipe, [f"algorithm.estimator={name}"])
+        needs = ADVANTAGE_ESTIMATORS.get(name).needs
+        assert config.algorithm.needs == needs and config.algorithm.uses_critic == needs.critic
+    assert ADVANTAGE_ESTIMATORS.get("gae").needs == EstimatorNeeds(critic=True)
+    assert ADVANTAGE_ESTIMATORS.get("remax").needs == EstimatorNeeds(greedy_baseline=True)
+    # a new estimator is one registry entry: config validation and the planner follow its declaration
+    from megarlhf.algorithms.advantages import _estimator, gae
+    from megarlhf.planner.memory import Launch, plan_memory
+    from megarlhf.planner.shapes import ModelShape
+
+    _estimator("test_grouped_critic", critic=True, groups=True)(gae)
+    try:
+        with pytest.raises(ConfigError, match="'test_grouped_critic' compares samples"):
+            load_config(RunConfig, recipe, ["algorithm.estimator=test_grouped_critic", "rollout.n_samples=1"])
+        config = load_config(RunConfig, recipe, ["algorithm.estimator=test_grouped_critic",
+                                                 "parallel.tensor_model_parallel_size=1"])
+        assert config.algorithm.uses_critic
+        shape = ModelShape(name="test", vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                           head_dim=16, ffn_size=128, tied_embeddings=True, qkv_bias=False, qk_norm=False)
+        plan = plan_memory(config, shape, Launch(world_size=1))
+        assert plan.stages[0].components["critic_weights"] > 0
+    finally:
+        ADVANTAGE_ESTIMATORS._entries.pop("test_grouped_critic")
+
+
+def test_kl_is_on_has_one_definition(recipe):
+    on = load_config(RunConfig, recipe, ["algorithm.kl.coef=0.01"]).algorithm
+    assert on.kl_mode == "loss" and on.kl_in_loss and not on.kl_in_reward and on.uses_reference
+    off = load_config(RunConfig, recipe, ["algorithm.kl_mode=loss", "algorithm.kl.coef=0"]).algorithm
+    assert not off.kl_in_loss and not off.kl_in_reward and not off.uses_reference
+    reward = load_config(RunConfig, recipe, ["algorithm.kl_mode=reward", "algorithm.kl.coef=0.1"]).algorithm
+    assert reward.kl_in_reward and not reward.kl_in_loss and reward.uses_reference
+    assert not load_config(RunConfig, recipe, ["algorithm.kl_mode=none", "algorithm.kl.coef=0.1"]).algorithm.uses_reference
+
+
+def test_removed_settings_are_unknown_keys(recipe):
+    for key in ("rollout.gpu_memory_utilization=0.5", "rollout.weight_sync_bucket_mb=1",
+                "train.step0_logprob_tolerance=1e-3", "algorithm.policy.clip_eps=0.2"):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            load_config(RunConfig, recipe, [key])
