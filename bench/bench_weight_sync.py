@@ -77,8 +77,9 @@ def main() -> None:
                                                                    max_prompt_length=256))
         unprobed = dataclasses.replace(config, rollout=dataclasses.replace(
             config.rollout, weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb, probe_sequences=0)))
-        sync = WeightSync(engine, actor, unprobed, config.tolerances)
-        probe = WeightSync(engine, actor, config, config.tolerances)
+        sync = WeightSync(engine, actor, unprobed)
+        probe = WeightSync(engine, actor, config)
+        probe.calibrate()
         streamed, naive, metrics = [], [], {}
         for _ in range(args.repeats):
             metrics = sync.sync()

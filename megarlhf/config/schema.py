@@ -17,7 +17,7 @@ from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY
                                  PolicyLossConfig)
 from megarlhf.dtypes import check_dtype_name
 from megarlhf.data.source import DataConfig
-from megarlhf.gates import GateConfig, Tolerances, resolve_tolerances
+from megarlhf.gates import GateConfig
 from megarlhf.rewards import RewardConfig
 from megarlhf.rollout.config import RolloutConfig
 from parallel.config import ParallelConfig
@@ -125,6 +125,32 @@ class OptimConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recomputation of the trained models (Megatron's ``recompute_*`` TransformerConfig fields).
+
+    ``full`` keeps only the input of each checkpointed chunk of layers and recomputes the chunk in
+    backward: ``uniform`` checkpoints every chunk of ``num_layers`` layers, ``block`` the first
+    ``num_layers`` layers of each pipeline stage (one at a time) and stores the rest. Megatron's
+    ``selective`` granularity is not offered: it recomputes the core attention to avoid storing its
+    O(tokens^2) softmax, and megarlhf's attention (SDPA / flash-style tiles) never stores one.
+    """
+
+    granularity: Literal["none", "full"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+
+    def __post_init__(self):
+        _positive_int(self, "num_layers")
+
+    def transformer_config_fields(self) -> dict:
+        """The TransformerConfig fields that switch it on (none when ``granularity`` is "none")."""
+        if self.granularity == "none":
+            return {}
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100  # RL steps (or SFT optimizer steps)
     global_batch_size: int = 64  # prompts per RL step (SFT: examples per step)
@@ -133,6 +159,7 @@ class TrainConfig:
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
     packing: bool = True  # pack sequences into micro-batches up to the token budget
     on_nonfinite: Literal["abort", "skip"] = "abort"  # a NaN/Inf loss or gradient: stop, or skip the batch
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # activation recomputation
 
     def __post_init__(self):
         _positive_int(self, "steps", "global_batch_size", "mini_batches", "epochs_per_step", "micro_batch_tokens")
@@ -214,9 +241,3 @@ class RunConfig:
         _check(overlong is None or overlong.buffer_length < self.rollout.max_new_tokens,
                f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
-
-    @property
-    def tolerances(self) -> Tolerances:
-        """The verification gates' tolerances for this run's trainer and engine dtypes (megarlhf.gates)."""
-        return resolve_tolerances(self.model.dtype, self.rollout.engine_dtype(self.model.dtype), self.gates)
-

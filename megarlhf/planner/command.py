@@ -18,7 +18,7 @@ from megarlhf.planner.suggest import suggest
 ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp32)"),
         ("actor_optimizer", "actor optimizer state"), ("reference_weights", "reference weights"),
         ("critic_weights", "critic weights"), ("critic_grads", "critic gradients (fp32)"),
-        ("critic_optimizer", "critic optimizer state"), ("activations", "activations (no recompute)"),
+        ("critic_optimizer", "critic optimizer state"), ("activations", "activations"),
         ("engine_weights", "vLLM weights"), ("engine_kv_cache", "vLLM KV cache"),
         ("engine_sync_bucket", "weight-sync bucket")]
 
@@ -68,8 +68,9 @@ def format_plan(plan: MemoryPlan, source: str, config) -> str:
     for key, label in ROWS:
         if any(st.components[key] for st in plan.stages):
             lines.append(f"  {label:<28s}" + "".join(f"  {_gib(st.components[key])}  " for st in plan.stages))
-    lines.append(f"  {'activations (full recompute)':<28s}"
-                 + "".join(f"  {_gib(st.activations_recompute)}  " for st in plan.stages))
+    if config.train.recompute.granularity == "none":
+        lines.append(f"  {'activations (full recompute)':<28s}"
+                     + "".join(f"  {_gib(st.activations_recompute)}  " for st in plan.stages))
     lines.append("phases (colocate schedule)")
     for phase in ("train", "sync", "generate"):
         lines.append(f"  {phase:<28s}" + "".join(f"  {_gib(st.phases[phase])}  " for st in plan.stages))
@@ -80,12 +81,6 @@ def format_plan(plan: MemoryPlan, source: str, config) -> str:
         lines.append(f"host       {plan.host_offload / GIB:.2f} GiB per rank offloaded (pinned) during generation")
     lines += [f"note       {n}" for n in plan.notes]
     return "\n".join(lines)
-
-
-def _recompute_would_fit(plan: MemoryPlan) -> bool:
-    return all(st.phases["train"] - st.components["activations"] + st.activations_recompute <= plan.capacity
-               for st in plan.stages) and all(st.phases[p] <= plan.capacity for st in plan.stages
-                                              for p in ("sync", "generate"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nfits: peak {plan.peak / GIB:.2f} GiB of {plan.capacity / GIB:.2f} GiB per rank")
         return 0
     print("\nDOES NOT FIT: " + "; ".join(plan.problems()), file=sys.stdout)
-    if _recompute_would_fit(plan):
-        print("  (it would fit with full activation recomputation, which the trainer does not offer yet)")
     if changes:
         print("smallest changes that fit:")
         for change, new_plan in changes:

@@ -25,8 +25,11 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   keeps its fp32 upcast input and normalised input and its output; the QKV output, roped q and k, the
   attention's fp32 output and log-sum-exp and the output projection's input; fc1's 2F output and three
   F-wide SwiGLU tensors; RoPE's cos/sin. They were counted exactly on CPU (tests/planner) in fp32 and
-  bf16. With full recomputation only each layer's input (``d * h``) is kept, plus one layer's
-  activations while it is recomputed. The final norm keeps ``8h`` bytes per token, and the fused
+  bf16. With ``train.recompute`` (Megatron's full recomputation) a checkpointed chunk of layers keeps
+  only its input (``d * h`` per token), plus one chunk's activations while it is recomputed: ``uniform``
+  checkpoints every chunk of ``num_layers`` layers, ``block`` the first ``num_layers`` layers one by
+  one (the others store everything). ``activations_recompute`` is the figure for full recomputation
+  of every layer, shown for comparison. The final norm keeps ``8h`` bytes per token, and the fused
   log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
   a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``.
@@ -77,7 +80,7 @@ class StagePlan:
     stage: int
     components: dict[str, int]
     phases: dict[str, int]
-    activations_recompute: int  # the activations term if full recomputation were on
+    activations_recompute: int  # the activations term with full recomputation of every layer
 
     @property
     def peak(self) -> int:
@@ -134,9 +137,22 @@ def activation_elements_per_token_layer(shape: ModelShape, tp: int) -> tuple[int
     return 2 * h + 3 * q + 3 * g + 4 * hd + 5 * shape.ffn_size // tp, 4 * h + q + shape.num_heads // tp
 
 
+def _recomputed(recompute, layers: int, in_flight: int, per_layer: int, layer_input: int) -> int:
+    """Activation bytes of one stage's layers under ``train.recompute`` (Megatron's full recomputation):
+    a checkpointed chunk keeps only its input, and one chunk's activations live while it is recomputed."""
+    if recompute.granularity == "none":
+        return in_flight * layers * per_layer
+    n = min(recompute.num_layers, layers)
+    if recompute.method == "uniform":  # every chunk of n layers checkpointed
+        return in_flight * -(-layers // n) * layer_input + n * per_layer
+    # block: the first n layers checkpointed one by one, the other layers stored as usual
+    return in_flight * (n * layer_input + (layers - n) * per_layer) + per_layer
+
+
 def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_model_len: int,
                  head: str) -> tuple[int, int]:
-    """(activation bytes, with full recomputation) of one rank of ``stage`` during a training step."""
+    """(activation bytes as configured, with full recomputation of every layer) of one rank of ``stage``
+    during a training step."""
     par = config.parallel
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     tokens = -(-max(config.train.micro_batch_tokens, max_model_len) // cp)
@@ -150,9 +166,10 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
     if stage == pp - 1:
         vocab_chunk = 1 if head == "value" else min(LOGPROB_CHUNK, shape.padded_vocab(tp) // tp)
         head_bytes = tokens * (8 * shape.hidden_size + 3 * vocab_chunk * 4)
-    full = in_flight * layers * per_layer + head_bytes
-    recompute = in_flight * layers * tokens * shape.hidden_size * d + per_layer + head_bytes
-    return full, recompute
+    layer_input = tokens * shape.hidden_size * d
+    configured = _recomputed(config.train.recompute, layers, in_flight, per_layer, layer_input) + head_bytes
+    recompute_all = in_flight * layers * layer_input + per_layer + head_bytes
+    return configured, recompute_all
 
 
 def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards: int, head: str) -> dict[str, int]:

@@ -4,7 +4,8 @@ A :class:`Change` is a set of recipe overrides (``key=value``, applied through t
 suggestion is exactly what the user would type) and possibly another world size. :func:`suggest`
 searches breadth-first: every single change first, then pairs, then triples, each level in the order of
 :func:`_moves`, which lists the cheapest changes first (a free switch before a slower step, more model
-parallelism before more GPUs, an algorithm change last). It returns the first few that fit.
+parallelism before more GPUs, an algorithm change last; activation recomputation trades train time
+for memory). It returns the first few that fit.
 
 Hand-written: the candidates are the project's own knobs.
 """
@@ -60,6 +61,8 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
         if spare < 0 and config.rollout.kv_cache_mb * MIB + spare > 0:
             kv_mb = (config.rollout.kv_cache_mb * MIB + spare) // MIB
             yield Change((f"rollout.kv_cache_mb={kv_mb}",), notes=("fewer sequences in flight",))
+    if config.train.recompute.granularity == "none":
+        yield Change(("train.recompute.granularity=full",), notes=("recomputes activations: ~1/3 more train compute",))
     if config.train.micro_batch_tokens // 2 >= plan.max_model_len:
         yield Change((f"train.micro_batch_tokens={config.train.micro_batch_tokens // 2}",),
                      notes=("smaller micro-batches",))

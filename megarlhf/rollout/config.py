@@ -68,8 +68,8 @@ class WeightSyncConfig:
     tolerance is a verification gate (:mod:`megarlhf.gates`), not a setting of the sync."""
 
     bucket_mb: float = 256.0  # full HF tensors travel in buckets of at most this size (a larger tensor alone)
-    probe_sequences: int = 2  # random sequences scored by engine and trainer after each sync (0: no probe)
-    probe_length: int = 32
+    probe_sequences: int = 4  # random sequences scored by engine and trainer after each sync (0: no probe)
+    probe_length: int = 64
 
     def __post_init__(self):
         _check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")

@@ -42,12 +42,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarlhf.gates import Tolerances
+from megarlhf.gates import calibration_problems, run_tolerances
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, _tied_modules
-from megarlhf.rollout.weight_sync import (compare_checksums, layout_problems, probe_problems, probe_sequences,
-                                          sync_metrics, tensor_checksum, trainer_probe_logprobs, verdict_error,
-                                          weight_buckets)
+from megarlhf.rollout.weight_sync import (calibration_metrics, compare_checksums, layout_problems, probe_floor,
+                                          probe_problems, probe_sequences, sync_metrics, tensor_checksum,
+                                          trainer_probe_logprobs, verdict_error, weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
 
@@ -101,9 +101,8 @@ def _as_checksum(value) -> tuple[str, tuple[int, ...], int]:
 class DisaggregatedRollout:
     """This rank's part of the disaggregated rollout (see the module docstring). Collective to build."""
 
-    def __init__(self, config, runtime, actor=None, tolerances: Tolerances | None = None):
-        """``config``: the run's ``RunConfig``; ``actor``: the trainer's TrainModel (trainer ranks only);
-        ``tolerances``: the run's resolved gates."""
+    def __init__(self, config, runtime, actor=None):
+        """``config``: the run's ``RunConfig``; ``actor``: the trainer's TrainModel (trainer ranks only)."""
         placement = config.rollout.placement
         if placement.mode != "disaggregated":
             raise ValueError(f"DisaggregatedRollout needs rollout.placement.mode='disaggregated', "
@@ -111,7 +110,7 @@ class DisaggregatedRollout:
         if not dist.is_initialized():
             raise RuntimeError("DisaggregatedRollout: torch.distributed is not initialised "
                                "(call parallel.runtime.init_disaggregated first)")
-        self.config, self.runtime, self.tolerances = config, runtime, tolerances
+        self.config, self.runtime, self.tolerances = config, runtime, run_tolerances(config)
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.num_trainers = placement.num_trainer_ranks(world)
         self.engine_ranks = list(range(self.num_trainers, world))
@@ -131,8 +130,8 @@ class DisaggregatedRollout:
                 config.rollout, model_dtype=config.model.dtype, seed=config.seed,
                 max_prompt_length=config.data.max_prompt_length, in_process=False))
         else:
-            if actor is None or tolerances is None:
-                raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor and the gates")
+            if actor is None:
+                raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor")
             self.actor = actor
             self.expected = set(actor.provider.hf_tensor_shapes("lm"))
             self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
@@ -170,6 +169,9 @@ class DisaggregatedRollout:
                 return
             if command[0] == "sync":
                 self._serve_sync()
+            elif command[0] == "calibrate":
+                self._from_engines(probe_floor(command[2], torch.tensor(  # host: compared there
+                    self.engine.prompt_logprobs(command[1]), dtype=torch.float32)))
             elif command[0] == "generate":
                 self._serve_generate(*command[1:])
             else:
@@ -179,7 +181,7 @@ class DisaggregatedRollout:
         header = self._channel_bcast()
         if not header:
             return None
-        buffer = torch.empty(sum(h[3] for h in header), dtype=torch.uint8)
+        buffer = torch.empty(sum(h[3] for h in header), dtype=torch.uint8)  # host: the gloo channel's bytes
         dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
         return header, buffer
 
@@ -206,7 +208,7 @@ class DisaggregatedRollout:
         probe, gaps, problems = self._channel_bcast(), (float("nan"), float("nan")), []
         if probe is not None:
             ids, trainer, tolerances = probe
-            engine = torch.tensor(self.engine.prompt_logprobs(ids), dtype=torch.float32)
+            engine = torch.tensor(self.engine.prompt_logprobs(ids), dtype=torch.float32)  # host: compared there
             worst, mean, problems = probe_problems(trainer, engine, tolerances)
             gaps = (worst, mean)
         self._verdict(problems, "probe forward", metric=gaps)
@@ -251,6 +253,25 @@ class DisaggregatedRollout:
         # host: the channel is a gloo group between processes that share no device
         buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8).cpu() for _, t in bucket])
         dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
+
+    def calibrate(self) -> dict[str, float]:
+        """Trainer ranks (all together): the gates' calibration probe against every engine while it holds
+        the checkpoint it loaded itself (see :meth:`megarlhf.rollout.weight_sync.WeightSync.calibrate`)."""
+        self._require(False, "calibrate")
+        if not self.sync_config.probe_sequences:
+            return {}
+        trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
+        floor = None
+        if self.rank == SOURCE_RANK:
+            self._channel_bcast(("calibrate", self.probe.tolist(), trainer))
+            floors = self._from_engines()
+            floor = (max(f[0] for f in floors), max(f[1] for f in floors))
+        floor = self._trainer_bcast(floor)
+        problems = calibration_problems(self.config, floor[1])
+        if problems:
+            raise verdict_error(problems, "calibration before the first sync")
+        self.tolerances = run_tolerances(self.config, floor)
+        return calibration_metrics(floor, self.tolerances)
 
     def sync(self) -> dict[str, float]:
         """Trainer ranks (all together): pushes the actor's weights to every engine, verified; returns

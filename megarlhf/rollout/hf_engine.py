@@ -110,7 +110,7 @@ class HFRolloutEngine:
         self._check_prompts(prompts)
         base = sampling.seed
         if base is None:
-            base = int(torch.randint(0, 2**62, (), generator=self._seed_source))
+            base = int(torch.randint(0, 2**62, (), generator=self._seed_source))  # host: the engine's CPU generator
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
         batch = RolloutBatch()
         if not prompts:
@@ -155,10 +155,11 @@ class HFRolloutEngine:
         lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(n)
         limits = (self.max_model_len - lens).clamp(max=sampling.max_new_tokens)
         width, steps, rows = int(lens.max()), int(limits.max()), len(seeds)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width + steps), dtype=torch.long)
+        # host: built on the host, then moved to the device in one copy each
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # host: as above
+        mask = torch.zeros((len(prompts), width + steps), dtype=torch.long)  # host: as above
         for i, p in enumerate(prompts):  # left padding: every row's next token goes to column width + t
-            ids[i, width - len(p):] = torch.tensor(list(map(int, p)))
+            ids[i, width - len(p):] = torch.tensor(list(map(int, p)))  # host: as above
             mask[i, width - len(p):width] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache(config=self.model.config)
@@ -237,10 +238,10 @@ class HFRolloutEngine:
 
     def _teacher_forced(self, sequences: list[list[int]], width: int) -> list[list[float]]:
         # right padding: causal attention keeps every real token from seeing the pads after it
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)  # host: moved in one copy below
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)  # host: as above
         for i, s in enumerate(sequences):
-            ids[i, :len(s)] = torch.tensor(list(map(int, s)))
+            ids[i, :len(s)] = torch.tensor(list(map(int, s)))  # host: as above
             mask[i, :len(s)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits

@@ -14,8 +14,10 @@
    :class:`WeightSyncError` naming it.
 4. A probe forward: the engine's prompt log-probs of fixed random sequences vs the trainer's, through
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
-   training uses), gated by the dtype-aware tolerances of :mod:`megarlhf.gates` (max and mean gap);
-   this catches what the checksums cannot (a loader that puts a received tensor in the wrong place).
+   training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
+   what the checksums cannot (a loader that puts a received tensor in the wrong place). The gates are
+   calibrated once, before the first sync (:meth:`WeightSync.calibrate`), with the same probe while the
+   engine still holds the checkpoint it loaded itself.
 
 The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
 the others waiting in the next collective. The disaggregated placement
@@ -32,7 +34,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megarlhf.gates import Tolerances, gap_problems
+from megarlhf.gates import Tolerances, calibration_problems, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
 from model_providers.hf_checkpoint import iter_hf_weights
 
@@ -108,7 +110,7 @@ def verdict_error(lines: list[str], what: str) -> WeightSyncError:
 def probe_sequences(vocab_size: int, config: WeightSyncConfig) -> torch.Tensor:
     """The probe's fixed random sequences [probe_sequences, probe_length] (host; token ids)."""
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=gen)
+    return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=gen)  # host: ids
 
 
 def trainer_probe_logprobs(actor, probe: torch.Tensor, config) -> torch.Tensor:
@@ -135,13 +137,25 @@ def probe_problems(trainer: torch.Tensor, engine: torch.Tensor, tolerances: Tole
     return worst, mean, problems
 
 
+def probe_floor(trainer: torch.Tensor, engine: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) |trainer - engine| of a calibration probe."""
+    diff = (trainer.float() - engine.float()).abs()
+    return float(diff.max()), float(diff.mean())
+
+
+def calibration_metrics(floor: tuple[float, float], tolerances: Tolerances) -> dict[str, float]:
+    return {"gates/calibration_probe_max": floor[0], "gates/calibration_probe_mean": floor[1],
+            **{f"gates/{name}": value for name, value in vars(tolerances).items()}}
+
+
 class WeightSync:
     """Pushes the actor's weights into a colocated ``engine`` and proves they arrived (module docstring).
 
-    ``config`` is the run's ``RunConfig``; ``tolerances`` the run's resolved gates."""
+    ``config`` is the run's ``RunConfig``. ``tolerances`` are the gates' (calibrated by :meth:`calibrate`)."""
 
-    def __init__(self, engine, actor, config, tolerances: Tolerances):
-        self.engine, self.actor, self.config, self.tolerances = engine, actor, config, tolerances
+    def __init__(self, engine, actor, config):
+        self.engine, self.actor, self.config = engine, actor, config
+        self.tolerances: Tolerances = run_tolerances(config)
         self.sync_config = config.rollout.weight_sync
         self.runtime = actor.runtime
         self.expected = set(actor.provider.hf_tensor_shapes("lm"))
@@ -153,6 +167,21 @@ class WeightSync:
         lines = [f"rank {r}: {p}" for r, found in enumerate(everyone) for p in found]
         if lines:
             raise verdict_error(lines, what)
+
+    def calibrate(self) -> dict[str, float]:
+        """Sets the gates' tolerances from the probe's gap while the engine holds the checkpoint it loaded
+        itself and the actor the same checkpoint (call before the first sync and before a resume loads
+        other weights into the actor); returns the calibration metrics. Collective over the trainers."""
+        if not self.sync_config.probe_sequences:
+            return {}
+        trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
+        engine_lp = self.engine.prompt_logprobs(self.probe.tolist())
+        engine = torch.tensor(engine_lp, dtype=torch.float32)  # host: compared there
+        floors = self.runtime.all_gather_objects(probe_floor(trainer, engine), over="trainers")
+        floor = (max(f[0] for f in floors), max(f[1] for f in floors))
+        self._agree(calibration_problems(self.config, floor[1]), "calibration before the first sync")
+        self.tolerances = run_tolerances(self.config, floor)
+        return calibration_metrics(floor, self.tolerances)
 
     def sync(self) -> dict[str, float]:
         """Loads the actor's current weights into the engine and verifies them; returns metrics.
@@ -178,7 +207,8 @@ class WeightSync:
         if self.sync_config.probe_sequences:
             start = time.perf_counter()
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
-            engine = torch.tensor(self.engine.prompt_logprobs(self.probe.tolist()), dtype=torch.float32)
+            engine_lp = self.engine.prompt_logprobs(self.probe.tolist())
+            engine = torch.tensor(engine_lp, dtype=torch.float32)  # host: compared there
             worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
             self._agree(problems, "probe forward")
             metrics.update({"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,

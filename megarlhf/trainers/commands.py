@@ -59,7 +59,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0
     prompts = run.load_prompts(config.data.eval_path)
     policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
-    phase = build_rollout_phase(config, policy, [], config.tolerances)
+    phase = build_rollout_phase(config, policy, [])
     reward = CombinedReward(config.reward)
     metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
                        (run.tokenizer.eos_token_id,))

@@ -10,7 +10,7 @@ import torch
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty, overlong_penalty
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
-from megarlhf.gates import gap_problems
+from megarlhf.gates import Tolerances, gap_problems
 from megarlhf.rewards import CombinedReward, RewardInput
 from megarlhf.rollout.engine import RolloutBatch
 from megarlhf.training import (ExperienceBatch, TrainModel, compute_logprobs, compute_values,
@@ -51,14 +51,16 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, devi
 
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
-          critic: TrainModel | None, gate_step0: bool) -> tuple[ExperienceBatch, dict[str, float]]:
-    """Adds reference log-probs, critic values and the actor's old log-probs; checks the step-0 gate.
+          critic: TrainModel | None, gates: Tolerances | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
+    """Adds reference log-probs, critic values and the actor's old log-probs; with ``gates`` (step 0)
+    checks the step-0 gate.
 
     The actor's scoring pass is skipped when the update's own forward gives the same numbers
     (:func:`megarlhf.training.old_logprobs_from_update`), except at step 0, whose gate must hold before
     any update. The gate (:mod:`megarlhf.gates`) bounds the max and the mean gap over the response
     tokens of the whole global batch."""
     fields, metrics = {}, {}
+    gate_step0 = gates is not None
     if gate_step0 or not old_logprobs_from_update(config):
         fields["old_logprobs"] = compute_logprobs(actor, batch, config)
     if reference is not None:
@@ -66,17 +68,16 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
     if critic is not None:
         fields["values"] = compute_values(critic, batch, config)
     if gate_step0:
-        metrics.update(_step0_gate(fields["old_logprobs"], batch, config, actor.runtime))
+        metrics.update(_step0_gate(fields["old_logprobs"], batch, gates, actor.runtime))
     return batch.replace(**fields), metrics
 
 
-def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, config: RunConfig,
+def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, tolerances: Tolerances,
                 runtime: Runtime) -> dict[str, float]:
     gap = (logprobs - batch.rollout_logprobs).abs()[batch.response_mask]
     count, total = runtime.all_reduce([gap.numel(), gap.double().sum()])
     worst = runtime.all_reduce([gap.max() if gap.numel() else 0.0], op="max")[0]
     mean = total / max(count, 1.0)
-    tolerances = config.tolerances
     problems = gap_problems("step-0 gate", worst, mean, tolerances.step0_max, tolerances.step0_mean,
                             ("step0_max", "step0_mean"))
     if problems:

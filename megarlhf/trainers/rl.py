@@ -55,7 +55,8 @@ def train_rl(config: RunConfig) -> Path | None:
     actor = build_actor(config, runtime)
     reference = build_frozen(config, runtime, "reference") if config.algorithm.uses_reference else None
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
-    phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None], config.tolerances)
+    # before the resume: the gates calibrate while actor and engines hold the checkpoint at model.path
+    phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None])
     reward = CombinedReward(config.reward)
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
@@ -79,13 +80,16 @@ def train_rl(config: RunConfig) -> Path | None:
         rollout_s = time.perf_counter() - rollout_start
         batch = build_experience(got.rollout, got.group_offset, run.pad_id, runtime.device)
         train_start = time.perf_counter()
-        batch, score_metrics = score(batch, config, actor, reference, critic, gate_step0=step == 0)  # 7
+        batch, score_metrics = score(batch, config, actor, reference, critic,  # 7
+                                     gates=phase.tolerances if step == 0 else None)
         batch, advantage_metrics = compute_advantages(batch, got.rewards, config, runtime, baseline,  # 8
                                                       got.informative)
         update_metrics = actor_update(actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9
         if critic is not None:
             update_metrics.update(critic_update(critic, batch, config, on_nonfinite=config.train.on_nonfinite))
-        _check_step0_ppo_kl(step, config, update_metrics)
+        if step == 0:
+            _check_step0_ppo_kl(config, phase.tolerances.step0_ppo_kl, update_metrics)
+            metrics.update(phase.calibration)
         metrics.update({**got.metrics, **score_metrics, **advantage_metrics, **update_metrics,  # 10 record
                         "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                         "time/step_s": time.perf_counter() - start})
@@ -117,11 +121,10 @@ def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, co
     return [greedy_rewards[p] for p in got.rollout.prompt_index]
 
 
-def _check_step0_ppo_kl(step: int, config: RunConfig, metrics: dict[str, float]) -> None:
+def _check_step0_ppo_kl(config: RunConfig, tolerance: float, metrics: dict[str, float]) -> None:
     """With one optimizer update per step, the step-0 ratio is exactly 1, so ``actor/ppo_kl`` must be 0
     (within the dtype's gate, :mod:`megarlhf.gates`)."""
-    tolerance = config.tolerances.step0_ppo_kl
-    if step == 0 and config.train.updates_per_step == 1 and not abs(metrics.get("actor/ppo_kl", 0.0)) <= tolerance:
+    if config.train.updates_per_step == 1 and not abs(metrics.get("actor/ppo_kl", 0.0)) <= tolerance:
         raise RuntimeError(f"step-0 gate: actor/ppo_kl = {metrics['actor/ppo_kl']:.3e} with one update per step "
                            f"(must be 0 within gates.step0_ppo_kl={tolerance:g}: the actor scored the batch it "
                            f"trains on)")

@@ -15,6 +15,10 @@ and each prompt's position in the global batch: the same for any parallel layout
 
 Every trainer rank calls ``generate`` together, with or without prompts of its own (the weight sync
 inside is collective): a rank with nothing to generate still takes part.
+
+Building a phase calibrates the verification gates (:mod:`megarlhf.gates`) while the engines hold the
+checkpoint they loaded and the actor the same one: build it before a resume loads other weights. Its
+``tolerances`` are then the run's; ``calibration`` holds the calibration's metrics.
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ import dataclasses
 import torch
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.gates import Tolerances
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.disaggregated import DisaggregatedRollout
@@ -48,12 +51,17 @@ def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
 class RolloutPhase:
     """The engine side of the colocated loop for one rank."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel], tolerances: Tolerances):
+    def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel]):
         self.runtime = actor.runtime
         self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
-        self.sync = WeightSync(self.engine, actor, config, tolerances)
+        self.sync = WeightSync(self.engine, actor, config)
+        self.calibration = self.sync.calibrate()
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
                                            [OffloadedModel.of(m) for m in others])
+
+    @property
+    def tolerances(self):
+        return self.sync.tolerances
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
@@ -93,8 +101,13 @@ class DisaggregatedPhase:
     """The trainer ranks' side of the disaggregated placement: weights are broadcast to the engine ranks
     (verified) and the prompts travel there; nothing is offloaded."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel, tolerances: Tolerances):
-        self.rollout = DisaggregatedRollout(config, actor.runtime, actor, tolerances)
+    def __init__(self, config: RunConfig, actor: TrainModel):
+        self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
+        self.calibration = self.rollout.calibrate()
+
+    @property
+    def tolerances(self):
+        return self.rollout.tolerances
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
@@ -110,8 +123,8 @@ def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     DisaggregatedRollout(config, runtime).serve()
 
 
-def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tolerances: Tolerances):
-    """The rollout side for this trainer rank, as ``rollout.placement`` says."""
+def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel]):
+    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated)."""
     if config.rollout.placement.mode == "disaggregated":
-        return DisaggregatedPhase(config, actor, tolerances)
-    return RolloutPhase(config, actor, others, tolerances)
+        return DisaggregatedPhase(config, actor)
+    return RolloutPhase(config, actor, others)

@@ -10,6 +10,7 @@
 * reference (and the evaluated policy of ``megarlhf eval``): the causal LM from ``model.path``, eval
   mode, no gradients, no DDP, no optimizer (:func:`build_frozen`).
 
+Trained models recompute activations as ``train.recompute`` says (Megatron's own full recomputation).
 Every model is built for packed sequences (``packed_sequences=True``) with ``variable_seq_lengths=True``
 (micro-batches differ in length, so pipeline stages exchange shapes); the trainable ones get
 ``finalize_model_grads_func`` (DP all-reduce, PP embedding sync) and DDP's ``no_sync``. DDP averages
@@ -64,8 +65,10 @@ def rl_optimizer_steps(config: RunConfig) -> int:
     return config.train.steps * config.train.updates_per_step
 
 
-def _model_overrides() -> dict:
-    return dict(packed_sequences=True)
+def _model_overrides(config: RunConfig, trainable: bool = True) -> dict:
+    """Every model is built for packed micro-batches; trained ones recompute activations as
+    ``train.recompute`` says (a frozen model keeps no activations for backward)."""
+    return dict(packed_sequences=True, **(config.train.recompute.transformer_config_fields() if trainable else {}))
 
 
 def _variable_lengths(model):
@@ -109,7 +112,7 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
     :func:`rl_optimizer_steps`). Megatron's parallel state must be initialised."""
     from model_providers.hf_checkpoint import load_hf_model
 
-    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
+    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     return _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
@@ -120,7 +123,7 @@ def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = 
     from model_providers.value_head import load_value_model
 
     path = config.model.critic_path or config.model.path
-    provider, model = load_value_model(path, params_dtype(config), **_model_overrides())
+    provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
     lr = config.optim.critic_lr or config.optim.lr
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
@@ -134,7 +137,8 @@ def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
 
     if role not in ("reference", "policy"):
         raise ValueError(f"build_frozen: role must be 'reference' or 'policy', got {role!r}")
-    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides())
+    provider, model = load_hf_model(config.model.path, params_dtype(config),
+                                    **_model_overrides(config, trainable=False))
     _variable_lengths(model)
     model.eval()
     model.requires_grad_(False)

@@ -75,7 +75,7 @@ def trainer_phase(config: RunConfig, runtime, count_saved: bool = False) -> dict
     reference = build_frozen(config, runtime, "reference") if uses_ref else None
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
     batch, rewards = _fake_batch(actor.vocab_size, config.seed)
-    batch, _ = score(batch, config, actor, reference, critic, gate_step0=False)
+    batch, _ = score(batch, config, actor, reference, critic)
     batch, _ = compute_advantages(batch, rewards, config, runtime)
     saved = SavedBytes(actor.model)
     # Two updates: Adam allocates its state in the first optimizer step, after that step's backward, so

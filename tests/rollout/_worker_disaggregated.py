@@ -52,7 +52,7 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
     model, provider = actor.model, actor.provider
     everything = prompts(provider.hf_config.vocab_size)
     mine = everything[dp_rank::dp_size]
-    result = {"sync0": rollout.sync()}
+    result = {"calibration": rollout.calibrate(), "sync0": rollout.sync()}
     result["before"] = compare(rollout, actor, config, mine, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
     result["sync1"] = rollout.sync()
@@ -119,7 +119,7 @@ def main() -> None:
     if not runtime.is_engine_rank:
         provider, model = load_hf_model(model_dir, packed_sequences=True)
         actor = TrainModel("actor", model, provider, runtime)
-    rollout = DisaggregatedRollout(config, runtime, actor, config.tolerances)
+    rollout = DisaggregatedRollout(config, runtime, actor)
     if runtime.is_engine_rank:
         result = engine(rollout)
     else:

@@ -274,9 +274,10 @@ def main() -> None:
     actor = TrainModel("actor", model, provider, runtime)
     engine = RolloutEngine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
                                                                 max_prompt_length=192))
-    sync = WeightSync(engine, actor, config, config.tolerances)
+    sync = WeightSync(engine, actor, config)
+    calibration = sync.calibrate()
     prompt_list = prompts(provider.hf_config.vocab_size)
-    result = {"sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
+    result = {"calibration": calibration, "sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
     result["before"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
     result["sync1"] = sync.sync()

@@ -65,6 +65,8 @@ def test_resync_moves_trained_weights_verified(disaggregated_run, layout):
         assert rank["losses"][2] < rank["losses"][0] - 0.5
         changed = sum(a != b for a, b in zip(rank["before"]["trainer_greedy"], rank["after"]["trainer_greedy"]))
         assert changed >= len(rank["before"]["trainer_greedy"]) // 2  # the engines had new weights to match
+        calibration = rank["calibration"]
+        assert calibration["gates/calibration_probe_mean"] < 1e-5 and calibration["gates/probe_mean"] == 1e-5
         for key in ("sync0", "sync1"):
             m = rank[key]
             assert m["weight_sync/tensors"] == 26 and m["weight_sync/bytes"] == 1380864

@@ -27,6 +27,8 @@ def test_engine_matches_trainer(rollout_run, layout, phase):
 def test_training_changed_weights_and_resync_verified(rollout_run, layout):
     for rank in rollout_run(layout):
         assert rank["losses"][2] < rank["losses"][0] - 0.5  # the re-sync really had new weights to move
+        calibration = rank["calibration"]  # fp32: the floors apply, the calibration gap is far below them
+        assert calibration["gates/calibration_probe_max"] < 1e-4 and calibration["gates/probe_max"] == 1e-4
         for key in ("sync0", "sync1"):
             m = rank[key]
             assert m["weight_sync/tensors"] == 26  # 2 layers x 12 + embedding + final norm (tied head)

@@ -1,0 +1,115 @@
+"""Rank script for tests/rollout/test_bf16_gates.py: the dtype-aware gates on a bf16 trainer and bf16 engines.
+
+Usage: _worker_bf16_gates.py MODEL_DIR OUT_DIR BACKEND [BACKEND ...] (one rank). For each rollout backend
+(vllm, hf) the bf16 Megatron actor is synced into a bf16 engine and records:
+* the probe's max / mean gap of a correct sync, and whether the gates passed it;
+* the step-0 gap: the trainer's log-probs (training forward) of the engine's sampled responses vs the
+  engine's own, max and mean over the response tokens;
+* a corrupted sync: one weight tensor perturbed by 100 bf16 ulps per element *inside the engine's loader*
+  (after the trainer's checksum and with the checksum the engine reports left intact, i.e. what a loader
+  that mangles a tensor would do) must fail the probe gate; its gaps and the message are recorded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from megarlhf.testing.launch import write_rank_result
+from parallel.config import ParallelConfig
+from parallel.runtime import init_parallel
+
+TARGET = "model.layers.1.mlp.down_proj.weight"
+ULPS = 100
+
+
+def bf16_ulps(tensor: torch.Tensor, ulps: int, seed: int = 0) -> torch.Tensor:
+    """``tensor`` moved by ``ulps`` bf16 units in the last place per element, in a random direction."""
+    value = tensor.float()
+    _, exponent = torch.frexp(value)  # |value| = m * 2**exponent, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(value), exponent - 8)  # bf16 keeps 8 significant bits
+    sign = torch.randint(0, 2, value.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return (value + ulps * ulp * sign).to(tensor.dtype)
+
+
+def config_for(model_dir: str, backend: str):
+    from megarlhf.config.schema import ModelConfig, RunConfig
+    from megarlhf.data.source import DataConfig
+    from megarlhf.rollout.config import RolloutConfig
+
+    return RunConfig(model=ModelConfig(path=model_dir, dtype="bfloat16"),
+                     data=DataConfig(train_path="unused.jsonl", max_prompt_length=64),
+                     rollout=RolloutConfig(backend=backend, max_new_tokens=24, kv_cache_mb=32, n_samples=4))
+
+
+def step0_gap(engine, actor, config) -> tuple[float, float, int]:
+    """(max, mean, tokens) of |trainer - engine| over the response tokens of a sampled rollout."""
+    from megarlhf.rollout.config import rollout_sampling
+    from megarlhf.training import ExperienceBatch, compute_logprobs
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, actor.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 16, (16,), generator=gen)]
+    rollout = engine.generate(prompts, dataclasses.replace(rollout_sampling(config.rollout, ()), seed=3))
+    batch = ExperienceBatch.from_sequences(rollout.prompt_ids, rollout.response_ids, device=actor.runtime.device,
+                                           rollout_logprobs=rollout.logprobs)
+    gap = (compute_logprobs(actor, batch, config) - batch.rollout_logprobs).abs()[batch.response_mask]
+    return float(gap.max()), float(gap.mean()), int(gap.numel())
+
+
+def corrupted_probe(sync, engine) -> dict:
+    """A sync whose loader receives TARGET perturbed by ULPS bf16 ulps while reporting the original's
+    checksum: the checksums agree, so only the probe can catch it."""
+    from megarlhf.rollout.weight_sync import WeightSyncError
+
+    real_load = engine.load_weights
+
+    def mangling_load(weights, on_arrival=None):
+        def stream():
+            for name, tensor in weights:
+                if on_arrival is not None:
+                    on_arrival(name, tensor)  # the checksum of what the trainer sent
+                yield name, bf16_ulps(tensor, ULPS) if name == TARGET else tensor
+        real_load(stream(), None)
+
+    engine.load_weights = mangling_load
+    try:
+        metrics = sync.sync()
+        return {"message": None, "metrics": metrics}
+    except WeightSyncError as err:
+        return {"message": str(err)}
+    finally:
+        engine.load_weights = real_load
+
+
+def run_backend(model_dir: str, backend: str, runtime) -> dict:
+    from megarlhf.rollout.engine import EngineConfig, make_engine
+    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.training import TrainModel
+    from model_providers.hf_checkpoint import load_hf_model
+
+    config = config_for(model_dir, backend)
+    provider, model = load_hf_model(model_dir, torch.bfloat16, packed_sequences=True)
+    actor = TrainModel("actor", model, provider, runtime)
+    engine = make_engine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="bfloat16", seed=0,
+                                                              max_prompt_length=64), runtime.device)
+    sync = WeightSync(engine, actor, config)
+    result = {"calibration": sync.calibrate()}  # the engine holds the checkpoint it loaded
+    result["sync"] = sync.sync()  # raises if the gates refuse a correct bf16 sync
+    result["step0_max"], result["step0_mean"], result["step0_tokens"] = step0_gap(engine, actor, config)
+    result["corrupted"] = corrupted_probe(sync, engine)
+    result["after_corruption"] = sync.sync()  # a clean sync repairs the engine
+    result["tolerances"] = vars(sync.tolerances)
+    return result
+
+
+def main() -> None:
+    model_dir, out_dir, backends = sys.argv[1], sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(1)
+    runtime = init_parallel(ParallelConfig(), seed=1234)
+    write_rank_result(out_dir, 0, {backend: run_backend(model_dir, backend, runtime) for backend in backends})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The dtype-aware gates on a bf16 trainer with bf16 engines (vLLM and the transformers engine): a correct
+sync and a correct rollout pass them, and a sync whose loader mangles one weight tensor by 100 bf16 ulps
+per element (checksums left intact, so only the probe can see it) fails them.
+
+Measured here on the tiny Qwen2; megarlhf/gates.py's docstring has the demo's SFT model and
+SmolLM2-135M-Instruct, whose correct-sync noise is what the calibration scales the tolerances by."""
+from pathlib import Path
+
+import pytest
+
+from megarlhf.gates import FLOORS
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+
+WORKER = Path(__file__).with_name("_worker_bf16_gates.py")
+BF16 = FLOORS["bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def gates_run(tiny_qwen2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16_gates")
+    run_torchrun(WORKER, 1, [str(tiny_qwen2), str(out), "vllm", "hf"], timeout_s=900)
+    return read_rank_results(out, 1)[0]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_correct_bf16_sync_and_rollout_pass(gates_run, backend):
+    r = gates_run[backend]
+    tolerances, calibration = r["tolerances"], r["calibration"]
+    # the tiny model's rounding noise is below the bf16 floors, so the floors are the tolerances
+    assert calibration["gates/calibration_probe_mean"] * 3 < BF16.probe_mean
+    assert tolerances == vars(BF16)
+    assert 0 < r["sync"]["weight_sync/probe_max_abs_diff"] <= tolerances["probe_max"]
+    assert 0 < r["sync"]["weight_sync/probe_mean_abs_diff"] <= tolerances["probe_mean"]
+    assert r["step0_tokens"] > 500
+    assert r["step0_max"] <= tolerances["step0_max"] and r["step0_mean"] <= tolerances["step0_mean"]
+    # bf16 rounding is visible: these are not fp32 numbers, so an fp32 gate would have refused them
+    assert r["step0_mean"] > FLOORS["float32"].step0_mean
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_mangled_tensor_fails_the_bf16_probe(gates_run, backend):
+    r = gates_run[backend]
+    message = r["corrupted"]["message"]
+    assert message is not None and message.startswith("weight sync verification failed (probe forward)")
+    assert "(gates.probe_mean)" in message
+    assert r["after_corruption"]["weight_sync/probe_mean_abs_diff"] <= BF16.probe_mean  # a clean sync repairs
