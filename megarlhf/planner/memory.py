@@ -139,14 +139,18 @@ def activation_elements_per_token_layer(shape: ModelShape, tp: int) -> tuple[int
 
 def _recomputed(recompute, layers: int, in_flight: int, per_layer: int, layer_input: int) -> int:
     """Activation bytes of one stage's layers under ``train.recompute`` (Megatron's full recomputation):
-    a checkpointed chunk keeps only its input, and one chunk's activations live while it is recomputed."""
+    a checkpointed chunk keeps only its input; in backward the chunks are recomputed last to first, so
+    the peak is reached when the last chunk is recomputed while every chunk input is still held (the
+    recomputed chunk's own input is the stored one, not a copy)."""
     if recompute.granularity == "none":
         return in_flight * layers * per_layer
     n = min(recompute.num_layers, layers)
     if recompute.method == "uniform":  # every chunk of n layers checkpointed
-        return in_flight * -(-layers // n) * layer_input + n * per_layer
-    # block: the first n layers checkpointed one by one, the other layers stored as usual
-    return in_flight * (n * layer_input + (layers - n) * per_layer) + per_layer
+        return in_flight * -(-layers // n) * layer_input + n * per_layer - layer_input
+    # block: the first n layers checkpointed one by one, the others stored; by the time the
+    # checkpointed layers are recomputed, the stored layers' activations have been freed
+    stored = in_flight * (n * layer_input + (layers - n) * per_layer)
+    return max(stored, in_flight * n * layer_input + per_layer - layer_input)
 
 
 def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_model_len: int,
@@ -168,7 +172,7 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
         head_bytes = tokens * (8 * shape.hidden_size + 3 * vocab_chunk * 4)
     layer_input = tokens * shape.hidden_size * d
     configured = _recomputed(config.train.recompute, layers, in_flight, per_layer, layer_input) + head_bytes
-    recompute_all = in_flight * layers * layer_input + per_layer + head_bytes
+    recompute_all = in_flight * layers * layer_input + per_layer - layer_input + head_bytes
     return configured, recompute_all
 
 

@@ -68,8 +68,9 @@ def test_planner_and_mfu(runtime, mid_model, report):
     flops = _train_flops(shape_dict, SEQ * SEQUENCES, SEQ)
     peak = _peak_flops()
     mfu = f"MFU {100 * flops / seconds / peak:.1f}% of {peak / 1e12:.0f}" if peak else "peak unknown"
+    params = sum(p.numel() for p in actor.model.parameters())
     report("train step (actor update) TFLOP/s", flops / seconds / 1e12, "TFLOP/s",
-           f"{mfu}; {seconds * 1e3:.0f} ms for {SEQ * SEQUENCES} tokens, 250M Llama bf16")
+           f"{mfu}; {seconds * 1e3:.0f} ms for {SEQ * SEQUENCES} tokens, {params / 1e6:.0f}M-param Llama bf16")
     plan_shape, _ = resolve_shape(config.model.path)
     plan = plan_memory(config, plan_shape, Launch(world_size=1)).stages[0]
     planned = plan.phases["train"]
