@@ -83,6 +83,20 @@ class EngineConfig:
                    num_threads=torch.get_num_threads(), in_process=in_process)
 
 
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None) -> None:
+    """Raises naming the prompt: an empty prompt, token ids outside the vocabulary, or (with
+    ``max_model_len``) no room left for a generated token."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"rollout prompt {i} is empty")
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
+        if max_model_len is not None and len(p) >= max_model_len:
+            raise ValueError(f"rollout prompt {i} has {len(p)} tokens; max_model_len={max_model_len} "
+                             "leaves no room for a generated token")
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -158,14 +172,6 @@ class RolloutEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     # ---- generation ---------------------------------------------------------------------------------
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"rollout prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {self.vocab_size})")
-
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Samples ``sampling.n`` responses for each prompt (token ids). With TP > 1 every rank must pass
         the same prompts."""
@@ -173,7 +179,7 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         sampling.validate()
-        self._check_prompts(prompts)
+        check_prompt_ids(prompts, self.vocab_size)
         params = []
         for i in range(len(prompts)):
             seed = None if sampling.seed is None else sampling.seed + i * sampling.n
@@ -201,7 +207,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._check_prompts(sequences)
+        check_prompt_ids(sequences, self.vocab_size)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
                                     use_tqdm=False)

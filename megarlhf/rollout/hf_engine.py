@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megarlhf.rollout.engine import RolloutBatch, SamplingConfig
+from megarlhf.rollout.engine import RolloutBatch, SamplingConfig, check_prompt_ids
 
 # logits of one prompt_logprobs chunk (rows x padded length x vocab) stay below this many elements
 _LOGIT_BUDGET = 2**27
@@ -94,15 +94,7 @@ class HFRolloutEngine:
         # like vLLM: a prompt must leave room for at least one generated token
         if self._asleep:
             raise RuntimeError("HF rollout engine is asleep: wake_up(['weights']) before using it")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"rollout prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {self.vocab_size})")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"rollout prompt {i} has {len(p)} tokens; max_model_len={self.max_model_len} "
-                                 "leaves no room for a generated token")
+        check_prompt_ids(prompts, self.vocab_size, self.max_model_len)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Samples ``sampling.n`` responses for each prompt (token ids)."""
