@@ -1,0 +1,266 @@
+"""Preference pairs: rows holding a prompt, a chosen and a rejected response -> the token ids of prompt +
+response for each side, with a 0/1 loss mask on the response tokens (DPO-style training, reward models).
+
+Sources are those of :func:`megarlhf.data.source.read_records` (JSONL, Parquet, ``save_to_disk``). The
+row keys are :class:`PreferenceDataConfig`'s; of :class:`DataConfig` only ``split``, ``chat_template``,
+``system_prompt`` and ``max_sequence_length`` are read (its key fields belong to RL and SFT rows).
+
+* ``prompt``: a string, or (chat mode only) a list of ``{"role", "content"}`` messages.
+* ``chosen`` / ``rejected``: a string (the response), or (chat mode only) a message list: either the
+  turns that follow the prompt (it starts with an assistant message) or the whole conversation, which
+  must then begin with the prompt's messages. Either way the response must start and end with an
+  assistant message.
+
+Chat mode (``prompts.uses_chat_template``): the conversation is the prompt's messages (after
+``data.system_prompt``, as for RL prompts) followed by the response's. As in ``sft.py``, the template is
+rendered for growing prefixes and every segment is tokenized on its own, so the mask is exact at the
+boundaries; here only the assistant messages of the response carry loss (their content and
+end-of-turn marker), not assistant turns inside a multi-turn prompt. The prompt's tokens (the template
+of the prompt with a generation prompt) are the same on both sides: ``prompt_len``.
+
+Plain mode: the prompt (after ``data.system_prompt`` and a blank line) with the tokenizer's special
+tokens, then the response plus EOS, which carry the loss (``sft.py``'s plain mode).
+
+A pair is dropped, and counted in ``num_dropped``, when either side has more than
+``data.max_sequence_length`` tokens: the two sides are kept or dropped together. Errors name the row
+(``file:line`` for JSONL, ``file row N`` otherwise, both 1-based) and the key. A pair whose two sides
+give the same tokens is refused: it carries no preference.
+
+Hand-written because this is the project's own glue between its data settings, the tokenizer and the
+loss-mask rule of ``sft.py``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megarlhf.data.prompts import uses_chat_template
+from megarlhf.data.source import DataConfig, read_records
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreferenceDataConfig:
+    """The keys of a preference row (the only place their defaults live)."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+
+    def __post_init__(self):
+        keys = (self.prompt_key, self.chosen_key, self.rejected_key)
+        for name, value in zip(("prompt_key", "chosen_key", "rejected_key"), keys):
+            if not (isinstance(value, str) and value):
+                raise ValueError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
+        if len(set(keys)) != 3:
+            raise ValueError(f"PreferenceDataConfig: prompt_key, chosen_key and rejected_key must be three "
+                             f"different keys, got {keys}")
+
+
+@dataclass
+class PreferencePair:
+    index: int  # row number in the source (0-based)
+    prompt_len: int  # tokens of the prompt: the first prompt_len ids of both sides
+    chosen_ids: list[int]  # prompt + chosen response
+    chosen_mask: list[int]  # 1 on the response tokens that carry loss (token-aligned with chosen_ids)
+    rejected_ids: list[int]
+    rejected_mask: list[int]
+
+
+@dataclass
+class PreferenceDataset:
+    pairs: list[PreferencePair]
+    num_dropped: int  # pairs with a side longer than data.max_sequence_length
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> PreferencePair:
+        return self.pairs[i]
+
+
+def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
+
+
+def _get(row: dict, key: str, setting: str, where: str) -> Any:
+    if key not in row:
+        raise ValueError(f"{where}: the row has no field {key!r} ({setting}); its fields: {sorted(row)}")
+    return row[key]
+
+
+def _check_type(value: Any, key: str, setting: str, where: str, chat: bool) -> None:
+    """Strings anywhere, message lists in chat mode only; anything else is an error naming the key."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: field {key!r} ({setting}) must be a string or a list of chat messages, "
+                         f"got {type(value).__name__}")
+    if not chat:
+        raise ValueError(f"{where}: field {key!r} ({setting}) is a list of chat messages, but no chat template "
+                         f"is used (data.chat_template or a tokenizer without one): give it as a string")
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: field {key!r} ({setting}): message {i} is not a "
+                             f"{{'role': str, 'content': str}} message: {message!r}")
+
+
+def _as_messages(value: str | list, role: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _response_messages(value: str | list, prompt: list[dict], key: str, setting: str,
+                       where: str) -> list[dict[str, str]]:
+    """The messages of a response given as a string, as the turns after the prompt or as the whole
+    conversation (which must then begin with the prompt's messages)."""
+    messages = _as_messages(value, "assistant")
+    if messages and messages[0]["role"] != "assistant":
+        if messages[:len(prompt)] != prompt:
+            raise ValueError(f"{where}: field {key!r} ({setting}) is a conversation that does not begin with the "
+                             f"prompt's messages; give the whole conversation or only the turns after the prompt")
+        messages = messages[len(prompt):]
+    if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
+        raise ValueError(f"{where}: field {key!r} ({setting}) is an empty response")
+    if messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: field {key!r} ({setting}): the response must start and end with an "
+                         f"assistant message, got roles {[m['role'] for m in messages]}")
+    return messages
+
+
+def _chat_side(prompt: list[dict], response: list[dict], tokenizer, key: str,
+               where: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of ``prompt + response`` rendered with the chat template; only the response's
+    assistant messages carry loss (see the module docstring). The response starts with an assistant
+    message, so the first segment is the prompt with a generation prompt."""
+    messages = prompt + response
+    segments: list[tuple[str, int]] = []  # (text, 1 if it carries loss)
+    done = ""
+    for i in range(len(prompt), len(messages)):
+        if messages[i]["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise ValueError(f"{where}: field {key!r}: the chat template does not render message {i} as an "
+                             f"extension of the conversation before it, so response tokens cannot be masked "
+                             f"exactly; use string prompts and responses with data.chat_template=never")
+        segments += [(before[len(done):], 0), (after[len(before):], 1)]
+        done = after
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(done):
+        raise ValueError(f"{where}: field {key!r}: the chat template renders the whole conversation "
+                         f"differently from its prefixes")
+    segments.append((full[len(done):], 0))
+    ids, mask = [], []
+    for text, label in segments:
+        tokens = _encode(tokenizer, text)
+        ids += tokens
+        mask += [label] * len(tokens)
+    return ids, mask
+
+
+def _prompt_messages(value: str | list, data: DataConfig, key: str, where: str) -> tuple[list, list]:
+    """(the prompt's messages as the row gives them, the same after data.system_prompt)."""
+    raw = _as_messages(value, "user")
+    if not raw or not any(m["content"].strip() for m in raw):
+        raise ValueError(f"{where}: field {key!r} (prompt_key) is an empty prompt")
+    messages = list(raw)
+    if data.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": data.system_prompt})
+    return raw, messages
+
+
+def _plain_side(prompt_ids: list[int], response: str, tokenizer, key: str, setting: str,
+                where: str) -> tuple[list[int], list[int]]:
+    if not response.strip():
+        raise ValueError(f"{where}: field {key!r} ({setting}) is an empty response")
+    response_ids = _encode(tokenizer, response) + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceDataConfig, chat: bool,
+                    where: str, index: int = 0) -> PreferencePair:
+    """One row -> a :class:`PreferencePair` (see the module docstring); ``where`` names the row in errors."""
+    fields = {}
+    for setting in ("prompt_key", "chosen_key", "rejected_key"):
+        key = getattr(keys, setting)
+        fields[setting] = _get(row, key, setting, where)
+        _check_type(fields[setting], key, setting, where, chat)
+    sides = {}
+    if chat:
+        raw, prompt = _prompt_messages(fields["prompt_key"], data, keys.prompt_key, where)
+        for setting in ("chosen_key", "rejected_key"):
+            key = getattr(keys, setting)
+            response = _response_messages(fields[setting], raw, key, setting, where)
+            sides[setting] = _chat_side(prompt, response, tokenizer, key, where)
+        prompt_len = len(_encode(tokenizer, tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                                          add_generation_prompt=True)))
+    else:
+        text = fields["prompt_key"]
+        if not text.strip():
+            raise ValueError(f"{where}: field {keys.prompt_key!r} (prompt_key) is an empty prompt")
+        if data.system_prompt is not None:
+            text = f"{data.system_prompt}\n\n{text}"
+        if tokenizer.eos_token_id is None:
+            raise ValueError("preference pairs in plain mode append EOS to each response, but the tokenizer "
+                             "has no eos token")
+        prompt_ids = _encode(tokenizer, text, special=True)
+        prompt_len = len(prompt_ids)
+        for setting in ("chosen_key", "rejected_key"):
+            sides[setting] = _plain_side(prompt_ids, fields[setting], tokenizer, getattr(keys, setting),
+                                         setting, where)
+    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = sides["chosen_key"], sides["rejected_key"]
+    if chosen_ids == rejected_ids:
+        raise ValueError(f"{where}: fields {keys.chosen_key!r} and {keys.rejected_key!r} give the same tokens; "
+                         f"a pair with identical responses carries no preference")
+    return PreferencePair(index, prompt_len, chosen_ids, chosen_mask, rejected_ids, rejected_mask)
+
+
+def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys: PreferenceDataConfig | None = None,
+                             source: str = "<rows>", locations: list[str] | None = None) -> PreferenceDataset:
+    """Tokenizes and length-filters ``rows``; ``locations`` name each row in errors (default
+    ``<source> row N``, 1-based)."""
+    keys = PreferenceDataConfig() if keys is None else keys
+    if data.messages_key is not None:
+        raise ValueError(f"data.messages_key is not read for preference pairs: a row's prompt "
+                         f"({keys.prompt_key!r}) may itself be a list of chat messages; unset data.messages_key")
+    if locations is None:
+        locations = [f"{source} row {i + 1}" for i in range(len(rows))]
+    chat = uses_chat_template(tokenizer, data)
+    pairs = [preference_pair(row, tokenizer, data, keys, chat, where, i)
+             for i, (row, where) in enumerate(zip(rows, locations, strict=True))]
+    limit = data.max_sequence_length
+    kept = [p for p in pairs if len(p.chosen_ids) <= limit and len(p.rejected_ids) <= limit]
+    dropped = len(pairs) - len(kept)
+    if dropped:
+        logger.warning("%s: dropped %d of %d preference pairs with a side longer than data.max_sequence_length="
+                       "%d tokens", source, dropped, len(pairs), limit)
+    if not kept:
+        raise ValueError(f"{source}: no preference pair is left after filtering ({len(rows)} rows, "
+                         f"data.max_sequence_length={limit})")
+    return PreferenceDataset(kept, dropped, source)
+
+
+def _row_locations(path: str, count: int) -> list[str] | None:
+    """``file:line`` of each row of a JSONL file (``read_jsonl`` skips blank lines the same way)."""
+    p = Path(path).expanduser()
+    if not (p.is_file() and p.suffix.lower() in (".jsonl", ".json")):
+        return None
+    with open(p, encoding="utf-8") as f:
+        lines = [number for number, line in enumerate(f, start=1) if line.strip()]
+    return [f"{path}:{number}" for number in lines] if len(lines) == count else None
+
+
+def load_preference_dataset(path: str, tokenizer, data: DataConfig,
+                            keys: PreferenceDataConfig | None = None) -> PreferenceDataset:
+    """The preference pairs of a local JSONL / Parquet / ``save_to_disk`` source."""
+    rows = read_records(path, data.split)
+    return build_preference_dataset(rows, tokenizer, data, keys, source=str(path),
+                                    locations=_row_locations(path, len(rows)))

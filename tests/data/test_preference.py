@@ -1,0 +1,189 @@
+"""Preference pairs with the tiny Qwen2 tokenizer that ``make_tiny_model`` saves (ChatML template): ids
+and masks against the pieces tokenized by hand (chat and plain), the three row formats giving the same
+pair, masks only on the response's assistant turns, length filtering that drops a pair's two sides
+together, and every bad-input error with its row location (``file:line``, 1-based) and key."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from megarlhf.data.preference import (PreferenceDataConfig, build_preference_dataset,
+                                      load_preference_dataset)
+from megarlhf.data.source import DataConfig
+from model_providers.tiny_models import make_tiny_model
+
+END = "<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tok):
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    return plain
+
+
+def _ids(tok, text, special=False):
+    return tok(text, add_special_tokens=special)["input_ids"]
+
+
+def _runs(ids, mask):
+    """The contiguous runs of masked tokens."""
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def _one(rows, tok, **data):
+    [pair] = build_preference_dataset(rows, tok, DataConfig(train_path="-", **data)).pairs
+    return pair
+
+
+def test_chat_strings_masks_exact_at_the_boundaries(tok):
+    row = {"prompt": "What is 2 + 3?", "chosen": "2 + 3 = 5.", "rejected": "It is 6."}
+    pair = _one([row], tok, system_prompt="Be brief.")
+    prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    prompt_ids = _ids(tok, prompt)
+    assert pair.prompt_len == len(prompt_ids) and pair.chosen_mask[0] == 0
+    for ids, mask, response in ((pair.chosen_ids, pair.chosen_mask, row["chosen"]),
+                                (pair.rejected_ids, pair.rejected_mask, row["rejected"])):
+        response_ids = _ids(tok, response) + _ids(tok, "<|im_end|>") + _ids(tok, "\n")
+        assert ids == prompt_ids + response_ids
+        assert mask == [0] * len(prompt_ids) + [1] * len(response_ids)
+        assert tok.decode(ids) == prompt + response + END
+
+
+def test_row_formats_give_the_same_pair(tok):
+    strings = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Seven."}
+    user = {"role": "user", "content": "Name a colour."}
+    conversational = {"prompt": [user], "chosen": [{"role": "assistant", "content": "Blue."}],
+                      "rejected": [{"role": "assistant", "content": "Seven.", "extra": 1}]}
+    whole = {"prompt": "Name a colour.", "chosen": [user, {"role": "assistant", "content": "Blue."}],
+             "rejected": [user, {"role": "assistant", "content": "Seven."}]}
+    pairs = [_one([row], tok) for row in (strings, conversational, whole)]
+    assert pairs[0] == pairs[1] == pairs[2]
+
+
+def test_only_the_responses_assistant_turns_carry_loss(tok):
+    prompt = [{"role": "user", "content": "a?"}, {"role": "assistant", "content": "earlier"},
+              {"role": "user", "content": "b?"}]
+    row = {"prompt": prompt,
+           "chosen": [{"role": "assistant", "content": "first"}, {"role": "user", "content": "more?"},
+                      {"role": "assistant", "content": "second"}],
+           "rejected": "no"}
+    pair = _one([row], tok, system_prompt="S")
+    messages = [{"role": "system", "content": "S"}] + prompt
+    assert pair.prompt_len == len(_ids(tok, tok.apply_chat_template(messages, tokenize=False,
+                                                                    add_generation_prompt=True)))
+    assert tok.decode(pair.chosen_ids) == tok.apply_chat_template(messages + row["chosen"], tokenize=False)
+    assert [tok.decode(r) for r in _runs(pair.chosen_ids, pair.chosen_mask)] == ["first" + END, "second" + END]
+    assert [tok.decode(r) for r in _runs(pair.rejected_ids, pair.rejected_mask)] == ["no" + END]
+    assert pair.chosen_ids[:pair.prompt_len] == pair.rejected_ids[:pair.prompt_len]
+
+
+def test_plain_mode(tok, plain_tok):
+    row = {"q": "What is 2 + 3?", "good": " 5", "bad": " 6"}
+    keys = PreferenceDataConfig(prompt_key="q", chosen_key="good", rejected_key="bad")
+    for tokenizer, mode in ((plain_tok, "auto"), (tok, "never")):
+        data = DataConfig(train_path="-", chat_template=mode, system_prompt="S")
+        [pair] = build_preference_dataset([row], tokenizer, data, keys).pairs
+        prompt_ids = _ids(tok, "S\n\nWhat is 2 + 3?", special=True)
+        assert pair.prompt_len == len(prompt_ids)
+        for ids, mask, response in ((pair.chosen_ids, pair.chosen_mask, " 5"),
+                                    (pair.rejected_ids, pair.rejected_mask, " 6")):
+            response_ids = _ids(tok, response) + [tok.eos_token_id]
+            assert ids == prompt_ids + response_ids
+            assert mask == [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def test_length_filter_drops_both_sides_together(tok, caplog):
+    long = "many words here " * 20
+    rows = [{"prompt": "p", "chosen": "short a", "rejected": "short b"},
+            {"prompt": "p", "chosen": long, "rejected": "short b"},
+            {"prompt": "p", "chosen": "short a", "rejected": long}]
+    full = build_preference_dataset(rows, tok, DataConfig(train_path="-"))
+    short, longest = len(full[0].chosen_ids), len(full[1].chosen_ids)
+    assert max(len(full[0].rejected_ids), len(full[1].rejected_ids), len(full[2].chosen_ids)) == short < longest
+    data = build_preference_dataset(rows, tok, DataConfig(train_path="-", max_sequence_length=short),
+                                    source="pairs.jsonl")
+    assert [p.index for p in data.pairs] == [0] and data.num_dropped == 2 and full.num_dropped == 0
+    assert "pairs.jsonl: dropped 2 of 3 preference pairs" in caplog.text
+    with pytest.raises(ValueError, match="no preference pair is left"):
+        build_preference_dataset(rows[1:], tok, DataConfig(train_path="-", max_sequence_length=short))
+
+
+def test_parquet_and_save_to_disk_sources(tok, tmp_path):
+    import datasets
+
+    rows = [{"prompt": "p1", "chosen": "a", "rejected": "b"}, {"prompt": "p2", "chosen": "c", "rejected": "c"}]
+    datasets.Dataset.from_list(rows[:1]).save_to_disk(str(tmp_path / "dir"))
+    [pair] = load_preference_dataset(str(tmp_path / "dir"), tok, DataConfig(train_path="-")).pairs
+    assert pair == _one(rows[:1], tok)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(ValueError, match=r"d\.parquet row 2: fields 'chosen' and 'rejected' give the same tokens"):
+        load_preference_dataset(str(tmp_path / "d.parquet"), tok, DataConfig(train_path="-"))
+
+
+GOOD = {"prompt": "p", "chosen": "yes", "rejected": "no"}
+USER = {"role": "user", "content": "p"}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prompt": "p", "chosen": "yes"}, r"the row has no field 'rejected' \(rejected_key\); its fields: \['chosen', "),
+    ({"chosen": "yes", "rejected": "no"}, r"the row has no field 'prompt' \(prompt_key\)"),
+    ({**GOOD, "chosen": ""}, r"field 'chosen' \(chosen_key\) is an empty response"),
+    ({**GOOD, "rejected": "  \n"}, r"field 'rejected' \(rejected_key\) is an empty response"),
+    ({**GOOD, "chosen": []}, r"field 'chosen' \(chosen_key\) is an empty response"),
+    ({**GOOD, "rejected": [USER]}, r"field 'rejected' \(rejected_key\) is an empty response"),
+    ({**GOOD, "chosen": [{"role": "assistant", "content": " "}]}, r"field 'chosen' .* is an empty response"),
+    ({**GOOD, "chosen": 5}, r"field 'chosen' \(chosen_key\) must be a string or a list of chat messages, got int"),
+    ({**GOOD, "rejected": None}, r"field 'rejected' \(rejected_key\) must be a string .*got NoneType"),
+    ({**GOOD, "prompt": {"text": "p"}}, r"field 'prompt' \(prompt_key\) must be a string .*got dict"),
+    ({**GOOD, "rejected": "yes"}, r"fields 'chosen' and 'rejected' give the same tokens; .*no preference"),
+    ({**GOOD, "rejected": [{"role": "assistant", "content": "yes"}]}, r"fields .* give the same tokens"),
+    ({**GOOD, "prompt": ""}, r"field 'prompt' \(prompt_key\) is an empty prompt"),
+    ({**GOOD, "prompt": []}, r"field 'prompt' \(prompt_key\) is an empty prompt"),
+    ({**GOOD, "chosen": [{"role": "assistant"}]}, r"field 'chosen' \(chosen_key\): message 0 is not a"),
+    ({**GOOD, "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+     r"field 'chosen' \(chosen_key\) is a conversation that does not begin with the prompt"),
+    ({**GOOD, "rejected": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
+     r"field 'rejected' \(rejected_key\): the response must start and end with an assistant message"),
+])
+def test_errors_name_the_line_and_key(tok, tmp_path, bad, match):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(bad) + "\n")  # line 2 is blank: the bad row is line 3
+    with pytest.raises(ValueError, match=rf"pairs\.jsonl:3: {match}"):
+        load_preference_dataset(str(path), tok, DataConfig(train_path=str(path)))
+
+
+def test_other_errors(tok, plain_tok, tmp_path):
+    row = {**GOOD, "chosen": [{"role": "assistant", "content": "yes"}]}
+    with pytest.raises(ValueError, match=r"row 1: field 'chosen' \(chosen_key\) is a list of chat messages, "
+                                         r"but no chat template is used"):
+        build_preference_dataset([row], plain_tok, DataConfig(train_path="-"))
+    keys = PreferenceDataConfig(chosen_key="good")
+    with pytest.raises(ValueError, match=r"row 2: the row has no field 'good' \(chosen_key\)"):
+        build_preference_dataset([{**GOOD, "good": "a"}, GOOD], tok, DataConfig(train_path="-"), keys)
+    with pytest.raises(ValueError, match="data.messages_key is not read for preference pairs"):
+        build_preference_dataset([GOOD], tok, DataConfig(train_path="-", messages_key="messages"))
+    with pytest.raises(ValueError, match="three different keys"):
+        PreferenceDataConfig(rejected_key="chosen")
+    with pytest.raises(ValueError, match=r"PreferenceDataConfig\.prompt_key must be a non-empty string"):
+        PreferenceDataConfig(prompt_key="")
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: malformed JSON line"):
+        load_preference_dataset(str(path), tok, DataConfig(train_path=str(path)))
