@@ -1,0 +1,194 @@
+"""The environment contract of multi-turn, tool-calling rollouts: one factory signature, its registry, the
+types a step exchanges, and the ``rollout.env`` settings.
+
+An environment is a **per-episode object made by a factory** (one episode = one rollout sample)::
+
+    factory(metadata: dict, **kwargs) -> Episode          # registered in ENVIRONMENTS, or a dotted path
+    episode.tools: Sequence[ToolSpec]                     # what the model may call in this episode
+    episode.step(messages, call: ParsedCall) -> StepResult
+
+``metadata`` is the dataset row's other fields (the same dict a reward sees as ``RewardInput.metadata``);
+``kwargs`` are :attr:`EnvConfig.kwargs`. ``messages`` is the conversation so far (``{"role", "content"}``
+dicts, the last one the model's turn holding the call) and ``call`` the parsed tool call. A class whose
+``__init__(self, metadata, **kwargs)`` sets ``tools`` and defines ``step`` is a factory as it stands.
+
+Why an episode object rather than a stateless callable: a game or a search session keeps state between
+turns (the board, the pages already opened), and a factory per sample is the one place such state can
+live without the caller threading it through. Stateless tools pay nothing for it: :class:`ToolEpisode`
+wraps plain functions ``tool(**arguments) -> str`` and a factory may hand every sample the same one.
+A tool signals a refusal the model should read (bad arguments, "division by zero") by raising
+:class:`ToolError`; :class:`ToolEpisode` turns it into the observation ``"error: <message>"``. Any other
+exception is a failure that :mod:`megarlhf.envs.runner` reports.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from megarlhf.registry import Registry
+from megarlhf.rewards.api import is_dotted_path
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool the model may call: its name, what it does, and a JSON schema of its arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def __post_init__(self):
+        if not (isinstance(self.name, str) and self.name.strip() == self.name and self.name):
+            raise ValueError(f"ToolSpec.name must be a non-empty string without surrounding spaces, "
+                             f"got {self.name!r}")
+        if not (isinstance(self.parameters, dict) and self.parameters.get("type") == "object"):
+            raise ValueError(f"ToolSpec {self.name!r}: parameters must be a JSON schema of type 'object', "
+                             f"got {self.parameters!r}")
+
+    @property
+    def required(self) -> list[str]:
+        return list(self.parameters.get("required", []))
+
+    @property
+    def properties(self) -> list[str]:
+        return list(self.parameters.get("properties", {}))
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style function schema that chat templates take as ``tools=[...]``."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One well-formed tool call: a known tool name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParseError:
+    """A malformed tool call. ``message`` is written for the model: the runner shows it as the
+    observation ``"error: <message>"`` so that the model can correct the call."""
+
+    message: str
+
+
+@dataclass
+class StepResult:
+    """What one step returns. ``observation`` is the text the model reads next (``None`` only together
+    with ``done=True``); ``reward`` is this step's reward, ``None`` for none; ``info`` is free-form except
+    for two keys the runner reads or writes: ``tool_error`` (set by :class:`ToolEpisode` on a refusal) and
+    ``truncated_from`` (the observation's length before it was cut)."""
+
+    observation: str | None
+    done: bool = False
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class ToolError(Exception):
+    """Raised by a tool to refuse a call with a message for the model (a normal observation, not a failure)."""
+
+
+class Episode(Protocol):
+    """One sample's environment (see the module docstring)."""
+
+    tools: Sequence[ToolSpec]
+
+    def step(self, messages: list[Message], call: ParsedCall) -> StepResult: ...
+
+
+EnvFactory = Callable[..., Episode]  # factory(metadata: dict, **kwargs) -> Episode
+ENVIRONMENTS: Registry[EnvFactory] = Registry("environment")
+
+
+class ToolEpisode:
+    """An episode of stateless tools: ``functions[name](**arguments)`` returns the observation string.
+
+    Thread-safe as long as the functions are, so a factory may return one shared instance."""
+
+    def __init__(self, tools: Sequence[ToolSpec], functions: Mapping[str, Callable[..., Any]]):
+        names = [spec.name for spec in tools]
+        if sorted(names) != sorted(functions) or len(set(names)) != len(names):
+            raise ValueError(f"ToolEpisode: tools {names} and functions {sorted(functions)} must name the "
+                             f"same tools, each once")
+        self.tools = list(tools)
+        self.functions = dict(functions)
+
+    def step(self, messages: list[Message], call: ParsedCall) -> StepResult:
+        try:
+            observation = self.functions[call.name](**call.arguments)
+        except ToolError as exc:
+            return StepResult(f"error: {exc}", info={"tool_error": str(exc)})
+        # a non-string return is passed on as it is: the runner reports it as a failure of this tool
+        return StepResult(observation)
+
+
+def load_object(path: str, what: str) -> Any:
+    """Imports ``pkg.mod:obj`` or ``pkg.mod.obj``; errors name ``what``, the path and what failed."""
+    if not is_dotted_path(path):
+        raise ValueError(f"{what} path {path!r} must look like 'pkg.module:name' or 'pkg.module.name'")
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is reported with the path
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def _unknown_environment(name: str) -> ValueError:
+    return ValueError(f"unknown environment {name!r}; known: {', '.join(ENVIRONMENTS.names())}, "
+                      f"or a dotted path 'pkg.module:factory'")
+
+
+def resolve_environment(name: str) -> EnvFactory:
+    """A registered environment factory by name, else a user class/function by dotted path."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS.get(name)
+    if not is_dotted_path(name):
+        raise _unknown_environment(name)
+    factory = load_object(name, "environment")
+    if not callable(factory):
+        raise ValueError(f"environment {name!r} is a {type(factory).__name__}, not a class or function")
+    return factory
+
+
+@dataclass
+class EnvConfig:
+    """The ``rollout.env`` settings of a multi-turn run (the only place their defaults live)."""
+
+    name: str  # a registered environment (ENVIRONMENTS) or a dotted path 'pkg.module:factory'
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the factory with each sample's metadata
+    max_turns: int = 4  # model turns per episode; the runner ends the episode after the last one
+    timeout_s: float = 5.0  # per tool call; a call that runs longer becomes "error: ... timed out"
+    max_observation_chars: int = 2048  # longer observations are cut to this many characters
+    parser: str = "tokenizer"  # tool-call format, a name in megarlhf.envs.parsers.PARSERS
+    num_workers: int = 4  # threads running tool calls concurrently
+
+    def __post_init__(self):
+        if not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"EnvConfig.name must be a non-empty string, got {self.name!r}")
+        if self.name not in ENVIRONMENTS and not is_dotted_path(self.name):
+            raise ValueError(f"EnvConfig.name: {_unknown_environment(self.name)}")
+        if not (isinstance(self.kwargs, dict) and all(isinstance(k, str) for k in self.kwargs)):
+            raise ValueError(f"EnvConfig.kwargs must be a mapping with string keys, got {self.kwargs!r}")
+        for name in ("max_turns", "max_observation_chars", "num_workers"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"EnvConfig.timeout_s must be a finite number > 0, got {self.timeout_s!r}")
+        from megarlhf.envs.parsers import PARSERS  # parsers import this module's types
+
+        if self.parser not in PARSERS:
+            raise ValueError(f"EnvConfig.parser: unknown tool-call parser {self.parser!r}; "
+                             f"known: {', '.join(PARSERS.names())}")

@@ -1,0 +1,234 @@
+"""Runs the tool calls of a batch of episodes, one model turn at a time, each with a time limit.
+
+The rollout loop calls, per batch of samples::
+
+    runner = ToolRunner(env_config, tokenizer)
+    handles = runner.start(metadata_per_sample)           # one episode (and parser) per sample
+    batch = runner.step(handles_still_running, conversations)   # after each generated turn
+    batch.outcomes[i]: TurnOutcome(observation, done, reward, info, call)
+
+For each turn :meth:`ToolRunner.step` parses the last (assistant) message with the episode's parser and:
+
+* no tool call: the episode is done (the turn is the model's answer), no observation;
+* a malformed call (:class:`~megarlhf.envs.api.ParseError`): observation ``"error: <why>"``, not done;
+* a call: ``episode.step(messages, call)`` runs on a thread of the reward runner's
+  :class:`~megarlhf.rewards.runner.RewardThreadPool` (see its docstring for why threads and how a stuck
+  thread is abandoned and replaced), limited to ``timeout_s`` from the moment it starts. A step that
+  raises, returns something other than a valid :class:`~megarlhf.envs.api.StepResult` (a non-string
+  observation, a non-finite reward, ...), or times out becomes the observation ``"error: ..."`` plus a
+  :class:`ToolFailure` report; the other samples carry on. While a timed-out step is still running in
+  its abandoned thread, further calls on *that* episode are refused ("busy") rather than run
+  concurrently on the same state.
+
+Every observation is cut to ``max_observation_chars`` (a marker saying so included), and an episode is
+done after its ``max_turns``-th turn whatever the environment says. Metrics of one ``step`` (counts, to
+be summed over the turns of a rollout): ``tools/calls`` (well-formed calls), ``tools/errors`` (raised,
+invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
+with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; and ``tools/abandoned_threads``
+(threads stuck right now).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from megarlhf.envs.api import EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, resolve_environment
+from megarlhf.envs.parsers import PARSERS, ToolCallParser
+# the reward runner's pool runs any per-item call with a time limit; _Call is its unit of work
+from megarlhf.rewards.runner import RewardThreadPool, _Call
+
+logger = logging.getLogger(__name__)
+
+_SHOWN_CHARS = 200  # model-turn characters kept in a failure report
+_LOGGED_FAILURES = 5  # failures logged per step (all are in StepBatch.failures)
+
+
+@dataclass
+class EpisodeHandle:
+    """One sample's episode as the runner tracks it."""
+
+    index: int  # the sample's position in the list given to ToolRunner.start
+    episode: Episode
+    parser: ToolCallParser
+    turns: int = 0  # model turns seen so far
+    done: bool = False
+    running: Any = None  # a timed-out call whose abandoned thread may still be inside episode.step
+
+
+@dataclass
+class TurnOutcome:
+    """What follows one model turn. ``observation`` (None when there is none) is to be shown to the
+    model as a tool message; ``call`` is what the parser found in the turn (None: no tool call)."""
+
+    observation: str | None
+    done: bool
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    call: ParsedCall | ParseError | None = None
+
+
+@dataclass
+class ToolFailure:
+    """A tool call that raised, returned an invalid result, timed out, or found its episode busy."""
+
+    index: int  # the sample's position in the list given to ToolRunner.start
+    tool: str
+    kind: str  # "error", "invalid", "timeout" or "busy"
+    message: str
+    turn: str  # the model's turn, truncated
+
+    def __str__(self) -> str:
+        return f"tool {self.tool!r} {self.kind} on sample {self.index}: {self.message} (turn {self.turn!r})"
+
+
+@dataclass
+class StepBatch:
+    outcomes: list[TurnOutcome]  # one per handle given to step, in order
+    failures: list[ToolFailure] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _run_step(episode: Episode, messages: list[Message], call: ParsedCall) -> Any:
+    return episode.step(messages, call)
+
+
+def _check_result(result: Any) -> str | None:
+    """None if ``result`` is a valid StepResult, else what is wrong with it."""
+    if not isinstance(result, StepResult):
+        return f"returned {type(result).__name__}, expected a StepResult"
+    if result.observation is not None and not isinstance(result.observation, str):
+        return f"returned an observation of type {type(result.observation).__name__}, expected a string"
+    if result.observation is None and not result.done:
+        return "returned no observation without ending the episode"
+    if not isinstance(result.done, bool):
+        return f"returned done={result.done!r}, expected a bool"
+    if result.reward is not None and not (isinstance(result.reward, numbers.Real)
+                                          and math.isfinite(float(result.reward))):
+        return f"returned reward={result.reward!r}, expected a finite number or None"
+    if not isinstance(result.info, dict):
+        return f"returned info of type {type(result.info).__name__}, expected a dict"
+    return None
+
+
+class ToolRunner:
+    """Starts the episodes of a batch and runs their tool calls (see the module docstring)."""
+
+    def __init__(self, config: EnvConfig, tokenizer: Any = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.factory = resolve_environment(config.name)
+        self.make_parser = PARSERS.get(config.parser)
+        self.pool = RewardThreadPool(config.num_workers)
+
+    def start(self, metadata: Sequence[dict[str, Any]]) -> list[EpisodeHandle]:
+        """One episode per sample (``metadata[i]`` is sample i's dataset fields). Errors name the sample."""
+        handles = []
+        for index, fields in enumerate(metadata):
+            try:
+                episode = self.factory(dict(fields), **self.config.kwargs)
+                tools = list(episode.tools)
+                if not callable(getattr(episode, "step", None)):
+                    raise TypeError(f"{type(episode).__name__} has no step method")
+                parser = self.make_parser(tools, self.tokenizer)
+            except Exception as exc:  # user code: report which environment and sample
+                raise ValueError(f"environment {self.config.name!r} could not start the episode of sample "
+                                 f"{index}: {type(exc).__name__}: {exc}") from exc
+            handles.append(EpisodeHandle(index, episode, parser))
+        return handles
+
+    def step(self, handles: Sequence[EpisodeHandle], conversations: Sequence[list[Message]]) -> StepBatch:
+        """Handles the model turn that ends each conversation (see the module docstring)."""
+        if len(handles) != len(conversations):
+            raise ValueError(f"step got {len(handles)} episodes and {len(conversations)} conversations")
+        outcomes: list[TurnOutcome | None] = [None] * len(handles)
+        failures: list[ToolFailure] = []
+        calls, slots = [], []
+        turns = [self._model_turn(h, m) for h, m in zip(handles, conversations)]  # all checked before any runs
+        for slot, (handle, messages, turn) in enumerate(zip(handles, conversations, turns)):
+            handle.turns += 1
+            parsed = handle.parser(turn)
+            if parsed is None:
+                outcomes[slot] = TurnOutcome(None, True)
+            elif isinstance(parsed, ParseError):
+                outcomes[slot] = TurnOutcome(self._fit(f"error: {parsed.message}"), False, call=parsed)
+            elif handle.running is not None and not handle.running.done:
+                message = "the previous tool call of this episode is still running"
+                failures.append(ToolFailure(handle.index, parsed.name, "busy", message, _truncate(turn)))
+                outcomes[slot] = TurnOutcome(self._fit(f"error: {message}"), False, call=parsed)
+            else:
+                kwargs = {"messages": [dict(m) for m in messages], "call": parsed}
+                calls.append(_Call(_run_step, handle.episode, kwargs))
+                slots.append(slot)
+        timed_out = self.pool.run(calls, self.config.timeout_s)
+        for call, slot, late in zip(calls, slots, timed_out):
+            handle = handles[slot]
+            if late:
+                handle.running = call
+            outcomes[slot], failure = self._outcome(handle, call, late, turns[slot])
+            if failure is not None:
+                failures.append(failure)
+        for handle, outcome in zip(handles, outcomes):
+            outcome.done = outcome.done or handle.turns >= self.config.max_turns
+            handle.done = outcome.done
+        for failure in failures[:_LOGGED_FAILURES]:
+            logger.warning("%s", failure)
+        return StepBatch(outcomes, failures, self._metrics(outcomes, failures))
+
+    def _model_turn(self, handle: EpisodeHandle, messages: list[Message]) -> str:
+        if handle.done:
+            raise ValueError(f"the episode of sample {handle.index} is done; step only running episodes")
+        if not messages or messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str):
+            raise ValueError(f"the conversation of sample {handle.index} must end with the model's turn "
+                             f"({{'role': 'assistant', 'content': str}}), got {messages[-1] if messages else None!r}")
+        return messages[-1]["content"]
+
+    def _outcome(self, handle: EpisodeHandle, call: _Call, timed_out: bool,
+                 turn: str) -> tuple[TurnOutcome, ToolFailure | None]:
+        parsed: ParsedCall = call.kwargs["call"]
+        if timed_out:
+            kind, message = "timeout", f"the call of tool {parsed.name!r} timed out after {self.config.timeout_s} s"
+        elif call.error is not None:
+            kind, message = "error", f"tool {parsed.name!r} raised {type(call.error).__name__}: {call.error}"
+        elif (problem := _check_result(call.value)) is not None:
+            kind, message = "invalid", f"tool {parsed.name!r} {problem}"
+        else:
+            result: StepResult = call.value
+            observation = None if result.observation is None else self._fit(result.observation)
+            reward = None if result.reward is None else float(result.reward)
+            info = dict(result.info)
+            if observation != result.observation:
+                info["truncated_from"] = len(result.observation)
+            return TurnOutcome(observation, result.done, reward, info, parsed), None
+        failure = ToolFailure(handle.index, parsed.name, kind, message, _truncate(turn))
+        return TurnOutcome(self._fit(f"error: {message}"), False, info={"failure": kind}, call=parsed), failure
+
+    def _fit(self, text: str) -> str:
+        """``text`` cut to max_observation_chars, the cut marked within that budget."""
+        limit = self.config.max_observation_chars
+        if len(text) <= limit:
+            return text
+        marker = f" ...[cut: {len(text)} chars]"
+        keep = limit - len(marker)
+        return text[:limit] if keep <= 0 else text[:keep] + marker
+
+    def _metrics(self, outcomes: list[TurnOutcome], failures: list[ToolFailure]) -> dict[str, float]:
+        return {
+            "tools/calls": float(sum(isinstance(o.call, ParsedCall) for o in outcomes)),
+            "tools/errors": float(sum(f.kind != "timeout" for f in failures)),
+            "tools/timeouts": float(sum(f.kind == "timeout" for f in failures)),
+            "tools/parse_errors": float(sum(isinstance(o.call, ParseError) for o in outcomes)),
+            "tools/refused": float(sum("tool_error" in o.info for o in outcomes)),
+            "tools/truncated": float(sum("truncated_from" in o.info for o in outcomes)),
+            "tools/abandoned_threads": float(self.pool.abandoned),
+        }
+
+    def close(self) -> None:
+        """Stops the idle workers (abandoned ones exit when their call returns)."""
+        self.pool.close()
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"... ({len(text)} chars)"

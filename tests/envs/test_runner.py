@@ -1,0 +1,178 @@
+"""ToolRunner: a raising tool, a hanging tool (the step returns at the timeout and later calls still
+work), a non-string observation, a too-long observation, parse errors, answers, max_turns, and metrics."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megarlhf.envs import EnvConfig, ParsedCall, ParseError, StepResult, ToolEpisode, ToolRunner, ToolSpec
+
+
+def _tool(name: str, *arguments: str) -> ToolSpec:
+    return ToolSpec(name, f"test tool {name}", {"type": "object", "required": list(arguments),
+                                                "properties": {a: {"type": "string"} for a in arguments}})
+
+
+def _boom():
+    raise RuntimeError("kaboom")
+
+
+def _hang():
+    time.sleep(10)
+    return "woke up"
+
+
+FUNCTIONS = {"echo": lambda text: text, "boom": _boom, "hang": _hang, "number": lambda: 42,
+             "long": lambda: "x" * 5000}
+
+
+def scripted_tools(metadata, greeting="hi"):
+    """A user environment named by dotted path: stateless test tools."""
+    tools = [_tool("echo", "text"), _tool("boom"), _tool("hang"), _tool("number"), _tool("long")]
+    return ToolEpisode(tools, FUNCTIONS)
+
+
+class Finisher:
+    """Ends the episode with a reward and no observation when 'finish' is called."""
+
+    tools = [_tool("finish")]
+
+    def __init__(self, metadata):
+        self.reward = metadata["reward"]
+
+    def step(self, messages, call):
+        return StepResult(None, done=True, reward=self.reward, info={"turns_seen": len(messages)})
+
+
+HERE = __name__
+
+
+def _call(name: str, arguments: str = "{}") -> list[dict]:
+    turn = f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+    return [{"role": "user", "content": "go"}, {"role": "assistant", "content": turn}]
+
+
+@pytest.fixture
+def runner():
+    config = EnvConfig(f"{HERE}:scripted_tools", timeout_s=0.2, max_observation_chars=100, max_turns=3,
+                       parser="hermes", num_workers=2)
+    runner = ToolRunner(config)
+    yield runner
+    runner.close()
+
+
+def test_a_batch_of_every_kind(runner):
+    handles = runner.start([{}] * 6)
+    conversations = [_call("echo", '{"text": "hello"}'), _call("boom"), _call("number"), _call("long"),
+                     _call("nope"), [{"role": "assistant", "content": "The answer is 4."}]]
+    batch = runner.step(handles, conversations)
+    echo, boom, number, long, nope, answer = batch.outcomes
+    assert (echo.observation, echo.done, echo.reward, echo.call) == ("hello", False, None, ParsedCall("echo", {"text": "hello"}))
+    assert boom.observation == "error: tool 'boom' raised RuntimeError: kaboom" and not boom.done
+    assert number.observation == "error: tool 'number' returned an observation of type int, expected a string"
+    marker = " ...[cut: 5000 chars]"
+    assert long.observation == "x" * (100 - len(marker)) + marker and len(long.observation) == 100
+    assert long.info == {"truncated_from": 5000}
+    assert nope.observation == "error: unknown tool 'nope'; available tools: boom, echo, hang, long, number"
+    assert nope.call == ParseError("unknown tool 'nope'; available tools: boom, echo, hang, long, number")
+    assert (answer.observation, answer.done, answer.call) == (None, True, None)
+    assert [(f.index, f.tool, f.kind) for f in batch.failures] == [(1, "boom", "error"), (2, "number", "invalid")]
+    assert batch.failures[0].turn == conversations[1][-1]["content"]
+    assert batch.metrics == {"tools/calls": 4.0, "tools/errors": 2.0, "tools/timeouts": 0.0, "tools/parse_errors": 1.0,
+                             "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0}
+    assert [h.done for h in handles] == [False] * 5 + [True]
+    with pytest.raises(ValueError, match="the episode of sample 5 is done"):
+        runner.step(handles[5:], [_call("echo", '{"text": "again"}')])
+
+
+def test_a_hanging_tool_times_out_and_the_rest_carries_on(runner):
+    handles = runner.start([{}] * 3)
+    start = time.monotonic()
+    batch = runner.step(handles[:2], [_call("hang"), _call("echo", '{"text": "meanwhile"}')])
+    elapsed = time.monotonic() - start
+    assert 0.2 <= elapsed < 1.5, elapsed  # the timeout, not the tool's 10 s
+    hang, echo = batch.outcomes
+    assert hang.observation == "error: the call of tool 'hang' timed out after 0.2 s" and not hang.done
+    assert hang.info == {"failure": "timeout"} and echo.observation == "meanwhile"
+    assert [(f.index, f.kind) for f in batch.failures] == [(0, "timeout")]
+    assert batch.metrics["tools/timeouts"] == 1.0 and batch.metrics["tools/errors"] == 0.0
+    assert batch.metrics["tools/abandoned_threads"] == 1.0
+
+    start = time.monotonic()  # later calls: a fresh worker took the stuck one's place
+    batch = runner.step(handles, [_call("echo", '{"text": "busy?"}'), _call("echo", '{"text": "a"}'),
+                                  _call("echo", '{"text": "b"}')])
+    assert time.monotonic() - start < 0.5
+    busy, a, b = batch.outcomes
+    assert busy.observation == "error: the previous tool call of this episode is still running"
+    assert (a.observation, b.observation) == ("a", "b")
+    assert [(f.index, f.kind) for f in batch.failures] == [(0, "busy")]
+    assert batch.metrics["tools/errors"] == 1.0 and batch.metrics["tools/calls"] == 3.0
+
+
+def test_max_turns_ends_the_episode(runner):
+    (handle,) = runner.start([{}])
+    for turn in range(1, 4):
+        outcome = runner.step([handle], [_call("echo", f'{{"text": "{turn}"}}')]).outcomes[0]
+        assert outcome.observation == str(turn) and outcome.done == (turn == 3)
+    assert handle.turns == 3 and handle.done
+
+
+def test_an_environment_that_finishes_with_a_reward():
+    runner = ToolRunner(EnvConfig(f"{HERE}:Finisher", parser="hermes"))
+    handles = runner.start([{"reward": 1.5}, {"reward": -2}])
+    batch = runner.step(handles, [_call("finish"), _call("finish")])
+    assert [(o.observation, o.done, o.reward, o.info) for o in batch.outcomes] == [
+        (None, True, 1.5, {"turns_seen": 2}), (None, True, -2.0, {"turns_seen": 2})]
+    assert batch.failures == []
+    runner.close()
+
+
+class Invalid:
+    tools = [_tool("go")]
+
+    def __init__(self, metadata):
+        self.result = metadata["result"]
+
+    def step(self, messages, call):
+        return self.result
+
+
+@pytest.mark.parametrize("result, message", [
+    ("text", "returned str, expected a StepResult"),
+    (StepResult(None, done=False), "returned no observation without ending the episode"),
+    (StepResult("ok", done=1), "returned done=1, expected a bool"),
+    (StepResult("ok", reward=float("nan")), "returned reward=nan, expected a finite number or None"),
+    (StepResult("ok", info=[]), "returned info of type list, expected a dict"),
+])
+def test_invalid_step_results_are_reported(result, message):
+    runner = ToolRunner(EnvConfig(f"{HERE}:Invalid", parser="hermes"))
+    batch = runner.step(runner.start([{"result": result}]), [_call("go")])
+    assert batch.outcomes[0].observation == f"error: tool 'go' {message}"
+    assert [(f.kind, f.message) for f in batch.failures] == [("invalid", f"tool 'go' {message}")]
+    runner.close()
+
+
+def test_bad_use_is_an_error_naming_the_sample(runner):
+    with pytest.raises(ValueError, match=r"could not start the episode of sample 1: KeyError: 'reward'"):
+        ToolRunner(EnvConfig(f"{HERE}:Finisher")).start([{"reward": 1}, {}])
+    with pytest.raises(ValueError, match=r"could not start the episode of sample 0: TypeError: .*unexpected keyword"):
+        ToolRunner(EnvConfig(f"{HERE}:scripted_tools", kwargs={"colour": "red"})).start([{}])
+    handles = runner.start([{}, {}])
+    with pytest.raises(ValueError, match="the conversation of sample 1 must end with the model's turn"):
+        runner.step(handles, [_call("echo", '{"text": "x"}'), [{"role": "user", "content": "hi"}]])
+    assert [h.turns for h in handles] == [0, 0]  # a bad batch changes no episode
+    with pytest.raises(ValueError, match="step got 2 episodes and 1 conversations"):
+        runner.step(handles, [_call("echo", '{"text": "x"}')])
+
+
+def test_calculator_end_to_end_with_the_tokenizer_parser():
+    runner = ToolRunner(EnvConfig("calculator", max_observation_chars=40))
+    handles = runner.start([{}, {}, {}])
+    batch = runner.step(handles, [_call("calculator", '{"expression": "6 * 7"}'),
+                                  _call("calculator", '{"expression": "1/0"}'),
+                                  _call("calculator", '{"expression": "7**100"}')])
+    assert [o.observation for o in batch.outcomes] == [
+        "42", "error: division by zero", str(7 ** 100)[:40 - 19] + " ...[cut: 85 chars]"]  # the marker has 19 chars
+    assert batch.metrics["tools/refused"] == 1.0 and batch.metrics["tools/truncated"] == 1.0
+    runner.close()
