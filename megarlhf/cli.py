@@ -57,6 +57,10 @@ COMMANDS.register("export")(Command(
 COMMANDS.register("plan")(Command(
     help="dry run: per-rank memory plan of a recipe on a layout (no GPU, no weights needed)",
     add_arguments=plan_command.add_arguments, run=plan_command.run))
+from megarlhf.checkpoint import fetch as fetch_command  # noqa: E402  (stdlib-only at import; kept with its entry)
+COMMANDS.register("fetch")(Command(
+    help="fetch a known pretrained model (or convert a GGUF file) into an HF model directory",
+    add_arguments=fetch_command.add_arguments, run=fetch_command.run))
 
 
 def build_parser() -> argparse.ArgumentParser:
