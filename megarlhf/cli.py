@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
+from megarlhf.checkpoint import fetch as fetch_command
 from megarlhf.planner import command as plan_command
 from megarlhf.registry import Registry
 from megarlhf.trainers import commands as trainer_commands
@@ -57,7 +58,6 @@ COMMANDS.register("export")(Command(
 COMMANDS.register("plan")(Command(
     help="dry run: per-rank memory plan of a recipe on a layout (no GPU, no weights needed)",
     add_arguments=plan_command.add_arguments, run=plan_command.run))
-from megarlhf.checkpoint import fetch as fetch_command  # noqa: E402  (stdlib-only at import; kept with its entry)
 COMMANDS.register("fetch")(Command(
     help="fetch a known pretrained model (or convert a GGUF file) into an HF model directory",
     add_arguments=fetch_command.add_arguments, run=fetch_command.run))

@@ -72,7 +72,7 @@ class TokenLayout:
 
 @lru_cache(maxsize=64)
 def _layout(cu_seqlens_padded: tuple[int, ...], cp_size: int, cp_rank: int) -> TokenLayout:
-    cu = torch.tensor(cu_seqlens_padded, dtype=torch.int64)
+    cu = torch.tensor(cu_seqlens_padded, dtype=torch.int64)  # host: cached index tables; masks move per tile
     index = rank_token_index(cu, cp_size, cp_rank)
     seq = torch.searchsorted(cu, index, right=True) - 1
     return TokenLayout(index, cu[seq])

@@ -15,6 +15,7 @@ device computations already, one group per purpose is simpler to reason about, a
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -127,7 +128,7 @@ class ParallelGroup:
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica")
+GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica", "channel")
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class Runtime:
     """Where this rank runs and with whom: the one object training, rollout and the trainers read.
 
     ``trainers`` holds every rank with Megatron state (the world, except in the disaggregated placement,
-    whose engine ranks are left out); verdicts that every trainer must agree on go over it. ``dp_cp`` is
+    whose engine ranks are left out); verdicts that every trainer must agree on go over it. ``channel``
+    (disaggregated placement only; gloo) links the first trainer rank with the engine ranks. ``dp_cp`` is
     the group DDP averages gradients over (data x context parallel); ``replica`` the TP x PP x CP ranks
     of this rank's model replica (the ranks with its data-parallel rank). ``is_engine_rank``: a rank of
     the disaggregated placement that only serves a rollout engine (its model groups are ``alone``).
@@ -153,6 +155,7 @@ class Runtime:
     replica: ParallelGroup
     pp_last_global_rank: int  # the global rank of the last pipeline stage of this rank's pipeline
     is_engine_rank: bool = False
+    channel: ParallelGroup = ParallelGroup(0, 1, None)
 
     @property
     def is_first_stage(self) -> bool:
@@ -289,8 +292,14 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     Every rank must call this (``torch.distributed.new_group`` is collective over the default group even
     for ranks outside the new group); Megatron's ``local_world_size`` makes its rank generator lay out
     TP/PP/CP/DP over the trainer ranks only, so on engine ranks no Megatron group is set and
-    ``parallel_state.model_parallel_is_initialized()`` is False. The runtime's ``trainers`` group holds
-    the trainer ranks (on an engine rank it is ``alone``).
+    ``parallel_state.model_parallel_is_initialized()`` is False. Every group the placement uses is made
+    here: the trainers' group and the gloo ``channel`` between the first trainer rank and the engines.
+
+    Then, on trainer ranks, the trainers' group becomes torch.distributed's default group: library code
+    that gathers over the default group assuming every rank of the job trains (Megatron's optimizer
+    setup, distributed checkpointing, megarlhf's checkpoint barriers) sees exactly the trainers, and the
+    engine ranks, which never reach those calls, cannot deadlock them. Trainer ranks are the job's first
+    ranks, so their ranks in that group equal their global ranks; ``runtime.world`` keeps the whole job.
     """
     world_size = read_launch_env().world_size
     if not 1 <= num_trainer_ranks < world_size:
@@ -300,11 +309,20 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     launch = init_distributed(backend)
     _initialize_megatron(config, local_world_size=num_trainer_ranks)
     seed_everything(seed)
-    group = dist.new_group(list(range(num_trainer_ranks)))  # collective: every rank creates it
+    # collective: every rank creates every group, in the same order
+    trainer_group = dist.new_group(list(range(num_trainer_ranks)))
+    channel_group = dist.new_group([0, *range(num_trainer_ranks, world_size)], backend="gloo")
     is_engine = launch.rank >= num_trainer_ranks
-    trainers = ParallelGroup.alone() if is_engine else ParallelGroup(launch.rank, num_trainer_ranks,
-                                                                      group if num_trainer_ranks > 1 else None)
-    return build_runtime(launch, trainers, is_engine_rank=is_engine)
+    trainers = ParallelGroup.alone() if is_engine else ParallelGroup(launch.rank, num_trainer_ranks, trainer_group)
+    channel_rank = 0 if launch.rank == 0 else (launch.rank - num_trainer_ranks + 1 if is_engine else None)
+    channel = (ParallelGroup(channel_rank, world_size - num_trainer_ranks + 1, channel_group)
+               if channel_rank is not None else ParallelGroup.alone())
+    runtime = dataclasses.replace(build_runtime(launch, trainers, is_engine_rank=is_engine), channel=channel)
+    if not is_engine:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.default_pg = trainer_group
+    return runtime
 
 
 def seed_everything(seed: int) -> None:

@@ -12,7 +12,7 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
 * no tool call: the episode is done (the turn is the model's answer), no observation;
 * a malformed call (:class:`~megarlhf.envs.api.ParseError`): observation ``"error: <why>"``, not done;
 * a call: ``episode.step(messages, call)`` runs on a thread of the reward runner's
-  :class:`~megarlhf.rewards.runner.RewardThreadPool` (see its docstring for why threads and how a stuck
+  :class:`~megarlhf.timed_calls.TimedThreadPool` (see its docstring for why threads and how a stuck
   thread is abandoned and replaced), limited to ``timeout_s`` from the moment it starts. A step that
   raises, returns something other than a valid :class:`~megarlhf.envs.api.StepResult` (a non-string
   observation, a non-finite reward, ...), or times out becomes the observation ``"error: ..."`` plus a
@@ -37,8 +37,7 @@ from typing import Any, Sequence
 
 from megarlhf.envs.api import EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, resolve_environment
 from megarlhf.envs.parsers import PARSERS, ToolCallParser
-# the reward runner's pool runs any per-item call with a time limit; _Call is its unit of work
-from megarlhf.rewards.runner import RewardThreadPool, _Call
+from megarlhf.timed_calls import TimedCall, TimedThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class ToolRunner:
         self.tokenizer = tokenizer
         self.factory = resolve_environment(config.name)
         self.make_parser = PARSERS.get(config.parser)
-        self.pool = RewardThreadPool(config.num_workers)
+        self.pool = TimedThreadPool(config.num_workers)
 
     def start(self, metadata: Sequence[dict[str, Any]]) -> list[EpisodeHandle]:
         """One episode per sample (``metadata[i]`` is sample i's dataset fields). Errors name the sample."""
@@ -160,7 +159,7 @@ class ToolRunner:
                 outcomes[slot] = TurnOutcome(self._fit(f"error: {message}"), False, call=parsed)
             else:
                 kwargs = {"messages": [dict(m) for m in messages], "call": parsed}
-                calls.append(_Call(_run_step, handle.episode, kwargs))
+                calls.append(TimedCall(_run_step, handle.episode, kwargs))
                 slots.append(slot)
         timed_out = self.pool.run(calls, self.config.timeout_s)
         for call, slot, late in zip(calls, slots, timed_out):
@@ -185,7 +184,7 @@ class ToolRunner:
                              f"({{'role': 'assistant', 'content': str}}), got {messages[-1] if messages else None!r}")
         return messages[-1]["content"]
 
-    def _outcome(self, handle: EpisodeHandle, call: _Call, timed_out: bool,
+    def _outcome(self, handle: EpisodeHandle, call: TimedCall, timed_out: bool,
                  turn: str) -> tuple[TurnOutcome, ToolFailure | None]:
         parsed: ParsedCall = call.kwargs["call"]
         if timed_out:

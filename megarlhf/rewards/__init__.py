@@ -6,10 +6,10 @@ from megarlhf.rewards import answers as _answers  # noqa: F401  (registers the b
 from megarlhf.rewards.answers import extract_final_answer, parse_number
 from megarlhf.rewards.api import (REWARDS, RewardConfig, RewardInput, RewardModel, RewardSpec, is_dotted_path,
                                   load_function, resolve_reward)
-from megarlhf.rewards.runner import CombinedReward, RewardFailure, RewardResult, RewardThreadPool
+from megarlhf.rewards.runner import CombinedReward, RewardFailure, RewardResult
 
 __all__ = [
     "REWARDS", "RewardConfig", "RewardInput", "RewardModel", "RewardSpec", "is_dotted_path", "load_function",
     "resolve_reward", "extract_final_answer", "parse_number", "CombinedReward", "RewardFailure",
-    "RewardResult", "RewardThreadPool",
+    "RewardResult",
 ]

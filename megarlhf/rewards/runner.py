@@ -8,28 +8,19 @@ term and a :class:`RewardFailure` report (batch index, truncated prompt/response
 the other samples are scored as usual. Metrics: ``reward/mean``, ``reward/<name>/mean`` (unweighted),
 ``reward/failures`` (raised or invalid), ``reward/timeouts`` and ``reward/abandoned_threads``.
 
-Why threads, not processes: rewards may be closures or user functions that do not pickle, a pool starts
-in microseconds, and the rule-based checkers spend milliseconds per call. A Python thread cannot be
-killed, so a timed-out call's thread is *abandoned*: it is a daemon (it never blocks interpreter exit),
-a fresh worker replaces it so the pool keeps its size, and it exits by itself if the call ever returns.
-``reward/abandoned_threads`` counts those still stuck. A call's clock starts when a worker picks it up,
-so the wall time of one batch is at most about ``ceil(calls / num_workers) * timeout_s``.
-
-Hand-written because ``concurrent.futures.ThreadPoolExecutor`` cannot replace a stuck worker and joins
-all its threads at interpreter exit, so one hung reward would stall the pool and the process.
+The calls run on a :class:`megarlhf.timed_calls.TimedThreadPool` (its docstring says why threads and
+how a stuck call is abandoned); ``reward/abandoned_threads`` counts the threads still stuck.
 """
 from __future__ import annotations
 
 import logging
 import math
 import numbers
-import threading
-import time
 from dataclasses import dataclass, field
-from queue import SimpleQueue
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward
+from megarlhf.timed_calls import TimedCall, TimedThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -39,82 +30,6 @@ _LOGGED_FAILURES = 5  # failures logged per batch (all are in RewardResult.failu
 
 def _truncate(text: str) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"... ({len(text)} chars)"
-
-
-class _Call:
-    """One reward call; its fields are written under the pool's lock."""
-
-    def __init__(self, fn: Callable, sample: RewardInput, kwargs: dict[str, Any]):
-        self.fn, self.sample, self.kwargs = fn, sample, kwargs
-        self.started: float | None = None
-        self.done = False
-        self.abandoned = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-class RewardThreadPool:
-    """A fixed number of daemon worker threads; :meth:`run` waits for a list of calls, each limited to
-    ``timeout_s`` from the moment a worker starts it (see the module docstring)."""
-
-    def __init__(self, num_workers: int):
-        self._queue: SimpleQueue[_Call | None] = SimpleQueue()
-        self._lock = threading.Condition()
-        self._num_workers = num_workers
-        self.abandoned = 0  # threads stuck in a timed-out call right now
-        for _ in range(num_workers):
-            self._start_worker()
-
-    def _start_worker(self) -> None:
-        threading.Thread(target=self._work, name="megarlhf-reward", daemon=True).start()
-
-    def _work(self) -> None:
-        while (call := self._queue.get()) is not None:
-            with self._lock:
-                call.started = time.monotonic()
-                self._lock.notify_all()
-            value, error = None, None
-            try:
-                value = call.fn(call.sample, **call.kwargs)
-            except BaseException as exc:  # user code: every failure is reported, none kills the worker
-                error = exc
-            with self._lock:
-                call.value, call.error, call.done = value, error, True
-                self._lock.notify_all()
-                if call.abandoned:  # a replacement worker took this thread's place
-                    self.abandoned -= 1
-                    return
-
-    def run(self, calls: Sequence[_Call], timeout_s: float) -> list[bool]:
-        """Runs ``calls``; returns, per call, whether it timed out (its thread is then abandoned)."""
-        for call in calls:
-            self._queue.put(call)
-        timed_out = [False] * len(calls)
-        pending = list(range(len(calls)))
-        with self._lock:
-            while pending:
-                now, next_deadline, still = time.monotonic(), math.inf, []
-                for i in pending:
-                    call = calls[i]
-                    if call.done:
-                        continue
-                    if call.started is not None and now >= call.started + timeout_s:
-                        call.abandoned, timed_out[i] = True, True
-                        self.abandoned += 1
-                        self._start_worker()
-                        continue
-                    if call.started is not None:
-                        next_deadline = min(next_deadline, call.started + timeout_s)
-                    still.append(i)
-                pending = still
-                if pending:
-                    # workers notify when a call starts or ends, so waiting without a limit is safe
-                    self._lock.wait(None if next_deadline == math.inf else next_deadline - now)
-        return timed_out
-
-    def close(self) -> None:
-        for _ in range(self._num_workers):
-            self._queue.put(None)
 
 
 @dataclass
@@ -160,11 +75,11 @@ class CombinedReward:
         self.terms = [(spec.name, spec.weight, resolve_reward(spec.name), dict(spec.kwargs))
                       for spec in config.functions]
         self.reward_model = reward_model
-        self.pool = RewardThreadPool(config.num_workers)
+        self.pool = TimedThreadPool(config.num_workers)
 
     def __call__(self, samples: Sequence[RewardInput]) -> RewardResult:
         samples = list(samples)
-        calls = [[_Call(fn, sample, kwargs) for sample in samples] for _, _, fn, kwargs in self.terms]
+        calls = [[TimedCall(fn, sample, kwargs) for sample in samples] for _, _, fn, kwargs in self.terms]
         timed_out = self.pool.run([c for row in calls for c in row], self.config.timeout_s)
         components, failures = {}, []
         for t, (name, _, _, _) in enumerate(self.terms):
@@ -184,7 +99,7 @@ class CombinedReward:
             logger.warning("%s", failure)
         return RewardResult(rewards, components, failures, self._metrics(rewards, components, failures))
 
-    def _failure(self, name: str, index: int, call: _Call, timed_out: bool) -> RewardFailure | None:
+    def _failure(self, name: str, index: int, call: TimedCall, timed_out: bool) -> RewardFailure | None:
         if timed_out:
             kind, message = "timeout", f"no result after {self.config.timeout_s} s"
         elif call.error is not None:
@@ -193,8 +108,8 @@ class CombinedReward:
             kind, message = "invalid", problem
         else:
             return None
-        return RewardFailure(index, name, kind, message, _truncate(call.sample.prompt),
-                             _truncate(call.sample.response))
+        return RewardFailure(index, name, kind, message, _truncate(call.item.prompt),
+                             _truncate(call.item.response))
 
     def _score_with_model(self, samples: list[RewardInput]) -> list[float]:
         scores = list(self.reward_model(samples))

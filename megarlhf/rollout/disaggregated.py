@@ -12,8 +12,8 @@ vLLM's engine core and worker are spawned child processes of the engine rank wit
 torch.distributed world, and the engine rank only talks to the trainers over megarlhf's own groups.
 Bytes reach the worker through vLLM's ``collective_rpc`` (pickled), one bucket per call.
 
-Groups (created by every rank in the constructor): ``trainers`` = the trainer ranks, and ``channel`` =
-{trainer rank 0, the *source*} + the engine ranks. Engine ranks sit in :meth:`DisaggregatedRollout.serve`
+Groups (made by :func:`parallel.runtime.init_disaggregated`): ``trainers`` = the trainer ranks, and
+``channel`` = {trainer rank 0, the *source*} + the engine ranks (gloo). Engine ranks sit in :meth:`DisaggregatedRollout.serve`
 and execute commands the source broadcasts on ``channel``; every trainer rank calls :meth:`sync` /
 :meth:`generate` / :meth:`stop_engines` together (they are collective over the trainer ranks).
 
@@ -111,15 +111,14 @@ class DisaggregatedRollout:
             raise RuntimeError("DisaggregatedRollout: torch.distributed is not initialised "
                                "(call parallel.runtime.init_disaggregated first)")
         self.config, self.runtime, self.tolerances = config, runtime, run_tolerances(config)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.rank, world = runtime.launch.rank, runtime.launch.world_size
         self.num_trainers = placement.num_trainer_ranks(world)
         self.engine_ranks = list(range(self.num_trainers, world))
         self.is_engine_rank = self.rank >= self.num_trainers
         self.sync_config = config.rollout.weight_sync
-        # every rank creates both groups, in the same order (new_group is collective over the default
-        # group); gloo, because they carry host bytes and objects whatever the trainers' backend
-        self.trainers = dist.new_group(list(range(self.num_trainers)), backend="gloo")
-        self.channel = dist.new_group([SOURCE_RANK, *self.engine_ranks], backend="gloo")
+        # the groups parallel.runtime.init_disaggregated made: the trainers (for the trainer side's
+        # broadcasts) and the gloo channel between the source and the engine ranks (host bytes)
+        self.trainers, self.channel = runtime.trainers.group, runtime.channel.group
         self.engine = self.actor = None
         if self.is_engine_rank:
             if config.rollout.tensor_parallel_size != 1 or config.rollout.backend != "vllm":

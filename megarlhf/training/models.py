@@ -92,12 +92,11 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
         model)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(optim.min_lr, lr), weight_decay=optim.weight_decay,
-                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                        use_distributed_optimizer=optim.use_distributed_optimizer),
-        [ddp])
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=min(optim.min_lr, lr), weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp])
     decay_steps = max(total_steps, optim.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else lr, max_lr=lr, min_lr=min(optim.min_lr, lr),

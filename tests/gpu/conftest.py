@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-DRY_RUN = os.environ.get("MEGARLHF_GPU_CHECK_CPU") == "1"
-ON_GPU = torch.cuda.is_available()
+from _gpu_common import DRY_RUN, ON_GPU
+
 _ROWS: list[dict] = []
 
 
@@ -81,13 +81,3 @@ def task(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("gpu_task")
     write_arithmetic_task(root, n_train=64, n_heldout=8, seed=0, max_steps=1, instruction=None)
     return root
-
-
-def run_config(model_dir: Path, dtype: str, *overrides: str):
-    """A small run config over ``model_dir`` (the loader applies ``overrides``)."""
-    from megarlhf.config import RunConfig, load_config
-
-    return load_config(RunConfig, None, [f"model.path={model_dir}", f"model.dtype={dtype}",
-                                         "data.train_path=unused.jsonl", "data.max_prompt_length=64",
-                                         "rollout.max_new_tokens=64", "train.micro_batch_tokens=1024",
-                                         "algorithm.kl_mode=none", *overrides])

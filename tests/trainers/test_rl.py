@@ -55,3 +55,20 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run / "hf")
+
+
+def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets):
+    """1 trainer rank + 1 engine rank (out-of-process vLLM): the whole driver, with the optimizer, the
+    checkpoints and the export that gather over the trainers only, and the engine rank serving."""
+    recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
+    run_torchrun(WORKER, 2, [str(recipe), "rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                             "checkpoint.every=1"], timeout_s=900)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    step0 = records[0]
+    assert step0["mismatch/step0_logprob_gap_max"] < 1e-4 and abs(step0["actor/ppo_kl"]) < 1e-6
+    assert step0["gates/calibration_probe_mean"] < 1e-5 and step0["weight_sync/tensors"] > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())[-1].endswith("2")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")

@@ -3,7 +3,7 @@ gradients, peak memory, time) at a realistic size: 8192 tokens, hidden 2048, voc
 import pytest
 import torch
 
-from conftest import ON_GPU
+from _gpu_common import ON_GPU
 
 TOKENS, HIDDEN, VOCAB = 8192, 2048, 32768
 

@@ -3,7 +3,7 @@ host memory: bit-exact round trip, and the device memory the training state held
 import pytest
 import torch
 
-from conftest import ON_GPU, run_config
+from _gpu_common import ON_GPU, run_config
 
 
 def _state(actor) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import DRY_RUN, ON_GPU, run_config
+from _gpu_common import DRY_RUN, ON_GPU, run_config
 
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)

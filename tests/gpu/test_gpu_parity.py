@@ -3,7 +3,7 @@ log-prob path: packed micro-batches and the fused log-prob op, Triton on CUDA)."
 import pytest
 import torch
 
-from conftest import run_config
+from _gpu_common import run_config
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.15}  # bf16: two implementations rounding differently
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import DRY_RUN, run_config
+from _gpu_common import DRY_RUN, run_config
 
 
 @pytest.mark.gpu
