@@ -49,6 +49,12 @@ COMMANDS.register("train")(Command(
 COMMANDS.register("sft")(Command(
     help="supervised fine-tuning (loss on response tokens)",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_sft))
+COMMANDS.register("dpo")(Command(
+    help="direct preference optimisation on preference pairs (DPO, cDPO, IPO, SimPO as the recipe says)",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_dpo))
+COMMANDS.register("rm")(Command(
+    help="reward-model training on preference pairs (Bradley-Terry), exported as ...ForSequenceClassification",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_rm))
 COMMANDS.register("eval")(Command(
     help="accuracy / pass@k of model.path on data.eval_path",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_eval))

@@ -16,6 +16,8 @@ from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY
                                  DynamicSamplingConfig, EstimatorNeeds, KLConfig, MismatchConfig, OverlongConfig,
                                  PolicyLossConfig)
 from megarlhf.dtypes import check_dtype_name
+from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossConfig
+from megarlhf.data.preference import PreferenceDataConfig
 from megarlhf.data.source import DataConfig
 from megarlhf.gates import GateConfig
 from megarlhf.rewards import RewardConfig
@@ -97,6 +99,29 @@ class AlgorithmConfig:
         """The one definition of "KL is on": a frozen reference model is built, scored and used only
         for a KL term that has weight (``kl.coef = 0`` switches KL off in either mode)."""
         return self.kl_in_loss or self.kl_in_reward
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference learning (``megarlhf dpo`` and ``megarlhf rm``): the loss and the rows' keys."""
+
+    loss: str = "dpo"  # a name in PREFERENCE_LOSSES (dpo, ipo, simpo); megarlhf dpo
+    params: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    keys: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    # megarlhf dpo: the reference's log-probs of the whole dataset are computed once before training and
+    # the reference model is then dropped (False: computed per step, the model offloaded in between)
+    precompute_reference: bool = False
+    rm_margin: float = 0.0  # megarlhf rm: the Bradley-Terry margin m in -logsigmoid(s_w - s_l - m)
+
+    def __post_init__(self):
+        _check(self.loss in PREFERENCE_LOSSES,
+               f"PreferenceConfig.loss: unknown preference loss {self.loss!r}; known: "
+               f"{', '.join(PREFERENCE_LOSSES.names())}")
+        _check(self.rm_margin >= 0, f"PreferenceConfig.rm_margin must be >= 0, got {self.rm_margin}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return PREFERENCE_LOSSES.get(self.loss).needs_reference
 
 
 @dataclass
@@ -231,6 +256,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     gates: GateConfig = field(default_factory=GateConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # megarlhf dpo / rm
     seed: int = 1234
 
     def __post_init__(self):

@@ -14,6 +14,11 @@ SFT rows (``prompt``, ``response``) with a worked solution ending in ``The answe
 SFT data can mix in two other response styles found in real instruction data: a bare answer, and the
 answer stated first with the working after it (a model that imitates either must guess before computing).
 
+Preference pairs (:func:`write_preference_task`) have a known ground truth: the chosen response is the
+worked solution with the right answer; the rejected one is the same problem answered wrongly, in one of
+three ways: a slip in the last step carried into the answer, correct working with a wrong final answer,
+or the working without any final-answer line.
+
 Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``.
 Hand-written: no offline package ships such data (docs/PLATFORM.md: GSM8K/MATH need the hub).
 """
@@ -201,6 +206,49 @@ def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, see
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
+
+
+REJECTED_KINDS = ("wrong_step", "wrong_answer", "no_answer_line")
+
+
+def rejected_response(row: dict, rng: random.Random, answer_format: str = "answer_is") -> tuple[str, str]:
+    """(kind, response): a wrong answer to ``row``'s problem (see the module docstring)."""
+    answer = int(row["answer"])
+    wrong = answer + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if answer + d >= 0])
+    kind = rng.choice(REJECTED_KINDS)
+    work = row["work"]
+    if kind == "wrong_step":  # the last "= X." of the working becomes the wrong value
+        cut = work.rfind("= ")
+        work = f"{work[:cut]}= {wrong}." if cut >= 0 else work
+    if kind == "no_answer_line":
+        return kind, work
+    final = final_answer(str(wrong), answer_format)
+    return kind, f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}"
+
+
+def preference_rows(rows: list[dict], seed: int, answer_format: str = "answer_is") -> list[dict]:
+    """Rows of (prompt, chosen, rejected, answer, rejected_kind): the worked solution preferred over a wrong
+    response to the same problem (:func:`rejected_response`)."""
+    rng = random.Random(f"{seed}-preference")
+    pairs = []
+    for row in rows:
+        kind, rejected = rejected_response(row, rng, answer_format)
+        pairs.append({"prompt": row["prompt"], "chosen": row["response"], "rejected": rejected,
+                      "answer": row["answer"], "rejected_kind": kind})
+    return pairs
+
+
+def write_preference_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
+                          **knobs) -> dict[str, Path]:
+    """Writes ``pairs_train.jsonl`` and ``pairs_heldout.jsonl`` (prompt, chosen, rejected, answer,
+    rejected_kind) under ``out_dir``, from the same disjoint splits as :func:`write_arithmetic_task`."""
+    out = Path(out_dir)
+    fmt = knobs.get("answer_format", "answer_is")
+    keys = ("prompt", "chosen", "rejected", "answer", "rejected_kind")
+    train = preference_rows(generate_split(n_train, heldout=False, seed=seed, **knobs), seed, fmt)
+    heldout = preference_rows(generate_split(n_heldout, heldout=True, seed=seed, **knobs), seed + 1, fmt)
+    return {"pairs_train": write_jsonl(train, out / "pairs_train.jsonl", keys),
+            "pairs_heldout": write_jsonl(heldout, out / "pairs_heldout.jsonl", keys)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``eval`` and ``export``.
+"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``dpo``, ``rm``, ``eval`` and ``export``.
 
 Each takes a YAML recipe and ``key.sub=value`` overrides (see :mod:`megarlhf.config`) and runs the same
 way single-process or under ``torchrun --nproc-per-node N -m megarlhf ...``.
@@ -39,6 +39,20 @@ def run_sft(args: argparse.Namespace) -> int:
     from megarlhf.trainers.sft import train_sft
 
     train_sft(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_dpo(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.preference import train_dpo
+
+    train_dpo(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.preference import train_rm
+
+    train_rm(_config(args, needs_train_data=True))
     return 0
 
 

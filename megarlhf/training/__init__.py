@@ -9,10 +9,11 @@
 * :mod:`~megarlhf.training.step`: one optimizer step with the non-finite gate.
 * :mod:`~megarlhf.training.update`: scoring, ``actor_update``, ``critic_update``.
 * :mod:`~megarlhf.training.sft`: ``sft_step``.
+* :mod:`~megarlhf.training.preference`: DPO-family and reward-model steps on preference pairs.
 """
 from megarlhf.training.batch import ExperienceBatch
-from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_frozen, params_dtype,
-                                      rl_optimizer_steps)
+from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_frozen, build_reward_model,
+                                      params_dtype, rl_optimizer_steps)
 from megarlhf.training.packing import MicroBatch, build_micro_batches, plan_micro_batches
 from megarlhf.training.sft import sft_batch, sft_step
 from megarlhf.training.step import NONFINITE_MODES, NonFiniteError, StepResult, optimizer_step
@@ -20,7 +21,7 @@ from megarlhf.training.update import (actor_update, compute_logprobs, compute_va
                                       old_logprobs_from_update)
 
 __all__ = [
-    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "params_dtype",
+    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "build_reward_model", "params_dtype",
     "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "StepResult", "optimizer_step", "actor_update", "compute_logprobs",
     "compute_values", "critic_update", "old_logprobs_from_update",

@@ -9,6 +9,8 @@ the final hidden states and computes, only at the positions the micro-batch want
   vocabulary rows are removed from the softmax (:func:`mask_padded_vocab`), so these log-probs are
   HF's and vLLM's.
 * ``values`` models (value head, :mod:`model_providers.value_head`): the head's scalar per position.
+* ``scores`` (a value-head model used as a reward model): the head's scalar at each sequence's last
+  token, one per sequence (:meth:`MicroBatch.last_token_outputs`).
 
 The per-position outputs are put back in the experience's token-aligned [n, L] layout by
 :meth:`MicroBatch.to_rows` (autograd-aware, so a loss computed there trains the model), then either
@@ -30,7 +32,7 @@ from megarlhf.ops import logprob_entropy
 from megarlhf.training.packing import MicroBatch
 from parallel.runtime import Runtime
 
-OUTPUT_KINDS = ("logprobs", "values")
+OUTPUT_KINDS = ("logprobs", "values", "scores")
 PADDED_LOGIT = -1.0e30
 
 
@@ -69,7 +71,10 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
         v = output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()  # [b, S]
         return {"values": torch.where(mb.label_mask, v, v.new_zeros(()))}
 
-    return {"logprobs": logprobs, "values": values}[kind]
+    def scores(*, hidden_states, output_layer, **_):
+        return {"scores": output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()}  # [b, S]
+
+    return {"logprobs": logprobs, "values": values, "scores": scores}[kind]
 
 
 LossFn = Callable[[MicroBatch, dict], tuple[Tensor, dict]]
@@ -101,7 +106,8 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
                        output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy))
 
         def finish(output_tensor, non_loss_data=False):
-            rows = {name: mb.to_rows(value) for name, value in output_tensor.items()}
+            rows = {name: mb.last_token_outputs(value) if name == "scores" else mb.to_rows(value)
+                    for name, value in output_tensor.items()}
             if loss_fn is None:
                 return {name: value.detach() for name, value in rows.items()}
             share, metrics = loss_fn(mb, rows)
@@ -120,8 +126,9 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
 def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int],
                  runtime: Runtime, *, kind: str, vocab_size: int, temperature: float = 1.0,
                  entropy: bool = False) -> dict[str, Tensor]:
-    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned, identical on every rank of
-    the pipeline, on the runtime's device. The model is put in eval mode for the pass and restored after.
+    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``),
+    identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
+    the pass and restored after.
     """
     was_training = model.training
     model.eval()
@@ -130,10 +137,14 @@ def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_
                                temperature=temperature, entropy=entropy)
     finally:
         model.train(was_training)
-    names = ["values"] if kind == "values" else ["logprobs"] + (["entropy"] if entropy else [])
-    out = {name: torch.zeros(batch_shape, dtype=torch.float32, device=runtime.device) for name in names}
+    names = [kind] if kind != "logprobs" else ["logprobs"] + (["entropy"] if entropy else [])
+    shape = batch_shape[:1] if kind == "scores" else batch_shape  # one score per sequence
+    out = {name: torch.zeros(shape, dtype=torch.float32, device=runtime.device) for name in names}
     if runtime.is_last_stage:
         for mb, rows in zip(micro_batches, results):
             for name in names:
-                out[name][mb.rows, :mb.width] = rows[name].float()
+                if kind == "scores":
+                    out[name][mb.rows] = rows[name].float()
+                else:
+                    out[name][mb.rows, :mb.width] = rows[name].float()
     return {name: runtime.broadcast_from_last_stage(value) for name, value in out.items()}

@@ -9,6 +9,8 @@
   learning rate (``optim.critic_lr``, default the actor's).
 * reference (and the evaluated policy of ``megarlhf eval``): the causal LM from ``model.path``, eval
   mode, no gradients, no DDP, no optimizer (:func:`build_frozen`).
+* reward model: a value-head model scoring whole sequences, trained by ``megarlhf rm`` or frozen in RL
+  (:func:`build_reward_model`).
 
 Trained models recompute activations as ``train.recompute`` says (Megatron's own full recomputation).
 Every model is built for packed sequences (``packed_sequences=True``) with ``variable_seq_lengths=True``
@@ -36,7 +38,7 @@ class TrainModel:
     """A model of the run: Megatron stage (DDP-wrapped when trainable), provider, optimizer, scheduler,
     and the runtime it lives in (device and groups)."""
 
-    role: str  # "actor", "critic", "reference" or "policy" (a frozen policy that is evaluated)
+    role: str  # "actor", "critic", "reference", "policy" (a frozen evaluated policy) or "reward_model"
     model: torch.nn.Module
     provider: Any  # model_providers.base.ModelProvider
     runtime: Runtime
@@ -45,7 +47,9 @@ class TrainModel:
 
     @property
     def kind(self) -> str:
-        return "values" if self.role == "critic" else "logprobs"
+        """What its forward produces: per-token values (critic), a score per sequence (reward model) or
+        per-token log-probs (every causal LM)."""
+        return {"critic": "values", "reward_model": "scores"}.get(self.role, "logprobs")
 
     @property
     def vocab_size(self) -> int:
@@ -142,3 +146,24 @@ def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
     model.eval()
     model.requires_grad_(False)
     return TrainModel(role, model, provider, runtime)
+
+
+def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_steps: int | None = None,
+                       trainable: bool = True) -> TrainModel:
+    """A value-head reward model from ``path``: trainable (``megarlhf rm``: a causal LM gets a fresh head,
+    an HF ``...ForSequenceClassification`` keeps its ``score.weight``), or frozen for scoring in RL, which
+    requires a trained head (a causal LM without ``score.weight`` is refused, naming the path)."""
+    from model_providers.hf_checkpoint import HFCheckpoint
+    from model_providers.value_head import HF_SCORE, load_value_model
+
+    if not trainable and HF_SCORE not in HFCheckpoint(path):
+        raise ValueError(f"reward model {path}: no {HF_SCORE} (a causal LM without a reward head); train one "
+                         f"with `megarlhf rm` or give an HF ...ForSequenceClassification directory")
+    provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config, trainable))
+    _variable_lengths(model)
+    if trainable:
+        steps = rl_optimizer_steps(config) if total_steps is None else total_steps
+        return _wrap_trainable("reward_model", model, provider, config, runtime, config.optim.lr, steps)
+    model.eval()
+    model.requires_grad_(False)
+    return TrainModel("reward_model", model, provider, runtime)

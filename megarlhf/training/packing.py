@@ -35,31 +35,43 @@ from torch import Tensor
 from parallel.context_parallel import CPShardPlan, make_shard_plan, packed_seq_params_for, shard, unshard
 
 
-def plan_micro_batches(lengths: Sequence[int], budget: int, packed: bool = True) -> list[list[int]]:
-    """Indices of the sequences of each micro-batch (ascending inside one); every index exactly once."""
+def plan_micro_batches(lengths: Sequence[int], budget: int, packed: bool = True,
+                       groups: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Indices of the sequences of each micro-batch (ascending inside one); every index exactly once.
+
+    ``groups`` (optional, a partition of the indices) keeps the sequences of a group in one micro-batch:
+    the chosen and rejected responses of a preference pair, whose loss needs both.
+    """
     if budget < 1:
         raise ValueError(f"plan_micro_batches: the token budget must be >= 1, got {budget}")
     lengths = [int(n) for n in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError(f"plan_micro_batches: need at least one sequence, all of length >= 1; got {lengths}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    items = [list(g) for g in groups] if groups is not None else [[i] for i in range(len(lengths))]
+    if sorted(i for g in items for i in g) != list(range(len(lengths))):
+        raise ValueError("plan_micro_batches: groups must hold every sequence index exactly once")
+    longest = [max(lengths[i] for i in g) for g in items]
+    total = [sum(lengths[i] for i in g) for g in items]
+    order = sorted(range(len(items)), key=lambda k: (-longest[k], min(items[k])))
     bins: list[list[int]] = []
     if packed:
         loads: list[int] = []
-        for i in order:
-            target = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), None)
+        for k in order:
+            target = next((b for b, load in enumerate(loads) if load + total[k] <= budget), None)
             if target is None:
-                bins.append([i])
-                loads.append(lengths[i])
+                bins.append(list(items[k]))
+                loads.append(total[k])
             else:
-                bins[target].append(i)
-                loads[target] += lengths[i]
+                bins[target] += items[k]
+                loads[target] += total[k]
     else:
-        for i in order:  # longest first: a bin's first sequence is its longest
-            if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
-                bins[-1].append(i)
+        widths: list[int] = []
+        for k in order:  # longest first: a bin's first item holds its longest sequence
+            if bins and (len(bins[-1]) + len(items[k])) * widths[-1] <= budget:
+                bins[-1] += items[k]
             else:
-                bins.append([i])
+                bins.append(list(items[k]))
+                widths.append(longest[k])
     return [sorted(b) for b in bins]
 
 
@@ -111,6 +123,19 @@ class MicroBatch:
         return torch.where(valid, shifted, shifted.new_zeros(()))
 
 
+    def last_token_outputs(self, local: Tensor) -> Tensor:
+        """This rank's per-position outputs (shape of ``tokens``) -> [n]: the output at each sequence's
+        last token (a reward model's score). Collective over the CP group, autograd-aware."""
+        if tuple(local.shape) != tuple(self.tokens.shape):
+            raise ValueError(f"MicroBatch.last_token_outputs: outputs of shape {tuple(local.shape)}, expected the "
+                             f"tokens' {tuple(self.tokens.shape)}")
+        if self.packed:
+            full = unshard(self.plan, local[0], self.cp_group)  # [T]
+            return full[self.plan.cu_seqlens[1:].long() - 1]
+        full = unshard(self.plan, local, self.cp_group, seq_dim=1)  # [n, S]
+        return full.gather(1, (self.lengths - 1)[:, None]).squeeze(1)
+
+
 def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
     """Per-sequence (labels, label_mask) lists: position t predicts token t + 1 of the same sequence."""
     labels, masks = [], []
@@ -121,12 +146,13 @@ def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
 
 
 def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int, *, packed: bool = True,
-                        cp_size: int = 1, cp_rank: int = 0, cp_group=None) -> list[MicroBatch]:
+                        cp_size: int = 1, cp_rank: int = 0, cp_group=None,
+                        groups: Sequence[Sequence[int]] | None = None) -> list[MicroBatch]:
     """The micro-batches of a batch of sequences, for this CP rank.
 
     ``input_ids`` [B, L], ``lengths`` [B]; ``wanted`` [B, L] bool, token-aligned: the tokens whose
     output (log-prob, value) the caller needs (e.g. the response mask); column 0 is ignored. The
-    micro-batches live on ``input_ids``' device.
+    micro-batches live on ``input_ids``' device; ``groups`` keep rows together (:func:`plan_micro_batches`).
     """
     if wanted.shape != input_ids.shape:
         raise ValueError(f"build_micro_batches: wanted has shape {tuple(wanted.shape)}, input_ids "
@@ -134,7 +160,7 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
     device = input_ids.device
     wanted = wanted.bool() & (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None])
     result = []
-    for rows in plan_micro_batches(lengths.tolist(), budget, packed):
+    for rows in plan_micro_batches(lengths.tolist(), budget, packed, groups):
         rows = torch.tensor(rows, dtype=torch.long, device=device)
         ids, lens = input_ids[rows], lengths[rows]
         labels, masks = _next_token_fields(ids, lens, wanted[rows])

@@ -162,8 +162,10 @@ def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | N
     return dataclasses.replace(normaliser, grad_average_factor=runtime.dp_cp.size)
 
 
-def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime) -> list[MicroBatch]:
-    """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing."""
+def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime,
+                      groups=None) -> list[MicroBatch]:
+    """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing
+    (``groups`` of rows kept in one micro-batch, e.g. preference pairs)."""
     return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
                                packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
-                               cp_group=runtime.cp.group)
+                               cp_group=runtime.cp.group, groups=groups)
