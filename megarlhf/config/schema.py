@@ -20,7 +20,7 @@ from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceL
 from megarlhf.data.preference import PreferenceDataConfig
 from megarlhf.data.source import DataConfig
 from megarlhf.gates import GateConfig
-from megarlhf.rewards import RewardConfig
+from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig
 from parallel.config import ParallelConfig
 
@@ -220,6 +220,9 @@ class EvalConfig:
     pass_at_k: list[int] = field(default_factory=lambda: [1])
     temperature: float = 0.0
     max_prompts: int | None = None  # None: the whole eval set
+    # what "correct" means on held-out prompts (a response is correct when these score > 0.5); None: the
+    # run's reward.functions. Never the learned reward model: evaluation measures the task, not the proxy.
+    reward_functions: list[RewardSpec] | None = None
 
     def __post_init__(self):
         _check(isinstance(self.every, int) and self.every >= 0, f"EvalConfig.every must be >= 0, got {self.every!r}")
@@ -260,6 +263,9 @@ class RunConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        _check(self.eval.every == 0 or self.eval_reward is not None,
+               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
+               "reward only), so set eval.reward_functions (e.g. [{name: math_verify}])")
         _check(not self.algorithm.needs.groups or self.rollout.n_samples >= 2,
                f"algorithm.estimator {self.algorithm.estimator!r} compares samples of a prompt: "
                f"rollout.n_samples must be >= 2, got {self.rollout.n_samples}")
@@ -267,3 +273,13 @@ class RunConfig:
         _check(overlong is None or overlong.buffer_length < self.rollout.max_new_tokens,
                f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+
+    @property
+    def eval_reward(self) -> RewardConfig | None:
+        """The reward evaluation scores with: ``eval.reward_functions`` (default ``reward.functions``) with
+        the run's timeouts and no reward model; None when there is no function to score with."""
+        functions = self.eval.reward_functions if self.eval.reward_functions is not None else self.reward.functions
+        if not functions:
+            return None
+        return RewardConfig(functions=list(functions), timeout_s=self.reward.timeout_s,
+                            failure_reward=self.reward.failure_reward, num_workers=self.reward.num_workers)

@@ -31,6 +31,8 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   one (the others store everything). ``activations_recompute`` is the figure for full recomputation
   of every layer, shown for comparison. The final norm keeps ``8h`` bytes per token, and the fused
   log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
+* a learned reward (``reward.reward_model_path``): its frozen weights with the value head, ``P_rm * d``
+  (its own config.json gives P_rm);
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
   a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``.
 
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 
 from megarlhf.dtypes import dtype_bytes
 from megarlhf.config.schema import RunConfig
-from megarlhf.planner.shapes import ModelShape
+from megarlhf.planner.shapes import ModelShape, resolve_shape
 
 GIB = 2**30
 MIB = 2**20
@@ -184,6 +186,17 @@ def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards:
     return {"weights": params * d, "grads": params * 4, "optimizer": params * (8 + master) // optim_shards}
 
 
+def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | None:
+    """The learned reward model's shape (its own config.json; the actor's when that is not readable here)."""
+    path = config.reward.reward_model_path
+    if path is None:
+        return None
+    try:
+        return resolve_shape(path)[0]
+    except ValueError:
+        return actor
+
+
 def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp: int, max_model_len: int,
            engine: dict[str, int]) -> StagePlan:
     d = dtype_bytes(config.model.dtype)
@@ -192,6 +205,9 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
     comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                                        stage) * d if config.algorithm.uses_reference else 0)
+    reward_shape = _reward_model_shape(config, shape)
+    comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
+        par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, "value") * d)
     critic = _trainable(shape, config, stage, d, shards, "value") if config.algorithm.uses_critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     act, act_recompute = _activations(shape, config, stage, d, max_model_len, "lm")
@@ -200,7 +216,7 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
-    trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_")))
+    trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_", "reward_model_")))
     if launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
         everything = trainer_state + act + sum(engine.values())
         phases = {"train": everything, "sync": everything, "generate": everything}

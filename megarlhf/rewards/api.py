@@ -28,6 +28,8 @@ class RewardInput:
     response: str
     ground_truth: Any = None  # the dataset's answer field (e.g. "19"), None when the data has none
     metadata: dict[str, Any] = field(default_factory=dict)  # the dataset row's other fields
+    prompt_ids: tuple[int, ...] = ()  # the tokens the policy saw and produced (a reward model scores these)
+    response_ids: tuple[int, ...] = ()
 
 
 RewardFn = Callable[..., float]
@@ -100,10 +102,15 @@ class RewardConfig:
     timeout_s: float = 10.0  # per call; a call that runs longer gets failure_reward and a report
     failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
     num_workers: int = 4  # threads running reward calls concurrently
-    reward_model_path: str | None = None  # HF directory of a reward model (the trainer builds the slot)
+    reward_model_path: str | None = None  # HF ...ForSequenceClassification directory (e.g. `megarlhf rm`'s export)
     reward_model_weight: float = 1.0  # weight of the reward model's score when reward_model_path is set
+    # standardise the reward model's scores with the mean / std stored with it (megarlhf_reward_stats.json)
+    reward_model_normalize: bool = False
+    reward_model_clip: float | None = None  # clip the (normalised) score to [-clip, clip]; None: no clip
 
     def __post_init__(self):
+        if self.reward_model_clip is not None and not self.reward_model_clip > 0:
+            raise ValueError(f"RewardConfig.reward_model_clip must be > 0 or null, got {self.reward_model_clip}")
         if not self.functions and self.reward_model_path is None:
             raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
         if not self.timeout_s > 0:

@@ -32,7 +32,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.config import rollout_sampling
 from megarlhf.rollout.engine import RolloutBatch
-from megarlhf.trainers.experience import rollout_metrics, score_rewards
+from megarlhf.trainers.experience import global_reward_metrics, rollout_metrics, score_rewards
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
@@ -66,7 +66,8 @@ def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runti
     n = config.rollout.n_samples
     rollout, metrics = _generate(phase, examples, config, stop, sample_seed(config.seed, step, offset, n), True)
     rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
-    metrics.update({**reward_metrics, **rollout_metrics(rollout, rewards, runtime)})
+    metrics.update({**global_reward_metrics(reward_metrics, len(rewards), runtime),
+                    **rollout_metrics(rollout, rewards, runtime)})
     if not config.algorithm.dynamic_sampling.enabled:
         return Collected(examples, rollout, rewards, offset, None, metrics)
     rounds = [_groups(examples, rollout, rewards, runtime)]

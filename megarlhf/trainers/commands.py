@@ -67,14 +67,16 @@ def run_eval(args: argparse.Namespace) -> int:
     config = _config(args)
     if not config.data.eval_path:
         raise ValueError("megarlhf eval needs data.eval_path (the held-out prompts)")
+    if config.eval_reward is None:
+        raise ValueError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
     run = start_run(config)
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return 0
     prompts = run.load_prompts(config.data.eval_path)
     policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
+    reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
     phase = build_rollout_phase(config, policy, [])
-    reward = CombinedReward(config.reward)
     metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
                        (run.tokenizer.eos_token_id,))
     reward.close()

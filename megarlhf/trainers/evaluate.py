@@ -1,6 +1,7 @@
 """Evaluation on held-out prompts: accuracy and pass@k of the current actor, through the rollout engine.
 
-A sample counts as correct when its reward is above 0.5, i.e. the run's reward is a 0/1 verifier
+A sample counts as correct when its evaluation reward (``RunConfig.eval_reward``: ``eval.reward_functions``,
+by default the run's reward functions, never a learned reward model) is above 0.5, i.e. a 0/1 verifier
 (math_verify, exact_match, numeric). ``eval/accuracy`` is the mean correctness over all samples;
 ``eval/pass@k`` is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
 Trained on Code"): for a prompt with ``c`` correct of ``n`` samples, ``1 - C(n-c, k) / C(n, k)``,

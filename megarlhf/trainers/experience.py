@@ -22,12 +22,27 @@ class Step0GateError(RuntimeError):
     """At step 0 the trainer's log-probs of the rollout disagree with the engine's beyond tolerance."""
 
 
+def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[CombinedReward, TrainModel | None]:
+    """The run's reward and, with ``reward.reward_model_path``, the frozen reward model it scores with
+    (a trainer-side model: colocate it with the others so it is offloaded around rollouts)."""
+    path = config.reward.reward_model_path
+    if path is None:
+        return CombinedReward(config.reward), None
+    from megarlhf.rewards.model import LearnedReward, check_reward_model
+    from megarlhf.training import build_reward_model
+
+    check_reward_model(path, tokenizer)
+    model = build_reward_model(config, runtime, path, trainable=False)
+    return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model
+
+
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
                   config: RunConfig, shape_length: bool = True) -> tuple[list[float], dict[str, float]]:
     """Rewards (one per sample of the rollout) and metrics; with ``shape_length``, DAPO's overlong
     penalty is added when configured (evaluation scores answers only)."""
     samples = [RewardInput(prompt=examples[p].prompt, response=tokenizer.decode(r, skip_special_tokens=True),
-                           ground_truth=examples[p].ground_truth, metadata=examples[p].metadata)
+                           ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
+                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r))
                for p, r in zip(rollout.prompt_index, rollout.response_ids)]
     result = reward(samples)
     for failure in result.failures:
@@ -41,6 +56,16 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
         rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
     return rewards, metrics
+
+
+def global_reward_metrics(metrics: dict[str, float], samples: int, runtime: Runtime) -> dict[str, float]:
+    """This replica's reward metrics (``score_rewards``) over all replicas: means weighted by each
+    replica's ``samples``, counts summed."""
+    names = sorted(metrics)
+    values = runtime.all_reduce([metrics[k] * samples if k.endswith("mean") else metrics[k] for k in names]
+                                + [float(samples)])
+    total = max(values[-1], 1.0)
+    return {k: v / total if k.endswith("mean") else v for k, v in zip(names, values)}
 
 
 def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, device: torch.device) -> ExperienceBatch:

@@ -34,9 +34,9 @@ from megarlhf.training import build_actor, build_frozen, build_reward_model
 from megarlhf.training.preference import (compute_scores, evaluate_pairs, pair_batch, preference_step,
                                           reward_model_step, sequence_logprobs)
 from model_providers.hf_checkpoint import export_hf_checkpoint
+from megarlhf.rewards.model import STATS_FILE
 from model_providers.value_head import export_reward_model
 
-REWARD_STATS_FILE = "megarlhf_reward_stats.json"
 
 
 def _load(run, path: str) -> PreferenceDataset:
@@ -54,16 +54,20 @@ def _reference_scorer(config: RunConfig, runtime, datasets: list[PreferenceDatas
     if not config.preference.needs_reference:
         return None
     reference = build_frozen(config, runtime, "reference")
-    if not config.preference.precompute_reference:
-        offloaded = OffloadedModel.of(reference)
+    if config.preference.precompute_reference:
+        return _precomputed_scorer(reference, config, runtime, datasets, pad_id)
+    offloaded = OffloadedModel.of(reference)
 
-        def on_the_fly(batch, indices, dataset):
-            if offloaded.params_offloaded:
-                offloaded.onload()
-            scores = sequence_logprobs(reference, batch, config)
-            offloaded.offload()
-            return scores
-        return on_the_fly
+    def on_the_fly(batch, indices, dataset):
+        if offloaded.params_offloaded:
+            offloaded.onload()
+        scores = sequence_logprobs(reference, batch, config)
+        offloaded.offload()
+        return scores
+    return on_the_fly
+
+
+def _precomputed_scorer(reference, config: RunConfig, runtime, datasets: list[PreferenceDataset], pad_id: int):
     tables = {}
     for dataset in datasets:
         mine = list(range(runtime.dp.rank, len(dataset), runtime.dp.size))
@@ -74,7 +78,6 @@ def _reference_scorer(config: RunConfig, runtime, datasets: list[PreferenceDatas
                                       config).tolist()
             local.update({i: (logps[2 * k], logps[2 * k + 1]) for k, i in enumerate(chunk)})
         tables[id(dataset)] = {i: v for part in runtime.all_gather_objects(local, over="dp") for i, v in part.items()}
-    del reference
 
     def precomputed(batch, indices, dataset):
         values = [v for i in indices for v in tables[id(dataset)][i]]
@@ -135,7 +138,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         stats = _score_stats(model, train, config, runtime, run.pad_id)
         export_reward_model(model.model, model.provider, out, source_dir=config.model.path, overwrite=True)
         if run.is_main:
-            (out / REWARD_STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+            (out / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
     if run.is_main:
         plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=keys)
     run.log(f"exported the {'policy' if mode == 'dpo' else 'reward model'} to {out}")

@@ -9,7 +9,7 @@ registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torc
  3. sync       actor shards -> full HF-named tensors -> engine, in buckets, checksum-verified
  4. rollout    the engine samples ``rollout.n_samples`` responses per prompt, with their log-probs
  5. sleep      the engine sleeps and the trainer state comes back
- 6. reward     verifiers, user functions or a reward model, per sample and time-bounded
+ 6. reward     verifiers, user functions (per sample, time-bounded) and a learned reward model
                (DAPO's dynamic sampling repeats 1-6 until the batch holds enough informative groups)
  7. score      reference log-probs, critic values, and the actor's log-probs (the PPO "old" policy)
                unless the update's own forward gives the same numbers (one optimizer step per RL
@@ -34,7 +34,7 @@ from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import greedy_sampling
 from megarlhf.trainers.collect import Collected, collect
 from megarlhf.trainers.evaluate import evaluate
-from megarlhf.trainers.experience import build_experience, compute_advantages, score, score_rewards
+from megarlhf.trainers.experience import build_experience, build_reward, compute_advantages, score, score_rewards
 from megarlhf.trainers.rollout_phase import build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
@@ -55,9 +55,10 @@ def train_rl(config: RunConfig) -> Path | None:
     actor = build_actor(config, runtime)
     reference = build_frozen(config, runtime, "reference") if config.algorithm.uses_reference else None
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
+    reward, reward_model = build_reward(config, runtime, run.tokenizer)
+    eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
     # before the resume: the gates calibrate while actor and engines hold the checkpoint at model.path
-    phase = build_rollout_phase(config, actor, [m for m in (critic, reference) if m is not None])
-    reward = CombinedReward(config.reward)
+    phase = build_rollout_phase(config, actor, [m for m in (critic, reference, reward_model) if m is not None])
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
     steps = config.train.steps
@@ -67,9 +68,9 @@ def train_rl(config: RunConfig) -> Path | None:
     stop = (run.tokenizer.eos_token_id,)
 
     def run_eval(step: int) -> dict[str, float]:
-        if eval_prompts is None:
+        if eval_prompts is None or eval_reward is None:
             return {}
-        return evaluate(phase, eval_prompts.examples, reward, run.tokenizer, config, step, runtime, stop)
+        return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop)
 
     for step in range(first_step, steps):
         start = time.perf_counter()
@@ -100,6 +101,8 @@ def train_rl(config: RunConfig) -> Path | None:
         recorder.log(steps, run_eval(steps))
     recorder.close()
     reward.close()
+    if eval_reward is not None:
+        eval_reward.close()
     phase.close()
     export_dir = export_hf_checkpoint(actor.model, actor.provider, run.run_dir / "hf", source_dir=config.model.path,
                                       overwrite=True)

@@ -1,4 +1,6 @@
 """The memory plan against hand-worked numbers, and how it composes the colocate phases."""
+import json
+
 import pytest
 
 from megarlhf.config import RunConfig, from_dict
@@ -57,6 +59,22 @@ def test_pipeline_stages_and_critic():
     # 1F1B: the first stage holds 2 micro-batches of its layer in flight, the last one
     assert first.components["activations"] > last.components["activations"] - 128 * (8 * 64 + 3 * 256 * 4)
     assert first.activations_recompute < first.components["activations"]
+
+
+def test_learned_reward_model_weights_from_its_own_config(tmp_path):
+    # the reward model is half the actor's depth: its own config.json sizes it, with a 1-wide value head
+    # (h) in place of the untied 256 x 64 output layer: 36992 + 256x64 + 64 + 64 = 53504 parameters
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": False, "num_labels": 1}))
+    without = plan_memory(_config(), SHAPE, Launch(world_size=2)).stages[0]
+    plan = plan_memory(_config(reward={"reward_model_path": str(tmp_path)}), SHAPE, Launch(world_size=2))
+    st = plan.stages[0]
+    assert without.components["reward_model_weights"] == 0
+    assert st.components["reward_model_weights"] == 2 * 53504
+    assert st.phases["train"] == without.phases["train"] + 2 * 53504
+    assert st.phases["generate"] == without.phases["generate"]  # offloaded around rollouts like the reference
 
 
 def test_layout_errors_name_the_problem():
