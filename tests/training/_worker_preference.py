@@ -33,7 +33,9 @@ PROMPTS = (5, 3, 7, 4, 2, 6)
 CHOSEN = (9, 1, 4, 11, 7, 3)
 REJECTED = (6, 10, 4, 2, 8, 5)
 PAD = VOCAB - 1  # never a token of the pairs: HF's sequence classifier pools at the last non-pad token
-LOSS_PARAMS = {"dpo": {"beta": 0.1, "label_smoothing": 0.1}, "ipo": {"beta": 0.5}, "simpo": {"simpo_gamma": 0.5}}
+# check name -> (registered loss, its parameters); dpo_plain (no label smoothing) is the loss TRL computes
+LOSSES = {"dpo": ("dpo", {"beta": 0.1, "label_smoothing": 0.1}), "ipo": ("ipo", {"beta": 0.5}),
+          "simpo": ("simpo", {"simpo_gamma": 0.5}), "dpo_plain": ("dpo", {"beta": 0.1})}
 
 
 def pairs_batch():
@@ -66,7 +68,7 @@ def hand_loss(name: str, params: dict, logps: torch.Tensor, ref: torch.Tensor, l
     w, l, rw, rl = logps[0::2], logps[1::2], ref[0::2], ref[1::2]
     nw, nl = lengths[0::2].double(), lengths[1::2].double()
     if name == "dpo":
-        z, eps = params["beta"] * ((w - rw) - (l - rl)), params["label_smoothing"]
+        z, eps = params["beta"] * ((w - rw) - (l - rl)), params.get("label_smoothing", 0.0)
         return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
     if name == "ipo":
         return ((w - rw) / nw - (l - rl) / nl - 1 / (2 * params["beta"])) ** 2
@@ -81,15 +83,16 @@ def max_rel_grad(megatron: dict, hf_model) -> float:
     return worst
 
 
-def policy_checks(name, cfg, runtime, full, local, ref, single: bool) -> dict:
+def policy_checks(check, cfg, runtime, full, local, ref, single: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarlhf.algorithms.preference_losses import PreferenceLossConfig
     from megarlhf.training import build_actor
     from megarlhf.training.preference import preference_step
 
+    name, params = LOSSES[check]
     cfg.preference.loss = name
-    cfg.preference.params = PreferenceLossConfig(**LOSS_PARAMS[name])
+    cfg.preference.params = PreferenceLossConfig(**params)
     actor = build_actor(cfg, runtime)
     rows = local_rows(full, runtime)
     metrics = preference_step(actor, local, cfg, ref[rows] if name != "simpo" else None)
@@ -97,7 +100,7 @@ def policy_checks(name, cfg, runtime, full, local, ref, single: bool) -> dict:
               "accuracy": metrics["rewards/accuracy"], "margin": metrics["rewards/margin"]}
     hf = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     logps = hf_summed_logps(hf, full).double()
-    loss = hand_loss(name, LOSS_PARAMS[name], logps, ref.double(), full.response_mask.sum(dim=1)).mean()
+    loss = hand_loss(name, params, logps, ref.double(), full.response_mask.sum(dim=1)).mean()
     loss.backward()
     result.update(hf_loss=float(loss), hf_grad_norm=norm([p.grad for p in hf.parameters()]))
     if single:
@@ -183,7 +186,9 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ref = hf_summed_logps(hf, full) + noise((full.batch_size,), 7, 2.0)
     local = full.select(local_rows(full, runtime))
-    result = {name: policy_checks(name, cfg, runtime, full, local, ref, single) for name in LOSS_PARAMS}
+    result = {check: policy_checks(check, cfg, runtime, full, local, ref, single) for check in LOSSES}
+    result["pairs"] = {"input_ids": full.input_ids.tolist(), "lengths": full.lengths.tolist(),
+                       "prompt_lengths": list(PROMPTS), "ref_logps": ref.tolist()}
     result["rm"] = reward_model_checks(cfg, runtime, full, local, single, out_dir)
     write_rank_result(out_dir, runtime.launch.rank, result)
 

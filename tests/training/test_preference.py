@@ -9,7 +9,7 @@ import pytest
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 
 HERE = Path(__file__).parent
-LOSSES = ("dpo", "ipo", "simpo", "rm")
+LOSSES = ("dpo", "ipo", "simpo", "dpo_plain", "rm")
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,38 @@ def test_layouts_give_the_single_rank_step(preference_run, layout):
             assert rank[loss]["accuracy"] == single[loss]["accuracy"], loss
         assert rank["rm"]["export_score_max_diff"] <= 1e-6 * rank["rm"]["export_score_scale"] + 1e-5
         assert rank["rm"]["learned_max_diff"] < 1e-5
+
+
+def test_dpo_step_matches_trl_dpo_trainer(preference_run, tiny_dirs, tmp_path):
+    """TRL's DPOTrainer (sigmoid loss, precomputed reference log-probs) on HF's model, fed the same token
+    ids through its own collator: the same loss and gradient norm as megarlhf's Megatron DPO step."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    result = preference_run(1, (1, 1, 1))[0]
+    pairs, ours = result["pairs"], result["dpo_plain"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[0], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs[0])
+    args = DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True,
+                     report_to=[], use_cpu=True, max_length=None)
+    placeholder = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # the trainer needs one
+    trainer = DPOTrainer(model=model, args=args, train_dataset=placeholder, processing_class=tokenizer)
+    ids, lengths = pairs["input_ids"], pairs["lengths"]
+    examples = []
+    for k, p in enumerate(pairs["prompt_lengths"]):
+        chosen, rejected = ids[2 * k][:lengths[2 * k]], ids[2 * k + 1][:lengths[2 * k + 1]]
+        examples.append({"prompt_ids": chosen[:p], "chosen_ids": chosen[p:], "rejected_ids": rejected[p:]})
+    inputs = trainer.data_collator(examples)
+    ref = torch.tensor(pairs["ref_logps"])
+    inputs["ref_chosen_logps"], inputs["ref_rejected_logps"] = ref[0::2], ref[1::2]
+    model.train()
+    loss = trainer._compute_loss(model, inputs, False)
+    loss.backward()
+    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    loss = float(loss.detach())
+    assert abs(loss - ours["loss"]) < 1e-6
+    assert grad_norm == pytest.approx(ours["grad_norm"], rel=1e-5)
+    print(f"TRL DPOTrainer vs megarlhf DPO step: |loss diff| = {abs(loss - ours['loss']):.2e}, "
+          f"grad norm {grad_norm:.6f} vs {ours['grad_norm']:.6f}")
