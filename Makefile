@@ -3,13 +3,16 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup demo test test-slow bench
+.PHONY: setup demo preference-demo test test-slow bench
 
 setup:
 	bash tools/setup_env.sh
 
 demo: setup
 	$(PY) examples/demo.py
+
+preference-demo: setup
+	$(PY) examples/preference_demo.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -16,8 +16,10 @@ answer stated first with the working after it (a model that imitates either must
 
 Preference pairs (:func:`write_preference_task`) have a known ground truth: the chosen response is the
 worked solution with the right answer; the rejected one is the same problem answered wrongly, in one of
-three ways: a slip in the last step carried into the answer, correct working with a wrong final answer,
-or the working without any final-answer line.
+five ways: a slip in the last step carried into the answer, correct working with a wrong final answer,
+the working without any final-answer line, a wrong answer guessed first with the working after it (the
+answer-first style's typical failure), or one of the problem's numbers misread and the rest computed
+correctly from it (right arithmetic on the wrong problem).
 
 Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``.
 Hand-written: no offline package ships such data (docs/PLATFORM.md: GSM8K/MATH need the hub).
@@ -28,6 +30,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,7 +211,26 @@ def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, see
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
 
 
-REJECTED_KINDS = ("wrong_step", "wrong_answer", "no_answer_line")
+REJECTED_KINDS = ("wrong_step", "wrong_answer", "no_answer_line", "answer_first", "misread")
+_STEP = re.compile(r"(-?\d+) ([-+*/]) (\d+) = (-?\d+)\.")
+
+
+def misread_work(work: str, rng: random.Random) -> tuple[str, int] | None:
+    """(``work`` with one operand of the problem misread and every later value recomputed from it, its final
+    value): correct arithmetic on the wrong problem; None when the working has no step."""
+    steps = list(_STEP.finditer(work))
+    if not steps:
+        return None
+    k, value = rng.randrange(len(steps)), int(steps[0].group(1))
+    pieces, end = [], 0
+    for i, step in enumerate(steps):
+        op, n = step.group(2), int(step.group(3))
+        if i == k:
+            n += rng.choice([d for d in (-2, -1, 1, 2) if n + d > 0])
+        new = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
+        pieces += [work[end:step.start()], f"{value} {op} {n} = {new}."]
+        value, end = new, step.end()
+    return "".join(pieces) + work[end:], value
 
 
 def rejected_response(row: dict, rng: random.Random, answer_format: str = "answer_is") -> tuple[str, str]:
@@ -222,7 +244,12 @@ def rejected_response(row: dict, rng: random.Random, answer_format: str = "answe
         work = f"{work[:cut]}= {wrong}." if cut >= 0 else work
     if kind == "no_answer_line":
         return kind, work
+    misread = misread_work(work, rng) if kind == "misread" else None
+    if misread is not None and misread[1] != answer:
+        work, wrong = misread
     final = final_answer(str(wrong), answer_format)
+    if kind == "answer_first":
+        return kind, f"{final}\n{work}"
     return kind, f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}"
 
 

@@ -18,7 +18,8 @@ from megarlhf.planner.suggest import suggest
 ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp32)"),
         ("actor_optimizer", "actor optimizer state"), ("reference_weights", "reference weights"),
         ("critic_weights", "critic weights"), ("critic_grads", "critic gradients (fp32)"),
-        ("critic_optimizer", "critic optimizer state"), ("activations", "activations"),
+        ("critic_optimizer", "critic optimizer state"), ("reward_model_weights", "reward model weights"),
+        ("activations", "activations"),
         ("engine_weights", "vLLM weights"), ("engine_kv_cache", "vLLM KV cache"),
         ("engine_sync_bucket", "weight-sync bucket")]
 

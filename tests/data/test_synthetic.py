@@ -103,3 +103,23 @@ def test_step_range():
     assert counts == {2, 3}
     with pytest.raises(ValueError, match="min_steps=3 and max_steps=2"):
         generate_split(5, False, seed=0, min_steps=3, max_steps=2)
+
+
+def test_preference_pairs_prefer_the_right_answer_in_every_rejected_kind(tmp_path):
+    from megarlhf.data.synthetic import REJECTED_KINDS, write_preference_task
+
+    paths = write_preference_task(tmp_path, n_train=300, n_heldout=50, seed=3, max_steps=3, max_value=15,
+                                  ops=("add", "sub"), instruction=None)
+    rows = [json.loads(line) for line in paths["pairs_train"].read_text().splitlines()]
+    step = re.compile(r"(-?\d+) ([-+]) (\d+) = (-?\d+)\.")
+    exact = REWARDS.get("exact_match")
+    assert {r["rejected_kind"] for r in rows} == set(REJECTED_KINDS)
+    for row in rows:
+        assert exact(RewardInput(row["prompt"], row["chosen"], row["answer"])) == 1.0
+        assert exact(RewardInput(row["prompt"], row["rejected"], row["answer"])) == 0.0, row
+        if row["rejected_kind"] == "misread":  # right arithmetic on one changed operand
+            chosen, rejected = step.findall(row["chosen"]), step.findall(row["rejected"])
+            assert len(chosen) == len(rejected)
+            for a, op, n, v in rejected:
+                assert int(v) == (int(a) + int(n) if op == "+" else int(a) - int(n))
+            assert sum(c[2] != r[2] for c, r in zip(chosen, rejected)) == 1

@@ -13,7 +13,8 @@ RECIPES = Path(__file__).parents[2] / "examples" / "recipes"
 LAYOUTS = yaml.safe_load((RECIPES / "layouts.yaml").read_text())
 CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() for gpus, overrides in sizes.items()]
 # model and data come from overrides
-CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml"]
+CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml", "demo_rm.yaml",
+               "demo_dpo.yaml", "demo_grpo_learned_reward.yaml"]
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
@@ -60,6 +61,8 @@ def test_cpu_recipes_plan_on_cpu(capsys, tmp_path, recipe):
     from model_providers.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
-    status, out = _plan(capsys, RECIPES / recipe, 2, [f"model.path={model}", "data.train_path=x.jsonl"],
+    learned = [f"reward.reward_model_path={model}"] if "learned_reward" in recipe else []
+    status, out = _plan(capsys, RECIPES / recipe, 2, [f"model.path={model}", "data.train_path=x.jsonl", *learned],
                         "--device", "cpu", "--gpu-mem-gib", "24")
     assert status == 0, out
+    assert ("reward model weights" in out) == bool(learned), out
