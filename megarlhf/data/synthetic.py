@@ -21,7 +21,8 @@ the working without any final-answer line, a wrong answer guessed first with the
 answer-first style's typical failure), or one of the problem's numbers misread and the rest computed
 correctly from it (right arithmetic on the wrong problem).
 
-Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``.
+Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``;
+``style="bare"`` asks the expression itself ("What is 59 + 63?") instead of a word problem.
 Hand-written: no offline package ships such data (docs/PLATFORM.md: GSM8K/MATH need the hub).
 """
 from __future__ import annotations
@@ -111,8 +112,16 @@ def in_heldout(problem: Problem, heldout_fraction: float) -> bool:
     return digest < heldout_fraction * 0x100000000
 
 
-def render(problem: Problem, rng: random.Random, instruction: str | None) -> tuple[str, str]:
-    """(prompt, worked solution without the final-answer line) in randomly chosen words."""
+def render(problem: Problem, rng: random.Random, instruction: str | None, style: str = "word") -> tuple[str, str]:
+    """(prompt, worked solution without the final-answer line): a word problem in randomly chosen words
+    (``style="word"``) or the bare expression, "What is 59 + 63?" (``style="bare"``)."""
+    if style == "bare":
+        work, value = [], problem.start
+        for op, n in problem.steps:
+            new = {"add": value + n, "sub": value - n, "mul": value * n, "div": value // n}[op]
+            work.append(f"{value} {SYMBOLS[op]} {n} = {new}.")
+            value = new
+        return f"What is {problem.expression}?" + (f" {instruction}" if instruction else ""), " ".join(work)
     words = {"name": rng.choice(NAMES), "item": rng.choice(ITEMS)}
     sentences = [rng.choice(OPENINGS).format(n=problem.start, **words)]
     work, value = [], problem.start
@@ -135,9 +144,11 @@ def final_answer(answer: str, answer_format: str) -> str:
 def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_value: int = 20,
                    ops: tuple[str, ...] = ("add", "sub", "mul", "div"), heldout_fraction: float = 0.2,
                    instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is",
-                   min_steps: int = 1) -> list[dict]:
+                   min_steps: int = 1, style: str = "word") -> list[dict]:
     """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked) and
-    work (the worked solution without its final-answer line)."""
+    work (the worked solution without its final-answer line); ``style``: see :func:`render`."""
+    if style not in ("word", "bare"):
+        raise ValueError(f"style must be 'word' or 'bare', got {style!r}")
     if answer_format not in ("answer_is", "hashes"):
         raise ValueError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
     if not 0.0 < heldout_fraction < 1.0:
@@ -155,7 +166,7 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
         if problem.key in seen or in_heldout(problem, heldout_fraction) != heldout:
             continue
         seen.add(problem.key)
-        prompt, work = render(problem, rng, instruction)
+        prompt, work = render(problem, rng, instruction, style)
         final = final_answer(str(problem.answer), answer_format)
         rows.append({"prompt": prompt, "answer": str(problem.answer), "expression": problem.expression,
                      "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}",
@@ -287,14 +298,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-steps", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--max-value", type=int, default=20)
+    parser.add_argument("--ops", default="add,sub,mul,div", help="comma-separated operations (add, sub, mul, div)")
     parser.add_argument("--answer-format", choices=("answer_is", "hashes"), default="answer_is")
+    parser.add_argument("--style", choices=("word", "bare"), default="word",
+                        help="word problems, or the bare expression ('What is 59 + 63?')")
+    parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to every prompt")
     parser.add_argument("--sft-direct-fraction", type=float, default=0.0)
     parser.add_argument("--sft-answer-first-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
     paths = write_arithmetic_task(args.out_dir, args.n_train, args.n_heldout, args.seed,
                                   sft_direct_fraction=args.sft_direct_fraction,
                                   sft_answer_first_fraction=args.sft_answer_first_fraction, min_steps=args.min_steps,
-                                  max_steps=args.max_steps, max_value=args.max_value, answer_format=args.answer_format)
+                                  max_steps=args.max_steps, max_value=args.max_value, answer_format=args.answer_format,
+                                  ops=tuple(args.ops.split(",")), style=args.style, instruction=args.instruction)
     for name, path in paths.items():
         print(f"{name}: {path}")
 

@@ -123,3 +123,14 @@ def test_preference_pairs_prefer_the_right_answer_in_every_rejected_kind(tmp_pat
             for a, op, n, v in rejected:
                 assert int(v) == (int(a) + int(n) if op == "+" else int(a) - int(n))
             assert sum(c[2] != r[2] for c, r in zip(chosen, rejected)) == 1
+
+
+def test_bare_style_asks_the_expression(tmp_path):
+    rows = generate_split(50, heldout=False, seed=1, max_steps=1, max_value=99, ops=("add",), style="bare",
+                          instruction="Think.")
+    for row in rows:
+        a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\? Think\.", row["prompt"]).groups()
+        assert int(row["answer"]) == int(a) + int(b)
+        assert row["response"] == f"{a} + {b} = {row['answer']}. The answer is {row['answer']}."
+    with pytest.raises(ValueError, match="style must be 'word' or 'bare'"):
+        generate_split(5, heldout=False, seed=1, style="table")
