@@ -270,9 +270,19 @@ class RunConfig:
                f"algorithm.estimator {self.algorithm.estimator!r} compares samples of a prompt: "
                f"rollout.n_samples must be >= 2, got {self.rollout.n_samples}")
         overlong = self.algorithm.overlong
-        _check(overlong is None or overlong.buffer_length < self.rollout.max_new_tokens,
+        _check(overlong is None or overlong.buffer_length < self.rollout.response_budget,
                f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
-               f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+               f"the response budget ({self.rollout.response_budget}: rollout.max_new_tokens, or "
+               f"rollout.max_response_tokens in multi-turn rollouts)")
+        _check(self.rollout.max_staleness == 0 or not self.algorithm.dynamic_sampling.enabled,
+               "rollout.max_staleness=1 with algorithm.dynamic_sampling: DAPO's extra rounds generate with the "
+               "current weights inside the step, which the one batch in flight cannot overlap; use one or the other")
+        _check(self.rollout.env is None or not self.algorithm.dynamic_sampling.enabled,
+               "rollout.env (multi-turn rollouts) with algorithm.dynamic_sampling is not supported: DAPO's rounds "
+               "regroup single-turn samples; turn dynamic sampling off for tool-calling runs")
+        _check(self.rollout.max_staleness == 0 or not self.algorithm.needs.greedy_baseline,
+               f"rollout.max_staleness=1 with algorithm.estimator={self.algorithm.estimator!r}: its greedy "
+               f"baseline is generated inside the step with the current weights; use max_staleness=0")
 
     @property
     def eval_reward(self) -> RewardConfig | None:

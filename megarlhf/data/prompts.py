@@ -27,6 +27,7 @@ class PromptExample:
     prompt_ids: list[int]
     ground_truth: Any  # the row's answer field, None if absent
     metadata: dict[str, Any] = field(default_factory=dict)  # the row's other fields
+    messages: list[dict[str, str]] | None = None  # chat mode: the messages the prompt renders (None: plain)
 
 
 @dataclass
@@ -98,11 +99,12 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     """Renders, tokenizes and length-filters ``rows`` (see the module docstring)."""
     chat = uses_chat_template(tokenizer, config)
     texts = [render_prompt(row, tokenizer, config, chat, f"{source} row {i}") for i, row in enumerate(rows)]
+    messages = [row_messages(row, config, f"{source} row {i}") if chat else None for i, row in enumerate(rows)]
     # a chat template writes its own special tokens; plain text gets the tokenizer's usual ones (BOS)
     ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
     skip = {config.prompt_key, config.answer_key, config.messages_key}
     examples = [PromptExample(i, text, list(tokens), row.get(config.answer_key),
-                              {k: v for k, v in row.items() if k not in skip})
+                              {k: v for k, v in row.items() if k not in skip}, messages[i])
                 for i, (row, text, tokens) in enumerate(zip(rows, texts, ids))
                 if len(tokens) <= config.max_prompt_length]
     dropped = len(rows) - len(examples)

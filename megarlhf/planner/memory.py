@@ -244,7 +244,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
         raise ValueError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
                          f"world size {launch.world_size}")
     d = dtype_bytes(config.model.dtype)
-    max_model_len = config.data.max_prompt_length + config.rollout.max_new_tokens
+    max_model_len = config.data.max_prompt_length + config.rollout.response_budget
     engine = {"engine_weights": shape.total_params() * d // engine_tp,
               "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
               "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d)}

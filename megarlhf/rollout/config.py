@@ -19,10 +19,11 @@ gate at ``T != 1``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from megarlhf.dtypes import check_dtype_name
+from megarlhf.envs.api import EnvConfig
 
 ROLLOUT_BACKENDS = ("vllm", "hf")
 
@@ -95,6 +96,13 @@ class RolloutConfig:
     # colocate (engines on every rank, trainer state offloaded around rollouts) or disaggregated
     # (engines on the last placement.num_engine_ranks ranks, weights broadcast to them)
     placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
+    # one-step off-policy training (disaggregated placement): 1 lets the engines generate the next batch
+    # with the previous weights while the trainers update; 0 is synchronous (see megarlhf.trainers.pipeline)
+    max_staleness: int = 0
+    # multi-turn, tool-calling rollouts (megarlhf.rollout.multi_turn); None: one model turn per sample
+    env: EnvConfig | None = None
+    # token budget of one multi-turn response (model turns + observations); None: max_new_tokens x max_turns
+    max_response_tokens: int | None = None
 
     # Keys users bring from other frameworks that megarlhf refuses, with the reason (the config loader
     # reports it instead of "unknown key").
@@ -112,12 +120,32 @@ class RolloutConfig:
         _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
         if self.dtype is not None:
             check_dtype_name(self.dtype, "RolloutConfig.dtype")
+        _check(self.max_staleness in (0, 1),
+               f"RolloutConfig.max_staleness must be 0 (synchronous) or 1 (one-step off-policy), got "
+               f"{self.max_staleness!r}: one batch in flight is what one generation stream can overlap")
+        _check(self.max_staleness == 0 or self.placement.mode == "disaggregated",
+               "RolloutConfig.max_staleness=1 needs rollout.placement.mode='disaggregated': colocated engines "
+               "share the devices with the trainers, so generation and training cannot overlap")
+        _check(self.env is None or self.tensor_parallel_size == 1,
+               f"RolloutConfig.env (multi-turn rollouts) runs one engine per rank or per engine rank: "
+               f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")
+        _check(self.max_response_tokens is None or (isinstance(self.max_response_tokens, int)
+                                                    and self.max_response_tokens >= self.max_new_tokens),
+               f"RolloutConfig.max_response_tokens must be null or an int >= max_new_tokens "
+               f"({self.max_new_tokens}), got {self.max_response_tokens!r}")
         _check(self.backend == "vllm" or (self.tensor_parallel_size == 1 and self.placement.mode == "colocate"),
                f"RolloutConfig.backend='hf' runs one colocated engine per rank: tensor_parallel_size must be 1 "
                f"(got {self.tensor_parallel_size}) and placement.mode 'colocate' (got {self.placement.mode!r})")
 
     def engine_dtype(self, model_dtype: str) -> str:
         return self.dtype or model_dtype
+
+    @property
+    def response_budget(self) -> int:
+        """Tokens one response may hold: a single turn's, or the multi-turn budget."""
+        if self.env is None:
+            return self.max_new_tokens
+        return self.max_response_tokens or self.max_new_tokens * self.env.max_turns
 
 
 @dataclass(frozen=True)
@@ -126,6 +154,9 @@ class SamplingConfig:
 
     ``seed=None`` draws from the engine's own generator (not reproducible); a seed makes prompt ``i`` of
     a call use seeds ``seed + i * n + j`` for its samples ``j``, so a batch is reproducible as a whole.
+    ``prompt_seeds`` (one per prompt) replaces ``seed + i * n`` by ``prompt_seeds[i]``: for prompts that
+    are not consecutive positions of one batch (a subset of it, the running episodes of a multi-turn
+    rollout), so that each keeps the seeds it has wherever and with whatever others it is generated.
     Built from the run config by :func:`rollout_sampling` / :func:`greedy_sampling` (no defaults of its
     own for what the config sets).
     """
@@ -136,13 +167,28 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    prompt_seeds: tuple[int, ...] | None = None
 
-    def validate(self) -> None:
+    def validate(self, num_prompts: int | None = None) -> None:
         checks = [("n", self.n >= 1), ("temperature", self.temperature >= 0.0),
                   ("max_new_tokens", self.max_new_tokens >= 1)]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"SamplingConfig.{name}={getattr(self, name)!r} is out of range")
+        if self.prompt_seeds is not None and num_prompts is not None and len(self.prompt_seeds) != num_prompts:
+            raise ValueError(f"SamplingConfig.prompt_seeds has {len(self.prompt_seeds)} seeds for {num_prompts} prompts")
+
+    def prompt_seed(self, i: int) -> int | None:
+        """The seed of sample 0 of prompt ``i`` (sample ``j`` uses it + ``j``); None: unseeded."""
+        if self.prompt_seeds is not None:
+            return self.prompt_seeds[i]
+        return None if self.seed is None else self.seed + i * self.n
+
+    def for_prompts(self, indices: list[int]) -> "SamplingConfig":
+        """The sampling of the prompts ``indices`` of this call, generated on their own with their seeds."""
+        if self.seed is None and self.prompt_seeds is None:
+            return self
+        return replace(self, seed=None, prompt_seeds=tuple(self.prompt_seed(i) for i in indices))
 
     @property
     def scoring_temperature(self) -> float:

@@ -29,7 +29,8 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
   which raise :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
 * ``generate(prompts, sampling)``: the prompts of each data-parallel replica go to the source, are split
   round-robin over the engines, and each trainer rank gets back the :class:`RolloutBatch` of its
-  replica's prompts. Seeded sampling is reproducible for a fixed number of engine ranks.
+  replica's prompts. Each prompt keeps the seeds of its position in the whole request
+  (``SamplingConfig.for_prompts``), so the samples do not depend on the number of engine ranks.
 
 Hand-written because the rank layout, the wire protocol and the command loop are megarlhf's own; vLLM
 generates and loads weights, torch.distributed moves the bytes.
@@ -217,7 +218,7 @@ class DisaggregatedRollout:
         mine = list(range(index, len(prompts), len(self.engine_ranks)))
         samples = []
         if mine:
-            batch = self.engine.generate([prompts[i] for i in mine], sampling)
+            batch = self.engine.generate([prompts[i] for i in mine], sampling.for_prompts(mine))
             samples = [(mine[p], r, lp, f) for p, r, lp, f in
                        zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons)]
         self._from_engines(samples)

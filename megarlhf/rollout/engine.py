@@ -47,6 +47,11 @@ class RolloutBatch:
     response_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, per position
     finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+    # multi-turn rollouts only (megarlhf.rollout.multi_turn; empty otherwise): per response token 1 if the
+    # model generated it, 0 for observation tokens; the environment's reward and the tool calls per sample
+    loss_masks: list[list[int]] = field(default_factory=list)
+    env_rewards: list[float] = field(default_factory=list)
+    tool_calls: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +83,7 @@ class EngineConfig:
                      in_process: bool = True) -> "EngineConfig":
         return cls(backend=rollout.backend, tensor_parallel_size=rollout.tensor_parallel_size,
                    dtype=rollout.engine_dtype(model_dtype), seed=seed, enforce_eager=rollout.enforce_eager,
-                   max_model_len=max_prompt_length + rollout.max_new_tokens,
+                   max_model_len=max_prompt_length + rollout.response_budget,
                    kv_cache_bytes=rollout.kv_cache_mb * 2**20, logprobs_mode=vllm_logprobs_mode(rollout),
                    num_threads=torch.get_num_threads(), in_process=in_process)
 
@@ -178,11 +183,11 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sampling.validate()
+        sampling.validate(len(prompts))
         check_prompt_ids(prompts, self.vocab_size)
         params = []
         for i in range(len(prompts)):
-            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            seed = sampling.prompt_seed(i)
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature,
                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),

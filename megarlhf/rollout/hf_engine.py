@@ -30,6 +30,8 @@ finished rows are dropped from the cache once enough of them have accumulated.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Callable, Iterable
 
@@ -98,17 +100,17 @@ class HFRolloutEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Samples ``sampling.n`` responses for each prompt (token ids)."""
-        sampling.validate()
+        sampling.validate(len(prompts))
         self._check_prompts(prompts)
-        base = sampling.seed
-        if base is None:
+        if sampling.seed is None and sampling.prompt_seeds is None:
             base = int(torch.randint(0, 2**62, (), generator=self._seed_source))  # host: the engine's CPU generator
+            sampling = dataclasses.replace(sampling, seed=base)
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
         batch = RolloutBatch()
         if not prompts:
             return batch
         for first, chunk in self._chunks(prompts, sampling):
-            seeds = [base + i * sampling.n + j for i in range(first, first + len(chunk)) for j in range(sampling.n)]
+            seeds = [sampling.prompt_seed(i) + j for i in range(first, first + len(chunk)) for j in range(sampling.n)]
             rows = self._decode(chunk, seeds, sampling, stop_ids)
             for k, (ids, lps, reason) in enumerate(rows):
                 i = first + k // sampling.n

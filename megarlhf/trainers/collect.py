@@ -32,7 +32,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.config import rollout_sampling
 from megarlhf.rollout.engine import RolloutBatch
-from megarlhf.trainers.experience import global_reward_metrics, rollout_metrics, score_rewards
+from megarlhf.trainers.experience import global_reward_metrics, rollout_metrics, score_rewards, tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
@@ -53,7 +53,7 @@ class Collected:
 
 def _generate(phase, examples: list[PromptExample], config: RunConfig, stop: tuple[int, ...], seed: int,
               sync_weights: bool) -> tuple[RolloutBatch, dict[str, float]]:
-    return phase.generate([e.prompt_ids for e in examples], rollout_sampling(config.rollout, stop), seed,
+    return phase.generate(examples, rollout_sampling(config.rollout, stop), seed,
                           sync_weights=sync_weights)
 
 
@@ -67,7 +67,7 @@ def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runti
     rollout, metrics = _generate(phase, examples, config, stop, sample_seed(config.seed, step, offset, n), True)
     rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
     metrics.update({**global_reward_metrics(reward_metrics, len(rewards), runtime),
-                    **rollout_metrics(rollout, rewards, runtime)})
+                    **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)})
     if not config.algorithm.dynamic_sampling.enabled:
         return Collected(examples, rollout, rewards, offset, None, metrics)
     rounds = [_groups(examples, rollout, rewards, runtime)]

@@ -76,7 +76,7 @@ def run_eval(args: argparse.Namespace) -> int:
     prompts = run.load_prompts(config.data.eval_path)
     policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
     reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
-    phase = build_rollout_phase(config, policy, [])
+    phase = build_rollout_phase(config, policy, [], run.tokenizer)
     metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
                        (run.tokenizer.eos_token_id,))
     reward.close()

@@ -19,7 +19,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import SamplingConfig
-from megarlhf.trainers.experience import score_rewards
+from megarlhf.trainers.experience import score_rewards, tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
@@ -49,7 +49,7 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     n = config.eval.n_samples
     seed = sample_seed(config.seed + EVAL_SEED_OFFSET, step, share[0] if share else 0, n)
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
-    rollout, _ = phase.generate([e.prompt_ids for e in mine], eval_sampling(config, stop_token_ids), seed)
+    rollout, tools = phase.generate(mine, eval_sampling(config, stop_token_ids), seed)
     rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, shape_length=False) if mine else ([], {})
     correct = [0.0] * len(mine)
     for p, r in zip(rollout.prompt_index, rewards):
@@ -60,4 +60,4 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     metrics = {"eval/prompts": prompts, "eval/accuracy": sums[1] / (prompts * n)}
     for j, k in enumerate(config.eval.pass_at_k):
         metrics[f"eval/pass@{k}"] = sums[2 + j] / prompts
-    return metrics
+    return {**metrics, **tool_metrics(tools, runtime, prefix="eval/tools/")}

@@ -49,10 +49,13 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
         print(f"[reward] sample {failure}", flush=True)
     rewards = list(result.rewards)
     metrics = dict(result.metrics)
+    if rollout.env_rewards:  # multi-turn episodes: the environment's own rewards join the sample's
+        rewards = [r + e for r, e in zip(rewards, rollout.env_rewards)]
+        metrics["reward/env/mean"] = sum(rollout.env_rewards) / max(len(rollout.env_rewards), 1)
     overlong = config.algorithm.overlong
     if overlong is not None and shape_length:
         lengths = torch.tensor([len(r) for r in rollout.response_ids])  # host: reward bookkeeping
-        penalty = overlong_penalty(lengths, config.rollout.max_new_tokens, overlong)
+        penalty = overlong_penalty(lengths, config.rollout.response_budget, overlong)
         rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
     return rewards, metrics
@@ -69,10 +72,25 @@ def global_reward_metrics(metrics: dict[str, float], samples: int, runtime: Runt
 
 
 def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, device: torch.device) -> ExperienceBatch:
-    """The token-aligned batch of the rollout on ``device``; group ids are global prompt positions."""
+    """The token-aligned batch of the rollout on ``device``; group ids are global prompt positions. In
+    multi-turn rollouts only the model's tokens are response tokens (observations are masked out)."""
     return ExperienceBatch.from_sequences(
         rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
-        group_ids=[group_offset + p for p in rollout.prompt_index])
+        group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None)
+
+
+def tool_metrics(counts: dict[str, float], runtime: Runtime, prefix: str = "tools/") -> dict[str, float]:
+    """The multi-turn counts of every replica (:mod:`megarlhf.rollout.multi_turn`; each rank holds its
+    replica's) summed, plus ``call_rate`` and ``turns_mean`` per sample; {} for single-turn rollouts."""
+    names = sorted(k for k in counts if k.startswith("tools/"))
+    if not names:
+        return {}
+    totals = dict(zip(names, runtime.all_reduce([counts[k] for k in names])))
+    samples = max(totals["tools/samples"], 1.0)
+    out = {prefix + k.removeprefix("tools/"): v for k, v in totals.items()}
+    out.update({prefix + "call_rate": totals["tools/samples_calling"] / samples,
+                prefix + "turns_mean": totals["tools/turns"] / samples})
+    return out
 
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,

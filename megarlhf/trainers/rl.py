@@ -58,7 +58,8 @@ def train_rl(config: RunConfig) -> Path | None:
     reward, reward_model = build_reward(config, runtime, run.tokenizer)
     eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
     # before the resume: the gates calibrate while actor and engines hold the checkpoint at model.path
-    phase = build_rollout_phase(config, actor, [m for m in (critic, reference, reward_model) if m is not None])
+    phase = build_rollout_phase(config, actor, [m for m in (critic, reference, reward_model) if m is not None],
+                                run.tokenizer)
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
     steps = config.train.steps
@@ -118,7 +119,7 @@ def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, co
     of one greedy response to its prompt (the engine keeps the weights it was just synced with)."""
     if not config.algorithm.needs.greedy_baseline:
         return None
-    greedy, _ = phase.generate([e.prompt_ids for e in got.examples], greedy_sampling(config.rollout, stop),
+    greedy, _ = phase.generate(got.examples, greedy_sampling(config.rollout, stop),
                                sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
     greedy_rewards, _ = score_rewards(reward, got.examples, greedy, tokenizer, config)
     return [greedy_rewards[p] for p in got.rollout.prompt_index]

@@ -27,10 +27,12 @@ import dataclasses
 import torch
 
 from megarlhf.config.schema import RunConfig
+from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.disaggregated import DisaggregatedRollout
 from megarlhf.rollout.engine import EngineConfig, RolloutBatch, make_engine
+from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.weight_sync import WeightSync
 from megarlhf.training import TrainModel
 from parallel.runtime import Runtime
@@ -51,8 +53,9 @@ def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
 class RolloutPhase:
     """The engine side of the colocated loop for one rank."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel]):
-        self.runtime = actor.runtime
+    def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel],
+                 multi_turn: MultiTurnRollout | None = None):
+        self.runtime, self.multi_turn = actor.runtime, multi_turn
         self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
         self.sync = WeightSync(self.engine, actor, config)
         self.calibration = self.sync.calibrate()
@@ -63,24 +66,31 @@ class RolloutPhase:
     def tolerances(self):
         return self.sync.tolerances
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+    def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generates for this replica's ``prompts`` (prompt ``i`` with seeds ``seed + i * n + j``).
+        """Generates for this replica's ``prompts`` (prompt ``i`` with seeds ``seed + i * n + j``), whole
+        episodes when the phase has a multi-turn rollout.
 
         Runs the whole colocated round trip: offload + verified sync (unless ``sync_weights=False``: the
         actor has not changed since the last sync), generation, onload.
         """
         replica = self.runtime.replica
         share = torch.arange(len(prompts)).tensor_split(replica.size)[replica.rank].tolist()  # host: indices
-        first = share[0] if share else 0
-        local_sampling = dataclasses.replace(sampling, seed=seed + first * sampling.n)
+        local_sampling = dataclasses.replace(sampling, seed=seed).for_prompts(share)
         metrics = self.scheduler.enter_rollout(sync_weights)
+        tools = {}
         try:
-            local = (self.engine.generate([prompts[i] for i in share], local_sampling)
-                     if share else RolloutBatch())
+            mine = [prompts[i] for i in share]
+            if self.multi_turn is None:
+                local = self.engine.generate([p.prompt_ids for p in mine], local_sampling) if share else RolloutBatch()
+            else:  # every rank runs its share's episodes on its own engine
+                engine = self.engine.generate if share else (lambda prompts, sampling: RolloutBatch())
+                local, tools = self.multi_turn.run(engine, mine, local_sampling)
         finally:
             metrics.update(self.scheduler.exit_rollout())
         local.prompt_index = [share[i] for i in local.prompt_index]
+        if tools:  # this replica's totals on each of its ranks
+            metrics.update(dict(zip(tools, self.runtime.all_reduce(list(tools.values()), over="replica"))))
         return self._gather(local), metrics
 
     def _gather(self, local: RolloutBatch) -> RolloutBatch:
@@ -94,28 +104,39 @@ class RolloutPhase:
         return merged
 
     def close(self) -> None:
-        """Nothing to release: the engine lives as long as the process."""
+        """Stops the tool threads; the engine lives as long as the process."""
+        if self.multi_turn is not None:
+            self.multi_turn.close()
 
 
 class DisaggregatedPhase:
     """The trainer ranks' side of the disaggregated placement: weights are broadcast to the engine ranks
     (verified) and the prompts travel there; nothing is offloaded."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel):
+    def __init__(self, config: RunConfig, actor: TrainModel, multi_turn: MultiTurnRollout | None = None):
         self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
         self.calibration = self.rollout.calibrate()
+        self.runtime, self.multi_turn = actor.runtime, multi_turn
 
     @property
     def tolerances(self):
         return self.rollout.tolerances
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+    def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
         metrics = self.rollout.sync() if sync_weights else {}
-        return self.rollout.generate(prompts, dataclasses.replace(sampling, seed=seed)), metrics
+        sampling = dataclasses.replace(sampling, seed=seed)
+        if self.multi_turn is None:
+            return self.rollout.generate([p.prompt_ids for p in prompts], sampling), metrics
+        # every turn is collective over the trainer ranks: they go on while any rank has a running episode
+        batch, tools = self.multi_turn.run(self.rollout.generate, prompts, sampling,
+                                           keep_going=lambda running: self.runtime.any_rank(running))
+        return batch, {**metrics, **tools}
 
     def close(self) -> None:
         self.rollout.stop_engines()
+        if self.multi_turn is not None:
+            self.multi_turn.close()
 
 
 def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
@@ -123,8 +144,15 @@ def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     DisaggregatedRollout(config, runtime).serve()
 
 
-def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel]):
-    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated)."""
+def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tokenizer=None):
+    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated);
+    with ``rollout.env`` its rollouts are multi-turn episodes (``tokenizer`` renders the observations)."""
+    multi_turn = None
+    if config.rollout.env is not None:
+        if tokenizer is None:
+            raise ValueError("build_rollout_phase: rollout.env (multi-turn rollouts) needs the tokenizer")
+        multi_turn = MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
+                                      config.rollout.max_new_tokens, config.rollout.response_budget)
     if config.rollout.placement.mode == "disaggregated":
-        return DisaggregatedPhase(config, actor)
-    return RolloutPhase(config, actor, others)
+        return DisaggregatedPhase(config, actor, multi_turn)
+    return RolloutPhase(config, actor, others, multi_turn)

@@ -83,9 +83,11 @@ class ExperienceBatch:
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
                        device: torch.device, pad_id: int = 0,
                        rollout_logprobs: Sequence[Sequence[float]] | None = None,
-                       group_ids: Sequence[int] | None = None) -> "ExperienceBatch":
+                       group_ids: Sequence[int] | None = None,
+                       loss_masks: Sequence[Sequence[int]] | None = None) -> "ExperienceBatch":
         """Builds a batch on ``device`` from token lists; ``rollout_logprobs[i]`` (one per response token)
-        land on the response positions."""
+        land on the response positions. ``loss_masks[i]`` (one 0/1 per response token; None: all 1) keeps
+        tokens the model did not generate (multi-turn observations) out of ``response_mask``."""
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
                              f"responses (need the same non-zero number)")
@@ -97,7 +99,11 @@ class ExperienceBatch:
                 raise ValueError(f"ExperienceBatch.from_sequences: prompt {i} is empty")
             pad = width - lengths[i]
             ids.append([*prompt, *response] + [pad_id] * pad)
-            mask.append([False] * len(prompt) + [True] * len(response) + [False] * pad)
+            if loss_masks is not None and len(loss_masks[i]) != len(response):
+                raise ValueError(f"ExperienceBatch.from_sequences: loss_masks[{i}] has {len(loss_masks[i])} "
+                                 f"entries for {len(response)} response tokens")
+            kept = [bool(m) for m in loss_masks[i]] if loss_masks is not None else [True] * len(response)
+            mask.append([False] * len(prompt) + kept + [False] * pad)
             if rollout_logprobs is not None:
                 if len(rollout_logprobs[i]) != len(response):
                     raise ValueError(f"ExperienceBatch.from_sequences: rollout_logprobs[{i}] has "

@@ -83,7 +83,7 @@ def old_logprobs_from_update(config: RunConfig) -> bool:
 
 
 def _normaliser(mask: Tensor, config: RunConfig, runtime: Runtime):
-    return loss_normaliser(mask, runtime, max_response_length=config.rollout.max_new_tokens)
+    return loss_normaliser(mask, runtime, max_response_length=config.rollout.response_budget)
 
 
 def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor, runtime: Runtime) -> dict[str, float]:

@@ -102,7 +102,11 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.n_samples=1",
      r"algorithm\.estimator 'grpo' compares samples of a prompt: rollout\.n_samples must be >= 2"),
     ("algorithm.overlong.buffer_length=128",
-     r"algorithm\.overlong\.buffer_length \(128\) must be < rollout\.max_new_tokens"),
+     r"algorithm\.overlong\.buffer_length \(128\) must be < the response budget \(128: rollout\.max_new_tokens"),
+    ("rollout.max_staleness=1", r"max_staleness=1 needs rollout\.placement\.mode='disaggregated'"),
+    ("rollout.max_staleness=2", r"max_staleness must be 0 \(synchronous\) or 1"),
+    ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
+    ("rollout.env={name: nope}", r"unknown environment 'nope'"),
     ("eval.pass_at_k=[2]", r"eval\.pass_at_k values must be in \[1, n_samples=1\]"),
 ])
 def test_bad_values_name_the_key(recipe, override, message):

@@ -1,0 +1,213 @@
+"""Multi-turn, tool-calling rollouts: generate a turn, run the tool it calls, append the observation, go on.
+
+One sample is one episode of ``rollout.env`` (:mod:`megarlhf.envs`). :class:`MultiTurnRollout` drives a
+batch of episodes over a *turn generator* ``generate(prompts, sampling) -> RolloutBatch`` (a rank's
+engine, or the disaggregated engines), which it calls once per turn for the episodes still running:
+
+1. turn 1 samples ``sampling.n`` responses per prompt, exactly as a single-turn rollout does;
+2. each turn's text is parsed for a tool call (the episode's parser, ``rollout.env.parser``) and
+   :class:`megarlhf.envs.runner.ToolRunner` runs it (time-bounded; failures become observations and
+   per-sample reports, never exceptions);
+3. an episode goes on while its turn called a tool, it has turns left (``env.max_turns``) and the
+   observation fits the token budget (``rollout.response_budget``); its next turn is generated from
+   the prompt + everything so far, at most ``rollout.max_new_tokens`` new tokens. A turn cut at that
+   limit is parsed like any other (a complete call in it runs; without one the episode ends, its
+   finish reason "length").
+
+The response of a sample is all its turns and observations in order. ``loss_masks`` marks the model's
+tokens (1) and the observation tokens (0): observations carry no loss and no log-prob (0.0), so the
+trainer's log-probs and the step-0 gate cover model-generated tokens only.
+
+Observation tokens. Chat mode (the prompt rendered with the tokenizer's chat template): the conversation
+is re-rendered with the tool's message (``{"role": "tool", ...}``) and a generation prompt, and the
+observation is the text between the end of the model's turn and the next generation prompt's end, i.e.
+exactly what the template puts there (the end-of-turn marker when the turn stopped on a tool-call token,
+the tool turn, the assistant header). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
+
+Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn ``t`` of that episode
+uses that seed + ``t * TURN_SEED_STRIDE``, so every episode's samples depend on the run seed, the step
+and its position only, not on which other episodes are still running or where it is generated.
+
+Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and join the
+sample's reward. Metrics (counts, summed over turns): the runner's ``tools/*``, ``tools/samples``,
+``tools/samples_calling`` (samples that called a tool at least once) and ``tools/turns``.
+
+Hand-written because the loop is megarlhf's own contract between its engines, its trainer's masks and
+the environment interface.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+from megarlhf.data.prompts import PromptExample
+from megarlhf.envs.api import EnvConfig, ParsedCall
+from megarlhf.envs.runner import ToolRunner
+from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.engine import RolloutBatch
+
+RUNNER_METRICS = ("tools/calls", "tools/errors", "tools/timeouts", "tools/parse_errors", "tools/refused",
+                  "tools/truncated", "tools/abandoned_threads")
+TURN_SEED_STRIDE = 7_919_993  # a prime above any batch x samples: turn seeds never meet turn-1 seeds
+TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
+
+
+@dataclass
+class _Episode:
+    prompt: int  # index into the prompts of the call
+    seed: int | None  # turn-1 seed of this sample
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    finish: str = "stop"
+    reward: float = 0.0
+    turns: int = 0
+    calls: int = 0
+    turn_ids: list[int] = field(default_factory=list)  # the last turn's tokens
+
+
+class MultiTurnRollout:
+    """Runs multi-turn episodes for one rank's prompts (see the module docstring)."""
+
+    def __init__(self, config: EnvConfig, tokenizer, chat: bool, max_new_tokens: int, budget: int):
+        self.config, self.tokenizer, self.chat = config, tokenizer, chat
+        self.max_new_tokens, self.budget = max_new_tokens, budget
+        self.runner = ToolRunner(config, tokenizer)
+
+    def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
+            keep_going: Callable[[bool], bool] = lambda running: running) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch of whole episodes (prompt-major, ``loss_masks`` and ``env_rewards`` filled) and the
+        tool metrics. ``keep_going(any episode of mine running)``: whether to generate another turn; ranks
+        whose generator is collective pass an all-ranks "any", and then generate with no prompt."""
+        turn = generate([p.prompt_ids for p in prompts], sampling)
+        episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
+                             messages=self._start_messages(prompts[p]))
+                    for p, j in _sample_positions(turn, sampling.n)]
+        handles = self.runner.start([prompts[e.prompt].metadata for e in episodes])
+        sums = dict.fromkeys(RUNNER_METRICS, 0.0)
+        running = list(range(len(episodes)))
+        while True:
+            self._take_turns([episodes[i] for i in running], turn)
+            running = self._run_tools(episodes, handles, running, sums)
+            if not keep_going(bool(running)):
+                break
+            turn = generate([prompts[episodes[i].prompt].prompt_ids + episodes[i].response for i in running],
+                            self._turn_sampling(sampling, [episodes[i] for i in running]))
+        return self._batch(prompts, episodes), self._metrics(episodes, sums)
+
+    def _turn_sampling(self, sampling: SamplingConfig, running: list[_Episode]) -> SamplingConfig:
+        """One sample per running episode, each with its own turn seed, within every episode's budget."""
+        seeds = None
+        if sampling.seed is not None or sampling.prompt_seeds is not None:
+            seeds = tuple(e.seed + e.turns * TURN_SEED_STRIDE for e in running)
+        room = min((self.budget - len(e.response) for e in running), default=self.max_new_tokens)
+        return replace(sampling, n=1, seed=None, prompt_seeds=seeds,
+                       max_new_tokens=max(1, min(self.max_new_tokens, room)))
+
+    # ---- one turn ------------------------------------------------------------------------------------
+    def _start_messages(self, prompt: PromptExample) -> list[dict[str, str]]:
+        if prompt.messages is not None:
+            return [dict(m) for m in prompt.messages]
+        return [{"role": "user", "content": prompt.prompt}]
+
+    def _take_turns(self, episodes: list[_Episode], batch: RolloutBatch) -> None:
+        if len(batch.response_ids) != len(episodes):
+            raise RuntimeError(f"multi-turn rollout: the engine returned {len(batch.response_ids)} turns for "
+                               f"{len(episodes)} running episodes")
+        for episode, turn, lps, finish in zip(episodes, batch.response_ids, batch.logprobs, batch.finish_reasons):
+            episode.response += list(turn)
+            episode.logprobs += list(lps)
+            episode.mask += [1] * len(turn)
+            episode.finish, episode.turns = finish, episode.turns + 1
+            episode.messages.append({"role": "assistant", "content": self._decode(turn, special=False)})
+            episode.turn_ids = list(turn)
+
+    def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float]) -> list[int]:
+        """Runs the tools of the turns just taken; returns the episodes that go on. A turn cut by the
+        per-turn limit is still parsed (a complete call in it runs); an episode whose response filled the
+        budget ends there, truncated."""
+        live = []
+        for i in running:
+            if len(episodes[i].response) >= self.budget:
+                episodes[i].finish = "length"
+            else:
+                live.append(i)
+        if not live:
+            return []
+        step = self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live])
+        for name, value in step.metrics.items():
+            sums[name] = value if name == "tools/abandoned_threads" else sums.get(name, 0.0) + value
+        going = []
+        for i, outcome in zip(live, step.outcomes):
+            episode = episodes[i]
+            episode.calls += isinstance(outcome.call, ParsedCall)
+            episode.reward += outcome.reward or 0.0
+            if outcome.done or outcome.observation is None:
+                continue
+            observation = self._observation_ids(episode, outcome.observation)
+            if len(episode.response) + len(observation) + 1 > self.budget:
+                episode.finish = "length"
+                continue
+            episode.response += observation
+            episode.logprobs += [0.0] * len(observation)
+            episode.mask += [0] * len(observation)
+            episode.messages.append({"role": "tool", "content": outcome.observation})
+            going.append(i)
+        return going
+
+    def _decode(self, ids: list[int], special: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+    def _observation_ids(self, episode: _Episode, observation: str) -> list[int]:
+        if not self.chat:
+            text = f"\n<tool_response>\n{observation}\n</tool_response>\n"
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        template = self.tokenizer.apply_chat_template
+        before, turn = episode.messages[:-1], episode.messages[-1]
+        head = template(before, tokenize=False, add_generation_prompt=True)
+        closed = template(before + [turn], tokenize=False)
+        full = template(before + [turn, {"role": "tool", "content": observation}], tokenize=False,
+                        add_generation_prompt=True)
+        if not (closed.startswith(head + turn["content"]) and full.startswith(closed)):
+            raise ValueError("the chat template does not render the conversation incrementally (the model's turn "
+                             "re-rendered differs from its text, or adding a tool message changes earlier "
+                             "turns): multi-turn rollouts need a template that appends turns")
+        closing = closed[len(head) + len(turn["content"]):]  # what the template writes after the turn
+        generated_tail = self._decode(episode.turn_ids, special=True)[len(turn["content"]):]
+        if generated_tail and closing.startswith(generated_tail):
+            closing = closing[len(generated_tail):]  # the model already wrote the end-of-turn marker
+        return self.tokenizer.encode(closing + full[len(closed):], add_special_tokens=False)
+
+    # ---- results -------------------------------------------------------------------------------------
+    def _batch(self, prompts: Sequence[PromptExample], episodes: list[_Episode]) -> RolloutBatch:
+        batch = RolloutBatch()
+        for e in episodes:
+            batch.prompt_index.append(e.prompt)
+            batch.prompt_ids.append(list(prompts[e.prompt].prompt_ids))
+            batch.response_ids.append(e.response)
+            batch.logprobs.append(e.logprobs)
+            batch.finish_reasons.append(e.finish)
+            batch.loss_masks.append(e.mask)
+            batch.env_rewards.append(e.reward)
+            batch.tool_calls.append(e.calls)
+        return batch
+
+    def _metrics(self, episodes: list[_Episode], sums: dict[str, float]) -> dict[str, float]:
+        """Counts (the same keys whatever happened, so that ranks can sum them)."""
+        return {**sums, "tools/samples": float(len(episodes)),
+                "tools/samples_calling": float(sum(e.calls > 0 for e in episodes)),
+                "tools/turns": float(sum(e.turns for e in episodes))}
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _sample_positions(batch: RolloutBatch, n: int) -> list[tuple[int, int]]:
+    """(prompt, sample number) of every sample of a turn-1 batch (prompt-major, n per prompt)."""
+    seen: dict[int, int] = {}
+    positions = []
+    for p in batch.prompt_index:
+        positions.append((p, seen.get(p, 0)))
+        seen[p] = seen.get(p, 0) + 1
+    return positions

@@ -1,0 +1,143 @@
+"""Multi-turn rollouts over a scripted turn generator: the token sequence is exactly the chat template's
+rendering of the conversation, observation tokens are masked with log-prob 0, every turn has its own
+seed, and budgets, turn limits, malformed calls and failing tools end or continue episodes as documented."""
+import json
+
+import pytest
+
+from megarlhf.data.prompts import PromptExample
+from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
+from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.multi_turn import TURN_SEED_STRIDE, MultiTurnRollout
+from model_providers.tiny_models import make_tiny_model
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+class AddEpisode:
+    """add(a, b) -> "a+b", reward 0.25 per call; "boom" raises; the metadata may end the episode."""
+
+    tools = [ToolSpec("add", "adds", {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"]})]
+
+    def __init__(self, metadata, **kwargs):
+        self.metadata = metadata
+
+    def step(self, messages, call):
+        if call.arguments["a"] == "boom":
+            raise RuntimeError("the tool broke")
+        return StepResult(str(call.arguments["a"] + call.arguments["b"]), reward=0.25)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    if "test_add" not in ENVIRONMENTS:
+        ENVIRONMENTS.register("test_add")(AddEpisode)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path_factory.mktemp("mt") / "m", seed=0))
+
+
+class Script:
+    """A turn generator answering from ``turns[(prompt seed offset, turn number)]`` (text + the end-of-turn
+    token, as a chat model stops), with log-prob -0.5 per token; records the seeds it was given."""
+
+    def __init__(self, tokenizer, base: int, turns: dict[tuple[int, int], str], end: str = "<|im_end|>"):
+        self.tokenizer, self.base, self.turns, self.seen = tokenizer, base, turns, []
+        self.end = tokenizer.convert_tokens_to_ids(end)
+
+    def __call__(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
+        batch = RolloutBatch()
+        for i, prompt in enumerate(prompts):
+            for j in range(sampling.n):
+                seed = sampling.prompt_seed(i) + j
+                self.seen.append(seed)
+                turn, sample = divmod(seed - self.base, TURN_SEED_STRIDE)
+                text = self.turns.get((sample, turn), "The answer is 5.")
+                ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end]
+                finish = "stop"
+                if len(ids) > sampling.max_new_tokens:
+                    ids, finish = ids[:sampling.max_new_tokens], "length"
+                batch.prompt_index.append(i)
+                batch.prompt_ids.append(list(prompt))
+                batch.response_ids.append(ids)
+                batch.logprobs.append([-0.5] * len(ids))
+                batch.finish_reasons.append(finish)
+        return batch
+
+
+def _prompts(tokenizer, count: int) -> list[PromptExample]:
+    out = []
+    for i in range(count):
+        messages = [{"role": "user", "content": f"What is 2 + 3? ({i})"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(PromptExample(i, text, tokenizer.encode(text, add_special_tokens=False), "5", {}, messages))
+    return out
+
+
+def _rollout(tokenizer, max_turns=3, budget=600, max_new_tokens=128, parser="hermes"):
+    config = EnvConfig(name="test_add", max_turns=max_turns, parser=parser, timeout_s=2.0)
+    return MultiTurnRollout(config, tokenizer, chat=True, max_new_tokens=max_new_tokens, budget=budget)
+
+
+def test_conversation_tokens_masks_and_seeds(tokenizer):
+    base = 1000
+    script = Script(tokenizer, base, {(0, 0): CALL, (1, 0): CALL, (1, 1): CALL})
+    rollout = _rollout(tokenizer)
+    batch, metrics = rollout.run(script, _prompts(tokenizer, 1), SamplingConfig(n=2, temperature=1.0,
+                                                                                 max_new_tokens=64, seed=base))
+    assert batch.prompt_index == [0, 0] and batch.env_rewards == [0.25, 0.5] and batch.tool_calls == [1, 2]
+    # sample 0: call, observation, answer; sample 1: two calls then the answer
+    assert sorted(script.seen) == sorted([base, base + 1, base + TURN_SEED_STRIDE, base + 1 + TURN_SEED_STRIDE,
+                                          base + 1 + 2 * TURN_SEED_STRIDE])
+    for k, calls in enumerate((1, 2)):
+        messages = [{"role": "user", "content": "What is 2 + 3? (0)"}]
+        for _ in range(calls):
+            messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"}]
+        messages.append({"role": "assistant", "content": "The answer is 5."})
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False).removesuffix("\n")
+        assert tokenizer.decode(batch.prompt_ids[k] + batch.response_ids[k]) == rendered
+        mask, lps = batch.loss_masks[k], batch.logprobs[k]
+        observation = [t for t, m in zip(batch.response_ids[k], mask) if not m]
+        assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n" * calls
+        assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(lps, mask))
+    assert metrics["tools/calls"] == 3 and metrics["tools/samples_calling"] == 2 and metrics["tools/turns"] == 5
+
+
+def test_turn_limit_budget_and_failures_end_or_continue_episodes(tokenizer):
+    base = 0
+    bad_json = "<tool_call>{not json}</tool_call>"
+    boom = '<tool_call>{"name": "add", "arguments": {"a": "boom", "b": 1}}</tool_call>'
+    script = Script(tokenizer, base, {(0, 0): CALL, (0, 1): CALL, (0, 2): CALL,  # always calls: turn limit
+                                      (1, 0): bad_json, (2, 0): boom,  # both continue with an error observation
+                                      (3, 0): CALL * 1})
+    prompts = _prompts(tokenizer, 4)
+    batch, metrics = _rollout(tokenizer, max_turns=3).run(
+        script, prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=128, prompt_seeds=(0, 1, 2, 3)))
+    assert batch.tool_calls == [3, 0, 1, 1]
+    text = [tokenizer.decode(r) for r in batch.response_ids]
+    assert text[0].count("<tool_call>") == 3 and text[0].count("tool\n5") == 2  # no observation after the last turn
+    assert "error: the tool call is not valid JSON" in text[1] and text[1].endswith("The answer is 5.<|im_end|>")
+    assert "error: tool 'add' raised RuntimeError: the tool broke" in text[2]
+    assert metrics["tools/parse_errors"] == 1 and metrics["tools/errors"] == 1
+    # a budget that leaves no room for the observation ends the episode as truncated
+    tight = len(tokenizer.encode(CALL)) + 3
+    batch, _ = _rollout(tokenizer, budget=tight, max_new_tokens=tight).run(
+        Script(tokenizer, base, {(0, 0): CALL}), prompts[:1],
+        SamplingConfig(n=1, temperature=1.0, max_new_tokens=tight, seed=base))
+    assert batch.finish_reasons == ["length"] and all(batch.loss_masks[0])
+
+
+def test_plain_mode_observation(tokenizer):
+    script = Script(tokenizer, 0, {(0, 0): CALL}, end=tokenizer.eos_token)
+    prompt = PromptExample(0, "What is 2 + 3?", tokenizer.encode("What is 2 + 3?"), "5", {})
+    rollout = MultiTurnRollout(EnvConfig(name="test_add", parser="hermes"), tokenizer, chat=False,
+                               max_new_tokens=64, budget=200)
+    batch, _ = rollout.run(script, [prompt], SamplingConfig(n=1, temperature=1.0, max_new_tokens=64, seed=0))
+    observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
+    assert tokenizer.decode(observation) == "\n<tool_response>\n5\n</tool_response>\n"
+    assert json.loads(CALL.removeprefix("<tool_call>").removesuffix("</tool_call>"))["name"] == "add"
