@@ -280,6 +280,9 @@ class RunConfig:
         _check(self.rollout.env is None or not self.algorithm.dynamic_sampling.enabled,
                "rollout.env (multi-turn rollouts) with algorithm.dynamic_sampling is not supported: DAPO's rounds "
                "regroup single-turn samples; turn dynamic sampling off for tool-calling runs")
+        _check(self.rollout.max_staleness == 0 or self.algorithm.mismatch.tis_level is not None,
+               "rollout.max_staleness=1 samples with the policy one update behind: algorithm.mismatch.tis_level "
+               "must be 'token' or 'sequence' so that the update corrects for it (it is null)")
         _check(self.rollout.max_staleness == 0 or not self.algorithm.needs.greedy_baseline,
                f"rollout.max_staleness=1 with algorithm.estimator={self.algorithm.estimator!r}: its greedy "
                f"baseline is generated inside the step with the current weights; use max_staleness=0")

@@ -27,8 +27,10 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
   bucketing and the probe comparison are :mod:`megarlhf.rollout.weight_sync`'s, shared with the
   colocated sync. The source collects every engine's problems and broadcasts the verdict to all ranks,
   which raise :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
-* ``generate(prompts, sampling)``: the prompts of each data-parallel replica go to the source, are split
-  round-robin over the engines, and each trainer rank gets back the :class:`RolloutBatch` of its
+* ``generate(prompts, sampling)`` = ``receive(launch(prompts, sampling))``: the prompts of each data-
+  parallel replica go to the source, are split round-robin over the engines (``launch`` returns as soon
+  as they are sent, so the trainers can work while the engines generate: one-step off-policy training),
+  and ``receive`` gives each trainer rank the :class:`RolloutBatch` of its
   replica's prompts. Each prompt keeps the seeds of its position in the whole request
   (``SamplingConfig.for_prompts``), so the samples do not depend on the number of engine ranks.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,14 @@ from megarlhf.rollout.weight_sync import (calibration_metrics, compare_checksums
                                           trainer_probe_logprobs, verdict_error, weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
+
+
+@dataclass
+class InFlight:
+    """A generation request the engines are working on (:meth:`DisaggregatedRollout.launch`)."""
+
+    order: list[tuple[int, int]]  # (data-parallel replica, prompt) of every prompt sent, in sending order
+    replicas: dict[int, list[list[int]]]  # each replica's prompts
 
 
 # ---- the engine core's side (runs in vLLM's worker, i.e. the engine's child process) ---------------------
@@ -216,12 +227,12 @@ class DisaggregatedRollout:
     def _serve_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         index = self.engine_ranks.index(self.rank)
         mine = list(range(index, len(prompts), len(self.engine_ranks)))
-        samples = []
+        samples, start = [], time.perf_counter()
         if mine:
             batch = self.engine.generate([prompts[i] for i in mine], sampling.for_prompts(mine))
             samples = [(mine[p], r, lp, f) for p, r, lp, f in
                        zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons)]
-        self._from_engines(samples)
+        self._from_engines((samples, time.perf_counter() - start))
 
     def _verdict(self, problems: list[str], what: str, metric=None) -> None:
         """Engine ranks: report problems to the source and raise if any engine had one."""
@@ -314,7 +325,13 @@ class DisaggregatedRollout:
         Ranks of one replica (its TP/PP/CP peers) must pass the same prompts; the source's ``sampling``
         is used for everyone. ``prompt_index`` in the result indexes this rank's ``prompts``.
         """
-        self._require(False, "generate")
+        return self.receive(self.launch(prompts, sampling))[0]
+
+    def launch(self, prompts: list[list[int]], sampling: SamplingConfig) -> "InFlight":
+        """Trainer ranks (all together): sends the request of :meth:`generate` to the engines and returns
+        at once; the engines generate while the trainers go on. Nothing else may use the engines until
+        :meth:`receive` took the batch."""
+        self._require(False, "launch")
         sampling.validate()
         dp_rank = self.runtime.dp.rank
         everyone = [None] * self.num_trainers
@@ -325,21 +342,31 @@ class DisaggregatedRollout:
                 raise ValueError(f"DisaggregatedRollout.generate: trainer rank {rank} passed prompts that differ "
                                  f"from its data-parallel replica {dp}'s (its model-parallel peers must agree)")
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
-        samples = None
         if self.rank == SOURCE_RANK:
             self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], sampling))
-            samples = sorted((s for part in self._from_engines() for s in part), key=lambda s: s[0])
-        samples = self._trainer_bcast(samples)
-        batch = RolloutBatch()
+        return InFlight(order, replicas)
+
+    def receive(self, request: "InFlight") -> tuple[RolloutBatch, dict[str, float]]:
+        """Trainer ranks (all together): waits for the batch :meth:`launch` asked for; returns this rank's
+        share and ``time/rollout_wait_s`` (how long the trainers waited here) and ``time/engine_generate_s``
+        (the slowest engine's generation time)."""
+        self._require(False, "receive")
+        start, samples = time.perf_counter(), None
+        if self.rank == SOURCE_RANK:
+            parts = self._from_engines()
+            generate_s = max(seconds for _, seconds in parts)
+            samples = (sorted((s for part, _ in parts for s in part), key=lambda s: s[0]), generate_s)
+        samples, generate_s = self._trainer_bcast(samples)
+        dp_rank, batch = self.runtime.dp.rank, RolloutBatch()
         for item, response, logprobs, finish in samples:  # stable sort keeps each prompt's sample order
-            dp, i = order[item]
+            dp, i = request.order[item]
             if dp == dp_rank:
                 batch.prompt_index.append(i)
-                batch.prompt_ids.append(replicas[dp][i])
+                batch.prompt_ids.append(request.replicas[dp][i])
                 batch.response_ids.append(list(response))
                 batch.logprobs.append(list(logprobs))
                 batch.finish_reasons.append(finish)
-        return batch
+        return batch, {"time/rollout_wait_s": time.perf_counter() - start, "time/engine_generate_s": generate_s}
 
     def stop_engines(self) -> None:
         """Trainer ranks: ends the engines' :meth:`serve` loop (call once, from every trainer rank)."""

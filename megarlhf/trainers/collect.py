@@ -57,19 +57,30 @@ def _generate(phase, examples: list[PromptExample], config: RunConfig, stop: tup
                           sync_weights=sync_weights)
 
 
+def replica_offset(config: RunConfig, runtime: Runtime) -> int:
+    """The global batch position of this data-parallel replica's first prompt."""
+    return runtime.dp.rank * (config.train.global_batch_size // runtime.dp.size)
+
+
+def score_round(examples: list[PromptExample], rollout: RolloutBatch, metrics: dict[str, float], reward, tokenizer,
+                config: RunConfig, runtime: Runtime) -> Collected:
+    """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
+    rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
+    metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
+               **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
+    return Collected(examples, rollout, rewards, replica_offset(config, runtime), None, metrics)
+
+
 def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime, step: int,
             stop: tuple[int, ...]) -> Collected:
     """Steps 1-6 for ``step`` (see the module docstring); collective over the trainer ranks."""
-    share = config.train.global_batch_size // runtime.dp.size
-    offset = runtime.dp.rank * share
+    offset, n = replica_offset(config, runtime), config.rollout.n_samples
     examples = [prompts[i] for i in sampler.next_batch()]
-    n = config.rollout.n_samples
     rollout, metrics = _generate(phase, examples, config, stop, sample_seed(config.seed, step, offset, n), True)
-    rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
-    metrics.update({**global_reward_metrics(reward_metrics, len(rewards), runtime),
-                    **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)})
+    got = score_round(examples, rollout, metrics, reward, tokenizer, config, runtime)
     if not config.algorithm.dynamic_sampling.enabled:
-        return Collected(examples, rollout, rewards, offset, None, metrics)
+        return got
+    rewards, metrics = got.rewards, got.metrics
     rounds = [_groups(examples, rollout, rewards, runtime)]
     found = sum(g[0] for g in rounds[0])
     while found < config.train.global_batch_size and len(rounds) <= config.algorithm.dynamic_sampling.max_extra_rounds:
@@ -80,7 +91,7 @@ def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runti
         rounds.append(_groups(examples, rollout, rewards, runtime))
         found += sum(g[0] for g in rounds[-1])
     chosen = _choose(rounds, config.train.global_batch_size)
-    mine = chosen[offset:offset + share]
+    mine = chosen[offset:offset + config.train.global_batch_size // runtime.dp.size]
     metrics.update({"dapo/rounds": float(len(rounds)), "dapo/informative_groups": float(found),
                     "dapo/filler_groups": float(sum(not g[0] for g in chosen)),
                     "dapo/groups_generated": float(sum(len(r) for r in rounds))})

@@ -32,9 +32,10 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import greedy_sampling
-from megarlhf.trainers.collect import Collected, collect
+from megarlhf.trainers.collect import Collected
 from megarlhf.trainers.evaluate import evaluate
 from megarlhf.trainers.experience import build_experience, build_reward, compute_advantages, score, score_rewards
+from megarlhf.trainers.pipeline import make_batches
 from megarlhf.trainers.rollout_phase import build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
@@ -62,11 +63,13 @@ def train_rl(config: RunConfig) -> Path | None:
                                 run.tokenizer)
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
+    stop = (run.tokenizer.eos_token_id,)
+    batches = make_batches(phase, sampler, prompts, reward, run.tokenizer, config, runtime, stop)  # steps 1-6
+    batches.restore(run.resumed, first_step)
     steps = config.train.steps
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
                                rank=runtime.launch.rank, resume_after_step=first_step - 1,
                                log_every=config.logging.log_every)
-    stop = (run.tokenizer.eos_token_id,)
 
     def run_eval(step: int) -> dict[str, float]:
         if eval_prompts is None or eval_reward is None:
@@ -77,7 +80,7 @@ def train_rl(config: RunConfig) -> Path | None:
         start = time.perf_counter()
         metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
         rollout_start = time.perf_counter()
-        got = collect(phase, sampler, prompts, reward, run.tokenizer, config, runtime, step, stop)  # 1-6
+        got = batches.next(step)  # 1-6
         baseline = greedy_baseline(phase, got, reward, run.tokenizer, config, step, stop)
         rollout_s = time.perf_counter() - rollout_start
         batch = build_experience(got.rollout, got.group_offset, run.pad_id, runtime.device)
@@ -97,7 +100,8 @@ def train_rl(config: RunConfig) -> Path | None:
                         "time/step_s": time.perf_counter() - start})
         recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
-            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
+            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict(),
+                                         **batches.state(step + 1)})
     if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
     recorder.close()

@@ -111,12 +111,18 @@ class RolloutPhase:
 
 class DisaggregatedPhase:
     """The trainer ranks' side of the disaggregated placement: weights are broadcast to the engine ranks
-    (verified) and the prompts travel there; nothing is offloaded."""
+    (verified) and the prompts travel there; nothing is offloaded.
+
+    :meth:`launch` / :meth:`receive` split :meth:`generate` so that the engines generate while the trainers
+    update (one-step off-policy training, :mod:`megarlhf.trainers.pipeline`). A :meth:`generate` (an
+    evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
 
     def __init__(self, config: RunConfig, actor: TrainModel, multi_turn: MultiTurnRollout | None = None):
         self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
         self.calibration = self.rollout.calibrate()
         self.runtime, self.multi_turn = actor.runtime, multi_turn
+        self.in_flight = None  # the InFlight request of the launched batch
+        self.received = None  # (RolloutBatch, metrics) taken early
 
     @property
     def tolerances(self):
@@ -124,6 +130,8 @@ class DisaggregatedPhase:
 
     def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+        if self.in_flight is not None:
+            self.received = self.receive()
         metrics = self.rollout.sync() if sync_weights else {}
         sampling = dataclasses.replace(sampling, seed=seed)
         if self.multi_turn is None:
@@ -133,7 +141,32 @@ class DisaggregatedPhase:
                                            keep_going=lambda running: self.runtime.any_rank(running))
         return batch, {**metrics, **tools}
 
+    def launch(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
+               sync_weights: bool) -> dict[str, float]:
+        """Syncs (unless ``sync_weights=False``) and starts generating ``prompts``; returns at once, with
+        the sync's metrics."""
+        if self.multi_turn is not None:
+            raise ValueError("one-step off-policy rollouts (rollout.max_staleness=1) are single-turn: the tools "
+                             "of a multi-turn episode run on the trainer ranks between its turns")
+        if self.in_flight is not None or self.received is not None:
+            raise RuntimeError("DisaggregatedPhase.launch: a batch is already in flight; receive it first")
+        metrics = self.rollout.sync() if sync_weights else {}
+        self.in_flight = self.rollout.launch([p.prompt_ids for p in prompts], dataclasses.replace(sampling, seed=seed))
+        return metrics
+
+    def receive(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """The launched batch (waiting for the engines if they are not done) and its timings."""
+        if self.received is not None:
+            taken, self.received = self.received, None
+            return taken
+        if self.in_flight is None:
+            raise RuntimeError("DisaggregatedPhase.receive: no batch in flight")
+        request, self.in_flight = self.in_flight, None
+        return self.rollout.receive(request)
+
     def close(self) -> None:
+        if self.in_flight is not None:  # the engines answer before they can be stopped
+            self.receive()
         self.rollout.stop_engines()
         if self.multi_turn is not None:
             self.multi_turn.close()

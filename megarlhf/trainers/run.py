@@ -23,6 +23,7 @@ class RunContext:
     runtime: Runtime
     run_dir: Path
     tokenizer: object
+    resumed: dict | None = None  # the driver state of the checkpoint resume() loaded
 
     @property
     def is_engine_rank(self) -> bool:
@@ -52,11 +53,12 @@ class RunContext:
 
     def resume(self, checkpointer, num_examples: int) -> tuple[PromptSampler, int]:
         """This rank's seeded sampler over ``num_examples`` and the first step to run, both restored from
-        the checkpoint ``checkpoint.resume`` names (models are restored in place by the checkpointer)."""
+        the checkpoint ``checkpoint.resume`` names (models are restored in place by the checkpointer);
+        the checkpoint's whole driver state is left in ``self.resumed`` (None: a fresh start)."""
         config = self.config
         sampler = PromptSampler(num_examples, config.train.global_batch_size, config.seed, config.data.shuffle,
                                 self.dp_rank, self.dp_size)
-        resumed = checkpointer.resume()
+        resumed = self.resumed = checkpointer.resume()
         if resumed is None:
             return sampler, 0
         sampler.load_state_dict(resumed["sampler"])

@@ -1,5 +1,16 @@
-"""The tiny RL recipe the driver tests run (2 ranks, a few steps) and the rank script that runs it."""
+"""The tiny RL recipe the driver tests run (2 ranks, a few steps), the rank script that runs it, and a
+launcher that kills a run as soon as a checkpoint is complete (the resume tests)."""
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import psutil
+
+from megarlhf.checkpoint.distributed import is_complete_checkpoint
+from parallel.runtime import free_port
 
 WORKER = Path(__file__).with_name("_worker_rl.py")
 RECIPE = """
@@ -21,3 +32,21 @@ def write_recipe(path: Path, assets: tuple[Path, Path], estimator: str, run_dir:
     path.write_text(RECIPE.replace("MODEL", str(model)).replace("DATA", str(data))
                     .replace("ESTIMATOR", estimator).replace("RUN", str(run_dir)))
     return path
+
+
+def kill_after_checkpoint(worker: Path, args: list[str], checkpoint: Path, too_late: Path) -> None:
+    """Runs ``worker args`` on 2 ranks and SIGKILLs the launcher and every worker (torchrun starts its
+    workers in sessions of their own, so killing its process group alone leaves them running) as soon as
+    ``checkpoint`` is complete; asserts that it was written and ``too_late`` was not."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(worker), *args]
+    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 900
+    while not is_complete_checkpoint(checkpoint) and job.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)
+    job.wait()
+    assert is_complete_checkpoint(checkpoint), "the run ended before its first checkpoint"
+    assert not is_complete_checkpoint(too_late), "killed too late to test a resume"

@@ -5,21 +5,12 @@ starts its workers in sessions of their own, so killing its process group alone 
 soon as its first checkpoint is complete; ``checkpoint.resume: auto`` then continues to the same N steps. Every figure of
 ``metrics.jsonl`` must be bit-identical except wall-clock timings (``time/*`` and throughputs).
 """
-import os
-import signal
-import subprocess
-import sys
-import time
-
-import psutil
 import pytest
 
-from megarlhf.checkpoint.distributed import is_complete_checkpoint
 from megarlhf.metrics import read_metrics
 from megarlhf.testing.launch import run_torchrun
-from parallel.runtime import free_port
 
-from _rl_recipe import WORKER, write_recipe
+from _rl_recipe import WORKER, kill_after_checkpoint, write_recipe
 
 TIMING = ("time/", "weight_sync/bytes_per_s")
 
@@ -41,20 +32,8 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
 
     cut = tmp_path / "cut"
     recipe = _recipe(tmp_path, rl_assets, cut)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(WORKER), str(recipe), *overrides]
-    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = cut / "checkpoints" / "step_2"
-    deadline = time.time() + 900
-    while not is_complete_checkpoint(first) and job.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
-        process.send_signal(signal.SIGKILL)
-    job.wait()
-    assert is_complete_checkpoint(first), "the run ended before its first checkpoint"
-    assert not is_complete_checkpoint(cut / "checkpoints" / "step_4"), "killed too late to test a resume"
-
+    kill_after_checkpoint(WORKER, [str(recipe), *overrides], cut / "checkpoints" / "step_2",
+                          cut / "checkpoints" / "step_4")
     run_torchrun(WORKER, 2, [str(recipe), *overrides, "checkpoint.resume=auto"], timeout_s=900)
     uninterrupted, resumed = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # 4 steps, then the final evaluation

@@ -1,0 +1,127 @@
+"""Where each RL step's batch comes from: generated inside the step, or one step ahead (off-policy).
+
+``rollout.max_staleness=0`` (:class:`SynchronousBatches`): steps 1-6 run inside the step
+(:func:`megarlhf.trainers.collect.collect`), with the weights the step starts from.
+
+``rollout.max_staleness=1`` (:class:`OffPolicyBatches`, disaggregated placement only): the engines
+generate the next step's batch while the trainers update on this one. In step ``k`` the trainers take
+batch ``k`` (launched during step ``k-1``), push their weights (those after ``k`` updates) to the engines,
+launch batch ``k+1`` and return; scoring and the update of step ``k`` then run while the engines
+generate. So batch ``k`` is sampled by the policy one update behind the one that trains on it (step 0's
+by the same one: there is no earlier step), and the weight sync is the only time generation and training
+wait for each other. The update corrects for the lag exactly as for any rollout/trainer mismatch: the
+PPO "old" log-probs are the trainer's own (the proximal policy) and the behaviour log-probs the engines
+report feed the importance-sampling correction (``algorithm.mismatch``); ``mismatch/*`` then measure the
+off-policy gap.
+
+Metrics: ``rollout/staleness`` (updates between the sampling policy and the trained one: 0 or 1),
+``time/rollout_wait_s`` (trainers waiting for the batch), ``time/engine_generate_s`` and
+``time/rollout_overlap_s`` (the part of the generation that ran while the trainers worked).
+
+Resume. The batch in flight when a checkpoint is written is taken from the engines first and saved in
+the checkpoint (every replica's samples and metrics, with the prompt indices and the weight version they
+were sampled with), so a resumed run trains on exactly the batch the uninterrupted run trained on. When the
+data-parallel size changed, or the checkpoint has no such batch, the step's batch is generated again
+with the checkpoint's weights (deterministic, one update fresher than the uninterrupted run's), and
+the run says so.
+
+Hand-written because the pipelining is the driver's own schedule around the rollout phase.
+"""
+from __future__ import annotations
+
+import logging
+
+from megarlhf.config.schema import RunConfig
+from megarlhf.rollout.config import rollout_sampling
+from megarlhf.trainers.collect import Collected, collect, replica_offset, score_round
+from megarlhf.trainers.rollout_phase import sample_seed
+from parallel.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+class SynchronousBatches:
+    """Each step generates its own batch (``rollout.max_staleness=0``)."""
+
+    def __init__(self, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
+                 stop: tuple[int, ...]):
+        self.args = (phase, sampler, prompts, reward, tokenizer, config, runtime)
+        self.stop = stop
+
+    def next(self, step: int) -> Collected:
+        return collect(*self.args, step, self.stop)
+
+    def state(self, next_step: int) -> dict:
+        return {}
+
+    def restore(self, state: dict | None, step: int) -> None:
+        """Nothing is in flight between synchronous steps."""
+
+
+class OffPolicyBatches:
+    """Batch ``k+1`` is generated during step ``k`` (see the module docstring)."""
+
+    def __init__(self, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
+                 stop: tuple[int, ...]):
+        self.phase, self.sampler, self.prompts, self.reward = phase, sampler, prompts, reward
+        self.tokenizer, self.config, self.runtime, self.stop = tokenizer, config, runtime, stop
+        self.launched: tuple[int, int, list[int]] | None = None  # (step, weight version, prompt indices)
+        self.taken = None  # (RolloutBatch, metrics) received before its step (checkpoint, resume)
+        self.last_version: int | None = None  # the weight version the engines hold (None: not synced yet)
+
+    def next(self, step: int) -> Collected:
+        metrics = {}
+        if self.launched is None or self.launched[0] != step:
+            metrics = self._launch(step, version=step)  # step 0, or a resume without the batch in flight
+        (_, version, indices), self.launched = self.launched, None
+        rollout, timing = self.taken if self.taken is not None else self.phase.receive()
+        self.taken = None
+        if step + 1 < self.config.train.steps:
+            metrics.update(self._launch(step + 1, version=step))  # the trainers' weights: after `step` updates
+        wait, generate = timing.get("time/rollout_wait_s", 0.0), timing.get("time/engine_generate_s", 0.0)
+        metrics.update({**timing, "rollout/staleness": float(step - version),
+                        "time/rollout_overlap_s": max(generate - wait, 0.0)})
+        examples = [self.prompts[i] for i in indices]
+        return score_round(examples, rollout, metrics, self.reward, self.tokenizer, self.config, self.runtime)
+
+    def _launch(self, step: int, version: int) -> dict[str, float]:
+        """Starts batch ``step`` with the weights after ``version`` updates (synced unless the engines
+        already hold them: the batch before was launched with the same version); the sync's metrics."""
+        sync = self.last_version != version
+        indices = self.sampler.next_batch()
+        offset, n = replica_offset(self.config, self.runtime), self.config.rollout.n_samples
+        metrics = self.phase.launch([self.prompts[i] for i in indices], rollout_sampling(self.config.rollout, self.stop),
+                                    sample_seed(self.config.seed, step, offset, n), sync_weights=sync)
+        self.launched, self.last_version = (step, version, indices), version
+        return metrics
+
+    def state(self, next_step: int) -> dict:
+        """The batch in flight for ``next_step`` (taken from the engines now), every replica's, for the
+        checkpoint; {} when none is in flight. Collective."""
+        if self.launched is None or self.launched[0] != next_step:
+            return {}
+        self.taken = self.phase.receive()
+        step, version, indices = self.launched
+        replicas = self.runtime.all_gather_objects((indices, *self.taken), over="dp")
+        return {"in_flight": {"step": step, "version": version, "replicas": replicas}}
+
+    def restore(self, state: dict | None, step: int) -> None:
+        """Takes the saved batch in flight for ``step`` (see the module docstring)."""
+        saved = (state or {}).get("in_flight")
+        if saved is None or saved["step"] != step:
+            return
+        if len(saved["replicas"]) != self.runtime.dp.size:
+            logger.warning("the batch in flight for step %d was saved by %d data-parallel replicas, this run has "
+                           "%d: generating it again with the checkpoint's weights", step, len(saved["replicas"]),
+                           self.runtime.dp.size)
+            return
+        indices, rollout, metrics = saved["replicas"][self.runtime.dp.rank]
+        self.launched, self.last_version = (step, saved["version"], list(indices)), None
+        self.taken = (rollout, metrics)
+
+
+def make_batches(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
+                 stop: tuple[int, ...]):
+    """The run's source of batches, as ``rollout.max_staleness`` says."""
+    kind = OffPolicyBatches if config.rollout.max_staleness else SynchronousBatches
+    return kind(phase, sampler, prompts, reward, tokenizer, config, runtime, stop)
