@@ -64,10 +64,12 @@ def tiny_corpus() -> list[str]:
 
 
 def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: list[str] | None = None,
-                         pre_tokenizer=None):
+                         pre_tokenizer=None, added_tokens: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer trained on ``corpus`` (default :func:`tiny_corpus`), as a transformers
     fast tokenizer. A task's own texts as corpus give it whole-word tokens (shorter sequences).
-    ``pre_tokenizer`` (a ``tokenizers`` pre-tokenizer) replaces the GPT-2-style byte-level split."""
+    ``pre_tokenizer`` (a ``tokenizers`` pre-tokenizer) replaces the GPT-2-style byte-level split.
+    ``added_tokens`` become single, non-special tokens after the trained vocabulary (as Qwen2.5's
+    ``<tool_call>`` / ``</tool_call>``): the tokenizer then has ``vocab_size + len(added_tokens)`` tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,8 +79,11 @@ def train_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: list[st
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(tiny_corpus() if corpus is None else corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
+    return fast
 
 
 def tiny_config(arch: str, **overrides):
@@ -110,15 +115,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                     tokenizer_corpus: list[str] | None = None, tokenizer_vocab_size: int = TOKENIZER_VOCAB_SIZE,
-                    **config_overrides) -> Path:
+                    added_tokens: tuple[str, ...] = (), **config_overrides) -> Path:
     """Writes a tiny random ``arch`` causal LM (config, safetensors, tokenizer, generation config).
 
     ``config_overrides`` change any config field, e.g. ``**QWEN2_0_5B_SHAPE`` with arch "qwen2";
-    ``tokenizer_corpus`` / ``tokenizer_vocab_size`` choose what the tokenizer is trained on.
+    ``tokenizer_corpus`` / ``tokenizer_vocab_size`` choose what the tokenizer is trained on and
+    ``added_tokens`` what it adds (:func:`train_tiny_tokenizer`).
     """
     from transformers import AutoModelForCausalLM
 
-    tokenizer = train_tiny_tokenizer(tokenizer_vocab_size, tokenizer_corpus)
+    tokenizer = train_tiny_tokenizer(tokenizer_vocab_size, tokenizer_corpus, added_tokens=added_tokens)
     overrides = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=None, **config_overrides)
     config = tiny_config(arch, **overrides)
@@ -129,11 +135,12 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, dtype: torch.
     randomize_(model, seed)
     out = Path(out_dir)
     model.save_pretrained(out)
-    save_loadable_tokenizer(tokenizer, out, tokenizer_vocab_size, tokenizer_corpus)
+    save_loadable_tokenizer(tokenizer, out, tokenizer_vocab_size, tokenizer_corpus, added_tokens)
     return out
 
 
-def save_loadable_tokenizer(tokenizer, out: Path, vocab_size: int, corpus: list[str] | None) -> None:
+def save_loadable_tokenizer(tokenizer, out: Path, vocab_size: int, corpus: list[str] | None,
+                            added_tokens: tuple[str, ...] = ()) -> None:
     """Saves ``tokenizer`` next to the model's config so that ``AutoTokenizer`` (hence transformers, vLLM
     and megarlhf) splits text exactly as the tokenizer was trained to.
 
@@ -148,7 +155,8 @@ def save_loadable_tokenizer(tokenizer, out: Path, vocab_size: int, corpus: list[
     loaded = AutoTokenizer.from_pretrained(out)
     if _token_ids(loaded, sample) == _token_ids(tokenizer, sample):
         return
-    tokenizer = train_tiny_tokenizer(vocab_size, corpus, pre_tokenizer=loaded.backend_tokenizer.pre_tokenizer)
+    tokenizer = train_tiny_tokenizer(vocab_size, corpus, pre_tokenizer=loaded.backend_tokenizer.pre_tokenizer,
+                                     added_tokens=added_tokens)
     tokenizer.save_pretrained(out)
     loaded = AutoTokenizer.from_pretrained(out)
     if _token_ids(loaded, sample) != _token_ids(tokenizer, sample):

@@ -185,14 +185,25 @@ def write_jsonl(rows: list[dict], path: Path, keys: tuple[str, ...]) -> Path:
     return path
 
 
+def tool_call_response(row: dict, answer_format: str = "answer_is") -> str:
+    """A calculator transcript in plain text: the hermes-format call of the ``calculator`` tool on the
+    problem's expression, the observation exactly as a plain-text multi-turn rollout appends it
+    (:mod:`megarlhf.rollout.multi_turn`), then the final answer."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": row["expression"]}})
+    return (f"<tool_call>{call}</tool_call>\n<tool_response>\n{row['answer']}\n</tool_response>\n"
+            f"{final_answer(row['answer'], answer_format)}")
+
+
 def mix_response_styles(rows: list[dict], seed: int, direct: float = 0.0, answer_first: float = 0.0,
-                        answer_format: str = "answer_is") -> list[dict]:
-    """SFT rows where a seeded share ``direct`` of responses is only the final-answer line and a share
-    ``answer_first`` states the final answer on its first line and the working after it; the rest keep
-    the worked solution followed by the answer."""
-    if not (0.0 <= direct <= 1.0 and 0.0 <= answer_first <= 1.0 and direct + answer_first <= 1.0):
-        raise ValueError(f"sft_direct_fraction ({direct}) and sft_answer_first_fraction ({answer_first}) must be "
-                         "in [0, 1] and sum to at most 1")
+                        answer_format: str = "answer_is", tool_call: float = 0.0) -> list[dict]:
+    """SFT rows where a seeded share ``direct`` of responses is only the final-answer line, a share
+    ``answer_first`` states the final answer on its first line and the working after it, and a share
+    ``tool_call`` asks the calculator (:func:`tool_call_response`); the rest keep the worked solution
+    followed by the answer."""
+    shares = {"sft_direct_fraction": direct, "sft_answer_first_fraction": answer_first,
+              "sft_tool_call_fraction": tool_call}
+    if not (all(0.0 <= v <= 1.0 for v in shares.values()) and sum(shares.values()) <= 1.0):
+        raise ValueError(f"{shares} must each be in [0, 1] and sum to at most 1")
     rng = random.Random(f"{seed}-direct")
     mixed = []
     for row in rows:
@@ -201,13 +212,15 @@ def mix_response_styles(rows: list[dict], seed: int, direct: float = 0.0, answer
             row = {**row, "response": final}
         elif draw < direct + answer_first:
             row = {**row, "response": f"{final}\n{row['work']}"}
+        elif draw < direct + answer_first + tool_call:
+            row = {**row, "response": tool_call_response(row, answer_format)}
         mixed.append(row)
     return mixed
 
 
 def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
                           sft_direct_fraction: float = 0.0, sft_answer_first_fraction: float = 0.0,
-                          **knobs) -> dict[str, Path]:
+                          sft_tool_call_fraction: float = 0.0, **knobs) -> dict[str, Path]:
     """Writes ``train.jsonl`` and ``heldout.jsonl`` (prompt, answer, expression) and ``sft_train.jsonl``
     (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings and the two
     fractions the shares of SFT responses in the bare-answer and answer-first styles
@@ -216,7 +229,7 @@ def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, see
     train = generate_split(n_train, heldout=False, seed=seed, **knobs)
     heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
     sft = mix_response_styles(train, seed, sft_direct_fraction, sft_answer_first_fraction,
-                              knobs.get("answer_format", "answer_is"))
+                              knobs.get("answer_format", "answer_is"), sft_tool_call_fraction)
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
@@ -305,10 +318,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to every prompt")
     parser.add_argument("--sft-direct-fraction", type=float, default=0.0)
     parser.add_argument("--sft-answer-first-fraction", type=float, default=0.0)
+    parser.add_argument("--sft-tool-call-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
     paths = write_arithmetic_task(args.out_dir, args.n_train, args.n_heldout, args.seed,
                                   sft_direct_fraction=args.sft_direct_fraction,
-                                  sft_answer_first_fraction=args.sft_answer_first_fraction, min_steps=args.min_steps,
+                                  sft_answer_first_fraction=args.sft_answer_first_fraction,
+                                  sft_tool_call_fraction=args.sft_tool_call_fraction, min_steps=args.min_steps,
                                   max_steps=args.max_steps, max_value=args.max_value, answer_format=args.answer_format,
                                   ops=tuple(args.ops.split(",")), style=args.style, instruction=args.instruction)
     for name, path in paths.items():

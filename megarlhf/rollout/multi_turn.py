@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
+from megarlhf.envs.parsers import PARSERS
 from megarlhf.envs.runner import ToolRunner
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
@@ -74,12 +75,16 @@ class MultiTurnRollout:
         self.config, self.tokenizer, self.chat = config, tokenizer, chat
         self.max_new_tokens, self.budget = max_new_tokens, budget
         self.runner = ToolRunner(config, tokenizer)
+        # a turn also ends on the format's end-of-call token, where the tokenizer has one (e.g. Qwen2.5's
+        # </tool_call>): the observation then follows the call directly
+        self.call_end_ids = PARSERS.get(config.parser)([], tokenizer).stop_token_ids
 
     def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
             keep_going: Callable[[bool], bool] = lambda running: running) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of whole episodes (prompt-major, ``loss_masks`` and ``env_rewards`` filled) and the
         tool metrics. ``keep_going(any episode of mine running)``: whether to generate another turn; ranks
         whose generator is collective pass an all-ranks "any", and then generate with no prompt."""
+        sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + tuple(self.call_end_ids))
         turn = generate([p.prompt_ids for p in prompts], sampling)
         episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
                              messages=self._start_messages(prompts[p]))

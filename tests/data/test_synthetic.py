@@ -134,3 +134,24 @@ def test_bare_style_asks_the_expression(tmp_path):
         assert row["response"] == f"{a} + {b} = {row['answer']}. The answer is {row['answer']}."
     with pytest.raises(ValueError, match="style must be 'word' or 'bare'"):
         generate_split(5, heldout=False, seed=1, style="table")
+
+
+def test_tool_call_transcripts_are_what_a_plain_rollout_writes():
+    from megarlhf.envs.calculator import calculate
+    from megarlhf.envs.parsers import PARSERS
+    from megarlhf.envs.calculator import CALCULATOR_TOOL
+
+    rows = generate_split(40, heldout=False, seed=2, max_steps=1, max_value=999, ops=("add",), style="bare",
+                          instruction=None)
+    mixed = mix_response_styles(rows, seed=2, tool_call=0.5)
+    transcripts = [r for r in mixed if r["response"].startswith("<tool_call>")]
+    assert 10 < len(transcripts) < 30
+    parse = PARSERS.get("hermes")([CALCULATOR_TOOL])
+    for row in transcripts:
+        call, _, rest = row["response"].partition("</tool_call>")
+        parsed = parse(call + "</tool_call>")
+        observation = calculate(parsed.arguments["expression"])
+        # the multi-turn loop's plain-text observation, then the answer turn
+        assert rest == f"\n<tool_response>\n{observation}\n</tool_response>\nThe answer is {row['answer']}."
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        mix_response_styles(rows, seed=2, direct=0.6, tool_call=0.6)

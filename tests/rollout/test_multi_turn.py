@@ -59,6 +59,8 @@ class Script:
                 turn, sample = divmod(seed - self.base, TURN_SEED_STRIDE)
                 text = self.turns.get((sample, turn), "The answer is 5.")
                 ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end]
+                stops = [k for k, t in enumerate(ids) if t in sampling.stop_token_ids]
+                ids = ids[:stops[0] + 1] if stops else ids  # an engine stops on a stop token, keeping it
                 finish = "stop"
                 if len(ids) > sampling.max_new_tokens:
                     ids, finish = ids[:sampling.max_new_tokens], "length"
@@ -141,3 +143,24 @@ def test_plain_mode_observation(tokenizer):
     observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
     assert tokenizer.decode(observation) == "\n<tool_response>\n5\n</tool_response>\n"
     assert json.loads(CALL.removeprefix("<tool_call>").removesuffix("</tool_call>"))["name"] == "add"
+
+
+def test_turn_stops_on_the_call_end_token_and_the_template_closes_it(tmp_path):
+    """With <tool_call> / </tool_call> as added tokens (as in Qwen2.5's tokenizer) a turn stops right after
+    the call; the observation then starts with the end-of-turn marker the model did not write."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(
+        "qwen2", tmp_path / "m", seed=0, added_tokens=("<tool_call>", "</tool_call>"), vocab_size=512))
+    end_of_call = tokenizer.convert_tokens_to_ids("</tool_call>")
+    script = Script(tokenizer, 0, {(0, 0): CALL + " and more words the engine never writes"})
+    batch, _ = _rollout(tokenizer).run(script, _prompts(tokenizer, 1),
+                                       SamplingConfig(n=1, temperature=1.0, max_new_tokens=128, seed=0))
+    first_turn = batch.response_ids[0][:batch.loss_masks[0].index(0)]
+    assert first_turn[-1] == end_of_call and tokenizer.decode(first_turn) == CALL
+    observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
+    assert tokenizer.decode(observation) == "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    messages = [{"role": "user", "content": "What is 2 + 3? (0)"}, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5."}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False).removesuffix("\n")
+    assert tokenizer.decode(batch.prompt_ids[0] + batch.response_ids[0]) == rendered
