@@ -2,10 +2,16 @@
 
 Every registry maps a name to an entry with one call signature (stated by the registry's owner); the
 registry itself only stores, lists and looks up, and an unknown name is an error listing the known ones.
+Where users may bring their own entry (reward functions, environments) it is named by a dotted path
+``pkg.module:name`` instead: :func:`is_dotted_path` and :func:`load_object`.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import re
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)$")
 
 T = TypeVar("T")
 
@@ -41,3 +47,23 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def is_dotted_path(name: str) -> bool:
+    """True for ``pkg.mod:obj`` or ``pkg.mod.obj`` (at least one separator), the forms users name code by."""
+    return ("." in name or ":" in name) and bool(_DOTTED.match(name))
+
+
+def load_object(path: str, what: str) -> Any:
+    """Imports ``pkg.mod:obj`` or ``pkg.mod.obj``; errors name ``what``, the path and what failed."""
+    if not is_dotted_path(path):
+        raise ValueError(f"{what} path {path!r} must look like 'pkg.module:name' or 'pkg.module.name'")
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is reported with the path
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)

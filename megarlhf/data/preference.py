@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megarlhf.data.prompts import uses_chat_template
+from megarlhf.data.sft import encode_text
 from megarlhf.data.source import DataConfig, read_records
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,6 @@ class PreferenceDataset:
 
     def __getitem__(self, i: int) -> PreferencePair:
         return self.pairs[i]
-
-
-def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
 
 
 def _get(row: dict, key: str, setting: str, where: str) -> Any:
@@ -160,7 +157,7 @@ def _chat_side(prompt: list[dict], response: list[dict], tokenizer, key: str,
     segments.append((full[len(done):], 0))
     ids, mask = [], []
     for text, label in segments:
-        tokens = _encode(tokenizer, text)
+        tokens = encode_text(tokenizer, text)
         ids += tokens
         mask += [label] * len(tokens)
     return ids, mask
@@ -181,7 +178,7 @@ def _plain_side(prompt_ids: list[int], response: str, tokenizer, key: str, setti
                 where: str) -> tuple[list[int], list[int]]:
     if not response.strip():
         raise ValueError(f"{where}: field {key!r} ({setting}) is an empty response")
-    response_ids = _encode(tokenizer, response) + [tokenizer.eos_token_id]
+    response_ids = encode_text(tokenizer, response) + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
@@ -200,7 +197,7 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
             key = getattr(keys, setting)
             response = _response_messages(fields[setting], raw, key, setting, where)
             sides[setting] = _chat_side(prompt, response, tokenizer, key, where)
-        prompt_len = len(_encode(tokenizer, tokenizer.apply_chat_template(prompt, tokenize=False,
+        prompt_len = len(encode_text(tokenizer, tokenizer.apply_chat_template(prompt, tokenize=False,
                                                                           add_generation_prompt=True)))
     else:
         text = fields["prompt_key"]
@@ -211,7 +208,7 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
         if tokenizer.eos_token_id is None:
             raise ValueError("preference pairs in plain mode append EOS to each response, but the tokenizer "
                              "has no eos token")
-        prompt_ids = _encode(tokenizer, text, special=True)
+        prompt_ids = encode_text(tokenizer, text, special=True)
         prompt_len = len(prompt_ids)
         for setting in ("chosen_key", "rejected_key"):
             sides[setting] = _plain_side(prompt_ids, fields[setting], tokenizer, getattr(keys, setting),

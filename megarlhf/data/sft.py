@@ -42,7 +42,8 @@ class SFTDataset:
         return self.examples[i]
 
 
-def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
+def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:
+    """``text``'s token ids (with the tokenizer's special tokens, e.g. BOS, when ``special``); [] for ''."""
     return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
 
 
@@ -68,7 +69,7 @@ def _chat_example(messages: list[dict], tokenizer, where: str) -> SFTExample:
     segments.append((full[len(done):], 0))
     ids, mask = [], []
     for text, label in segments:
-        tokens = _encode(tokenizer, text)
+        tokens = encode_text(tokenizer, text)
         ids += tokens
         mask += [label] * len(tokens)
     return SFTExample(ids, mask)
@@ -81,8 +82,8 @@ def _plain_example(row: dict, tokenizer, config: DataConfig, where: str) -> SFTE
         prompt = f"{config.system_prompt}\n\n{prompt}"
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT in plain mode appends EOS to each response, but the tokenizer has no eos token")
-    prompt_ids = _encode(tokenizer, prompt, special=True)
-    response_ids = _encode(tokenizer, response) + [tokenizer.eos_token_id]
+    prompt_ids = encode_text(tokenizer, prompt, special=True)
+    response_ids = encode_text(tokenizer, response) + [tokenizer.eos_token_id]
     return SFTExample(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 
 

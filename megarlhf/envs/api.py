@@ -22,13 +22,11 @@ exception is a failure that :mod:`megarlhf.envs.runner` reports.
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from megarlhf.registry import Registry
-from megarlhf.rewards.api import is_dotted_path
+from megarlhf.registry import Registry, is_dotted_path, load_object
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
 
@@ -128,21 +126,6 @@ class ToolEpisode:
             return StepResult(f"error: {exc}", info={"tool_error": str(exc)})
         # a non-string return is passed on as it is: the runner reports it as a failure of this tool
         return StepResult(observation)
-
-
-def load_object(path: str, what: str) -> Any:
-    """Imports ``pkg.mod:obj`` or ``pkg.mod.obj``; errors name ``what``, the path and what failed."""
-    if not is_dotted_path(path):
-        raise ValueError(f"{what} path {path!r} must look like 'pkg.module:name' or 'pkg.module.name'")
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is reported with the path
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    if not hasattr(module, attr):
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
 
 
 def _unknown_environment(name: str) -> ValueError:

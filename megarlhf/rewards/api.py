@@ -12,12 +12,10 @@ trainer fills and that :class:`megarlhf.rewards.runner.CombinedReward` adds with
 """
 from __future__ import annotations
 
-import importlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from megarlhf.registry import Registry
+from megarlhf.registry import Registry, is_dotted_path, load_object
 
 
 @dataclass(frozen=True)
@@ -43,28 +41,11 @@ class RewardModel(Protocol):
     def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float]: ...
 
 
-_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)$")
-
-
-def is_dotted_path(name: str) -> bool:
-    """True for ``pkg.mod:fn`` or ``pkg.mod.fn`` (at least one separator), the forms users name functions by."""
-    return ("." in name or ":" in name) and bool(_DOTTED.match(name))
 
 
 def load_function(path: str) -> Callable:
-    """Imports ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
-    if not is_dotted_path(path):
-        raise ValueError(f"reward function path {path!r} must look like 'pkg.module:function' or "
-                         f"'pkg.module.function'")
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is reported with the path
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}")
+    """Imports the reward function ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
+    fn = load_object(path, "reward function")
     if not callable(fn):
         raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a callable")
     return fn

@@ -45,7 +45,7 @@ def forward(model, ids, pos):
         return out, lambda output_tensor, non_loss_data=False: output_tensor
 
     stored = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[model],
-                                         num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
+                                         num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
                                          forward_only=True, collect_non_loss_data=True)
     return stored[0] if ps.is_pipeline_last_stage() else None
 
