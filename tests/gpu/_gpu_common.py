@@ -18,3 +18,19 @@ def run_config(model_dir: Path, dtype: str, *overrides: str):
                                          "data.train_path=unused.jsonl", "data.max_prompt_length=64",
                                          "rollout.max_new_tokens=64", "train.micro_batch_tokens=1024",
                                          "algorithm.kl_mode=none", *overrides])
+
+
+def run_rl(tiny_llama, task, tmp_path, *overrides):
+    """A 3-step RL run of the real driver with the transformers engine; its metrics records."""
+    from megarlhf.config import RunConfig, load_config
+    from megarlhf.metrics import read_metrics
+    from megarlhf.trainers.rl import train_rl
+
+    config = load_config(RunConfig, None, [
+        f"model.path={tiny_llama}", f"data.train_path={task / 'train.jsonl'}", "data.chat_template=never",
+        "data.max_prompt_length=96", "rollout.backend=hf", "rollout.n_samples=4", "rollout.max_new_tokens=32",
+        "train.steps=3", "train.global_batch_size=8", "train.micro_batch_tokens=2048", "optim.lr=1e-4",
+        "reward.functions=[{name: exact_match}]", "checkpoint.every=0", f"logging.run_dir={tmp_path / 'run'}",
+        "logging.tensorboard=false", *overrides])
+    train_rl(config)
+    return read_metrics(tmp_path / "run" / "metrics.jsonl")

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from _gpu_common import DRY_RUN, run_config
+from _gpu_common import DRY_RUN, run_config, run_rl
 
 
 @pytest.mark.gpu
@@ -29,21 +29,6 @@ def test_sft_steps_reduce_the_loss(runtime, tiny_llama, report):
     assert losses[-1] < losses[0] - 0.5
 
 
-def _rl(tiny_llama, task, tmp_path, *overrides):
-    from megarlhf.config import RunConfig, load_config
-    from megarlhf.metrics import read_metrics
-    from megarlhf.trainers.rl import train_rl
-
-    config = load_config(RunConfig, None, [
-        f"model.path={tiny_llama}", f"data.train_path={task / 'train.jsonl'}", "data.chat_template=never",
-        "data.max_prompt_length=96", "rollout.backend=hf", "rollout.n_samples=4", "rollout.max_new_tokens=32",
-        "train.steps=3", "train.global_batch_size=8", "train.micro_batch_tokens=2048", "optim.lr=1e-4",
-        "reward.functions=[{name: exact_match}]", "checkpoint.every=0", f"logging.run_dir={tmp_path / 'run'}",
-        "logging.tensorboard=false", *overrides])
-    train_rl(config)
-    return read_metrics(tmp_path / "run" / "metrics.jsonl")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,overrides", [
     ("GRPO fp32", ["model.dtype=float32", "algorithm.estimator=grpo", "algorithm.kl.coef=0.01"]),
@@ -51,7 +36,7 @@ def _rl(tiny_llama, task, tmp_path, *overrides):
     ("PPO (GAE) bf16", ["model.dtype=bfloat16", "algorithm.estimator=gae", "algorithm.kl_mode=reward"]),
 ])
 def test_rl_steps_pass_the_gates(tiny_llama, task, tmp_path, name, overrides, report):
-    records = _rl(tiny_llama, task, tmp_path, *overrides)
+    records = run_rl(tiny_llama, task, tmp_path, *overrides)
     steps = [r for r in records if r.get("actor/loss") is not None]
     assert len(steps) == 3
     step0 = steps[0]
