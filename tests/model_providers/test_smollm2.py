@@ -36,17 +36,22 @@ WORKER = Path(__file__).with_name("_worker_smollm2.py")
 ENV_DIR = "MEGARLHF_SMOLLM2_DIR"
 MODEL_NAME = "smollm2-135m-instruct"
 VOCAB, SEQ = 49152, 256
-# fp32: the goal of the brief; the measured differences are below (see the report printed by the tests).
+# fp32, on logits and on log_softmax. Measured (logits ~|39| at most): max |d| 6.1e-5 at TP=1 (PP=1 and
+# PP=2 are bitwise the same computation), 6.5e-5 logits / 7.6e-5 log_softmax at TP=3; the mean ~6e-6.
+# Only ~1.3x headroom: 30 fp32 layers whose matmuls HF and Megatron order differently (fused QKV, split
+# heads) drift by a few ulps of the larger logits. The tiny models of test_llama.py stay near 1e-6.
 LOGIT_TOL = 1e-4
 # bf16 Megatron vs fp32 HF: bf16 keeps 8 mantissa bits (relative step 2^-8 ~ 0.4%), and its rounding of
-# weights and activations compounds over 30 layers on logits of magnitude ~20-30. These bounds are loose
-# (several times the measured values) and catch a broken bf16 path, not a slightly noisier one.
+# weights and activations compounds over 30 layers on logits of magnitude up to ~40. These bounds are loose
+# (about 4x the measured log_softmax mean 0.058 / max 0.73, top-1 agreement 0.979; logits: max 0.71,
+# mean 0.090) and catch a broken bf16 path, not a slightly noisier one.
 BF16_LOGPROB_MEAN = 0.25
-BF16_LOGPROB_MAX = 8.0
-BF16_TOP1_MIN = 0.8
-# HF's own mean next-token loss on the (repetitive) test text: a real model predicts it well; random or
-# mis-converted weights, or a mismatched tokenizer, would be near ln(49152) ~ 10.8.
-HF_NLL_MAX = 3.0
+BF16_LOGPROB_MAX = 3.0
+BF16_TOP1_MIN = 0.9
+# HF's own mean next-token loss on the test text (measured 3.34: ~4.0 on the first 209 tokens, novel
+# text for this small 4-bit-quantised model, ~0.2 where the text repeats). Random or mis-converted
+# weights, or a mismatched tokenizer, would be near ln(49152) ~ 10.8 or worse.
+HF_NLL_MAX = 5.0
 
 
 @pytest.fixture(scope="session")
