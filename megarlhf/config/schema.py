@@ -236,9 +236,12 @@ class LoggingConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, config.yaml, checkpoints
     tensorboard: bool = True
     log_every: int = 1  # steps between metric records (RL and SFT; the last step and evaluations always)
+    samples_per_step: int = 4  # RL: decoded samples per step and per evaluation in samples.jsonl (0: off)
 
     def __post_init__(self):
         _positive_int(self, "log_every")
+        _check(isinstance(self.samples_per_step, int) and self.samples_per_step >= 0,
+               f"LoggingConfig.samples_per_step must be an int >= 0, got {self.samples_per_step!r}")
 
 
 @dataclass

@@ -9,7 +9,10 @@ Registered rewards (signature in ``api.py``; each returns 1.0 for a correct answ
 * ``math_verify``: HF ``math-verify`` parses the response and the ground truth (LaTeX, ``\\boxed{}``,
   plain numbers, "The final answer is ...") and checks mathematical equivalence. Its built-in timeouts
   use ``signal.alarm``, which fails off the main thread, so they are disabled here and the runner
-  bounds each call's time instead.
+  bounds each call's time instead. When the ground truth is a number, the stated answer must be a number
+  too (``require_number``, on by default): math-verify alone judges "The answer is 97 + 71" equal to 168,
+  so a policy that restates the question's expression collects full reward. SmolLM2-135M-Instruct did
+  exactly that under GRPO on two-digit sums (100% "accuracy" by step 30, responses of ~11 tokens).
 
 The final answer of a response is the last occurrence of any of ``\\boxed{X}``, ``#### X`` or
 ``The (final) answer is X`` (hand-written because the formats are the project's own convention for its
@@ -96,8 +99,15 @@ def numeric(sample: RewardInput, rel_tol: float = 1e-9, abs_tol: float = 1e-9) -
     return float(math.isclose(float(got), float(want), rel_tol=rel_tol, abs_tol=abs_tol))
 
 
+def _is_number_literal(parsed: list) -> bool:
+    """Whether math-verify's parse (``[sympy expression, matched string]``) is a number as written:
+    ``168``, ``-3/4``, ``\\frac{1}{2}``, ``0.5``, ``1,234`` -- not an expression such as ``97 + 71``."""
+    expression, matched = parsed[0], str(parsed[-1])
+    return bool(getattr(expression, "is_Number", False)) or parse_number(matched) is not None
+
+
 @REWARDS.register("math_verify")
-def math_verify(sample: RewardInput) -> float:
+def math_verify(sample: RewardInput, require_number: bool = True) -> float:
     from math_verify import parse, verify
 
     if sample.ground_truth is None:
@@ -109,5 +119,7 @@ def math_verify(sample: RewardInput) -> float:
         gold = parse(f"${sample.ground_truth}$", parsing_timeout=None)
     answer = parse(sample.response, parsing_timeout=None)
     if not gold or not answer:
+        return 0.0
+    if require_number and _is_number_literal(gold) and not _is_number_literal(answer):
         return 0.0
     return float(verify(gold, answer, timeout_seconds=None))

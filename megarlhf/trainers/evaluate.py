@@ -19,6 +19,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import SamplingConfig
+from megarlhf.sample_log import SampleLog
 from megarlhf.trainers.experience import score_rewards, tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
@@ -39,9 +40,11 @@ def eval_sampling(config: RunConfig, stop_token_ids: tuple[int, ...]) -> Samplin
 
 
 def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, tokenizer, config: RunConfig,
-             step: int, runtime: Runtime, stop_token_ids: tuple[int, ...] = ()) -> dict[str, float]:
+             step: int, runtime: Runtime, stop_token_ids: tuple[int, ...] = (),
+             samples: SampleLog | None = None) -> dict[str, float]:
     """``eval/accuracy``, ``eval/pass@k`` and ``eval/prompts`` over ``examples`` (all replicas together);
-    ``phase`` is the run's rollout side (:func:`~megarlhf.trainers.rollout_phase.build_rollout_phase`)."""
+    ``phase`` is the run's rollout side (:func:`~megarlhf.trainers.rollout_phase.build_rollout_phase`);
+    ``samples`` records some of the generations."""
     if config.eval.max_prompts is not None:
         examples = examples[:config.eval.max_prompts]
     share = torch.arange(len(examples)).tensor_split(runtime.dp.size)[runtime.dp.rank].tolist()  # host: indices
@@ -51,6 +54,8 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
     rollout, tools = phase.generate(mine, eval_sampling(config, stop_token_ids), seed)
     rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, shape_length=False) if mine else ([], {})
+    if samples is not None and mine:
+        samples.write(step, "eval", mine, rollout, rewards)
     correct = [0.0] * len(mine)
     for p, r in zip(rollout.prompt_index, rewards):
         correct[p] += float(r > 0.5)

@@ -32,6 +32,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import greedy_sampling
+from megarlhf.sample_log import SampleLog
 from megarlhf.trainers.collect import Collected
 from megarlhf.trainers.evaluate import evaluate
 from megarlhf.trainers.experience import build_experience, build_reward, compute_advantages, score, score_rewards
@@ -70,17 +71,21 @@ def train_rl(config: RunConfig) -> Path | None:
     recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
                                rank=runtime.launch.rank, resume_after_step=first_step - 1,
                                log_every=config.logging.log_every)
+    samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
+                        rank=runtime.launch.rank, resume_after_step=first_step - 1)
 
     def run_eval(step: int) -> dict[str, float]:
         if eval_prompts is None or eval_reward is None:
             return {}
-        return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop)
+        return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop,
+                        samples)
 
     for step in range(first_step, steps):
         start = time.perf_counter()
         metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
         rollout_start = time.perf_counter()
         got = batches.next(step)  # 1-6
+        samples.write(step, "train", got.examples, got.rollout, got.rewards)
         baseline = greedy_baseline(phase, got, reward, run.tokenizer, config, step, stop)
         rollout_s = time.perf_counter() - rollout_start
         batch = build_experience(got.rollout, got.group_offset, run.pad_id, runtime.device)

@@ -41,6 +41,11 @@ CASES = [
     ("#### 1,234", "1234", 1.0, 1.0, 1.0),
     ("The answer is 2.0", "2", 0.0, 1.0, 1.0),
     ("no answer given", "7", 0.0, 0.0, 0.0),
+    # the question's expression restated is not a stated answer (math-verify alone scores these 1.0)
+    ("The answer is 97 + 71.", "168", 0.0, 0.0, 0.0),
+    ("\\boxed{97+71}", "168", 0.0, 0.0, 0.0),
+    ("97 + 71 = 168. The answer is **168**", "168", 0.0, 0.0, 1.0),
+    ("The answer is $-\\frac{3}{4}$", "-3/4", 0.0, 0.0, 1.0),
 ]
 
 
@@ -50,6 +55,13 @@ def test_checkers(response, truth, exact, num, mv):
     assert REWARDS.get("exact_match")(sample) == exact
     assert REWARDS.get("numeric")(sample) == num
     assert REWARDS.get("math_verify")(sample) == mv
+
+
+def test_math_verify_require_number_off_accepts_an_equal_expression():
+    sample = RewardInput("What is 97 + 71?", "The answer is 97 + 71.", "168")
+    assert REWARDS.get("math_verify")(sample, require_number=False) == 1.0
+    # a symbolic ground truth is not a number: an equivalent expression is still a valid answer
+    assert REWARDS.get("math_verify")(RewardInput("q", "\\boxed{2\\sqrt{2}}", "\\sqrt{8}")) == 1.0
 
 
 def test_numeric_tolerance_and_missing_truth():

@@ -50,6 +50,10 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     if dtype == "float32":  # trainer and vLLM agree to fp32 accuracy at step 0
         assert step0["mismatch/step0_logprob_gap_max"] < 1e-4
     assert "eval/accuracy" in step0 and "eval/accuracy" in records[2]
+    samples = read_metrics(run / "samples.jsonl")  # the default 4 per step and per evaluation
+    assert [(r["step"], r["kind"]) for r in samples[::4]] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]
+    assert all(r["response"] and r["prompt"] and r["ground_truth"] is not None and r["reward"] in (0.0, 1.0)
+               and r["finish_reason"] in ("stop", "length") for r in samples)
     assert (run / "curves.png").is_file() and any((run / "tensorboard").iterdir())
     assert (run / "config.yaml").is_file()
     from transformers import AutoModelForCausalLM

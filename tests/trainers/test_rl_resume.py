@@ -38,3 +38,5 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
     uninterrupted, resumed = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # 4 steps, then the final evaluation
     assert _comparable(resumed) == _comparable(uninterrupted)
+    # the generated text too: the resumed run's samples.jsonl was cut back to step 1 and continued
+    assert read_metrics(cut / "samples.jsonl") == read_metrics(full / "samples.jsonl")
