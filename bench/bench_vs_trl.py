@@ -188,7 +188,9 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
     from megarlhf.metrics import read_metrics
 
     run_dir = out / "megarlhf"
-    overrides = [f"model.path={model_dir}", f"data.train_path={data['train']}", f"logging.run_dir={run_dir}",
+    # data.eval_path: a recipe may name its own held-out file; evaluation is off here (eval.every=0)
+    overrides = [f"model.path={model_dir}", f"data.train_path={data['train']}", f"data.eval_path={data['heldout']}",
+                 f"logging.run_dir={run_dir}",
                  "checkpoint.resume=none", "checkpoint.every=0", "eval.every=0", "logging.tensorboard=false",
                  f"train.steps={spec['steps']}", f"train.global_batch_size={spec['prompts']}",
                  f"rollout.n_samples={spec['samples']}", f"rollout.max_new_tokens={spec['new_tokens']}",
@@ -342,14 +344,19 @@ def summarise(run: dict, window: int) -> dict[str, float]:
             "wall s (whole process)": run["wall_s"]}
 
 
+def _start(spec: dict) -> str:
+    if spec["recipe"] == SMOLLM2_RECIPE:
+        return "the pretrained weights"
+    return f"SFT warm start: {spec['sft_steps']} steps" if spec["sft_steps"] else "random weights"
+
+
 def report(name: str, spec: dict, params: int, ours: dict, trl: dict) -> str:
     window = max(1, min(10, spec["steps"] - 1))
     a, b = summarise(ours, window), summarise(trl, window)
     shape = ", ".join(f"{k}={v}" for k, v in spec["model"].items())
     lines = [f"\n== {name}: {spec['arch']} {shape} ({params / 1e6:.1f}M parameters, fp32)",
              f"   {spec['prompts']} prompts x {spec['samples']} samples x {spec['new_tokens']} new tokens, "
-             f"{spec['steps']} steps, lr {spec['lr']}, SFT warm start: {spec['sft_steps'] or 'none'}"
-             f"{' steps' if spec['sft_steps'] else ' (random weights)'}; "
+             f"{spec['steps']} steps, lr {spec['lr']}, {_start(spec)}; "
              f"per-step means exclude step 0",
              f"   {'':34s} {'megarlhf':>10s} {'TRL':>10s} {'megarlhf/TRL':>13s}"]
     for key in a:
