@@ -14,7 +14,8 @@ LAYOUTS = yaml.safe_load((RECIPES / "layouts.yaml").read_text())
 CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() for gpus, overrides in sizes.items()]
 # model and data come from overrides
 CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml", "demo_rm.yaml",
-               "demo_dpo.yaml", "demo_grpo_learned_reward.yaml"]
+               "demo_dpo.yaml", "demo_grpo_learned_reward.yaml", "demo_sft_calculator.yaml",
+               "demo_grpo_calculator.yaml", "smollm2_grpo_arithmetic.yaml", "smollm2_sft_arithmetic.yaml"]
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
