@@ -62,11 +62,12 @@ class _Phase:
     def generate(self, prompts, sampling, seed, sync_weights=True):
         self.calls.append(len(prompts))
         batch = RolloutBatch()
-        for i, prompt in enumerate(prompts):
+        for i, example in enumerate(prompts):  # PromptExamples, as the rollout phase takes them
+            ids = example.prompt_ids
             for j in range(sampling.n):
                 batch.prompt_index.append(i)
-                batch.prompt_ids.append(prompt)
-                batch.response_ids.append([prompt[0], int(j < self.correct[prompt[0]])])
+                batch.prompt_ids.append(ids)
+                batch.response_ids.append([ids[0], int(j < self.correct[ids[0]])])
                 batch.logprobs.append([0.0, 0.0])
                 batch.finish_reasons.append("stop")
         return batch, {}
