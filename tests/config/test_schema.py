@@ -114,6 +114,13 @@ def test_bad_values_name_the_key(recipe, override, message):
         load_config(RunConfig, recipe, [override])
 
 
+def test_off_policy_with_multi_turn_is_refused_at_config_time(recipe):
+    with pytest.raises(ConfigError, match=r"max_staleness=1 with rollout\.env: one-step off-policy rollouts are single-turn"):
+        load_config(RunConfig, recipe, ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                                        "rollout.max_staleness=1", "algorithm.mismatch.tis_level=token",
+                                        "rollout.env={name: calculator}"])
+
+
 def test_required_keys(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"missing required config key\(s\): model$"):
         load_config(RunConfig, None, ["data.eval_path=/e"])
