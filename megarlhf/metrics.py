@@ -27,6 +27,16 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def truncate_records_after(path: str | Path, step: int) -> None:
+    """Keeps the records of a JSONL file (each with a ``"step"``) up to ``step`` (none at -1), atomically:
+    a resumed run continues from its checkpoint's step."""
+    path = Path(path)
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+
+
 def _finite_or_none(value):
     value = float(value)
     return value if math.isfinite(value) else None
@@ -59,13 +69,8 @@ class MetricsRecorder:
                                          purge_step=None if resume_after_step is None else resume_after_step + 1)
 
     def _truncate_after(self, step: int | None) -> None:
-        """Keeps the records of steps <= ``step`` (all of them for None; none for a fresh run at -1)."""
-        if step is None:
-            return
-        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        if step is not None:
+            truncate_records_after(self.path, step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Appends ``{"step": step, **metrics}`` if the step is due (module docstring); non-finite values

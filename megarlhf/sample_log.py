@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
+from megarlhf.metrics import truncate_records_after
 from megarlhf.rollout.engine import RolloutBatch
 
 
@@ -27,14 +28,7 @@ class SampleLog:
         self.tokenizer = tokenizer
         self.path = Path(run_dir) / "samples.jsonl"
         if self.active and resume_after_step is not None:
-            self._truncate_after(resume_after_step)
-
-    def _truncate_after(self, step: int) -> None:
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
+            truncate_records_after(self.path, resume_after_step)
 
     def write(self, step: int, kind: str, examples: list[PromptExample], rollout: RolloutBatch,
               rewards: list[float]) -> None:
