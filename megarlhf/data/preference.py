@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megarlhf.data.prompts import uses_chat_template
-from megarlhf.data.sft import encode_text
+from megarlhf.data.sft import encode_text, render_with_loss_mask
 from megarlhf.data.source import DataConfig, read_records
 
 logger = logging.getLogger(__name__)
@@ -134,33 +134,8 @@ def _response_messages(value: str | list, prompt: list[dict], key: str, setting:
 def _chat_side(prompt: list[dict], response: list[dict], tokenizer, key: str,
                where: str) -> tuple[list[int], list[int]]:
     """(ids, mask) of ``prompt + response`` rendered with the chat template; only the response's
-    assistant messages carry loss (see the module docstring). The response starts with an assistant
-    message, so the first segment is the prompt with a generation prompt."""
-    messages = prompt + response
-    segments: list[tuple[str, int]] = []  # (text, 1 if it carries loss)
-    done = ""
-    for i in range(len(prompt), len(messages)):
-        if messages[i]["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (before.startswith(done) and after.startswith(before)):
-            raise ValueError(f"{where}: field {key!r}: the chat template does not render message {i} as an "
-                             f"extension of the conversation before it, so response tokens cannot be masked "
-                             f"exactly; use string prompts and responses with data.chat_template=never")
-        segments += [(before[len(done):], 0), (after[len(before):], 1)]
-        done = after
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    if not full.startswith(done):
-        raise ValueError(f"{where}: field {key!r}: the chat template renders the whole conversation "
-                         f"differently from its prefixes")
-    segments.append((full[len(done):], 0))
-    ids, mask = [], []
-    for text, label in segments:
-        tokens = encode_text(tokenizer, text)
-        ids += tokens
-        mask += [label] * len(tokens)
-    return ids, mask
+    assistant messages carry loss (see the module docstring)."""
+    return render_with_loss_mask(prompt + response, tokenizer, len(prompt), f"{where}: field {key!r}")
 
 
 def _prompt_messages(value: str | list, data: DataConfig, key: str, where: str) -> tuple[list, list]:

@@ -50,17 +50,25 @@ def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:
 def _chat_example(messages: list[dict], tokenizer, where: str) -> SFTExample:
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: the conversation has no assistant message to train on")
+    return SFTExample(*render_with_loss_mask(messages, tokenizer, 0, where))
+
+
+def render_with_loss_mask(messages: list[dict], tokenizer, first: int, where: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of ``messages`` rendered with the chat template, the mask 1 exactly on the tokens of the
+    assistant messages from index ``first`` on (their content and end-of-turn tokens, not the template's
+    generation prompt before them). Each such message must render as an extension of the conversation
+    before it, or its tokens cannot be told apart; ``where`` names the row in the errors."""
     segments: list[tuple[str, int]] = []  # (text, 1 if it carries loss)
     done = ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+    for i in range(first, len(messages)):
+        if messages[i]["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (before.startswith(done) and after.startswith(before)):
             raise ValueError(f"{where}: the chat template does not render message {i} as an extension of the "
                              f"conversation before it, so response tokens cannot be masked exactly; "
-                             f"use prompt/response rows with data.chat_template=never")
+                             f"use plain-text rows with data.chat_template=never")
         segments += [(before[len(done):], 0), (after[len(before):], 1)]
         done = after
     full = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -72,7 +80,7 @@ def _chat_example(messages: list[dict], tokenizer, where: str) -> SFTExample:
         tokens = encode_text(tokenizer, text)
         ids += tokens
         mask += [label] * len(tokens)
-    return SFTExample(ids, mask)
+    return ids, mask
 
 
 def _plain_example(row: dict, tokenizer, config: DataConfig, where: str) -> SFTExample:
