@@ -40,7 +40,8 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def _transformer_engine_usable() -> bool:
+def uses_transformer_engine() -> bool:
+    """Whether models are built with Transformer Engine's layer spec (a GPU with a working TE)."""
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
@@ -62,7 +63,7 @@ def build_layer_spec(config, packed_sequences: bool = False):
 
     from parallel.context_parallel import with_cp_attention
 
-    if _transformer_engine_usable():
+    if uses_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     return with_cp_attention(spec, config.context_parallel_size, packed=packed_sequences)
@@ -230,13 +231,14 @@ class ModelProvider:
         ``packed_sequences=True`` builds attention that accepts packed (``cu_seqlens``) micro-batches.
         """
         from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
+
+        from parallel.shared_prefix import TokenPositionGPTModel
 
         parallel = ParallelConfig(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                                   ps.get_context_parallel_world_size())
         config = self.transformer_config(parallel, params_dtype, **config_overrides)
         rope = rope_parameters(self.hf_config)
-        model = GPTModel(
+        model = TokenPositionGPTModel(  # GPTModel, plus per-token RoPE positions for shared-prefix rows
             config=config,
             transformer_layer_spec=build_layer_spec(config, packed_sequences),
             vocab_size=self.padded_vocab_size(parallel.tensor_model_parallel_size),

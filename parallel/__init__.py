@@ -1,2 +1,2 @@
 """Process groups and Megatron parallel state from config, the CPU compatibility layer for Megatron-Core,
-and context-parallel attention."""
+context-parallel attention, and shared-prefix (tree) packed rows."""

@@ -270,20 +270,42 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], scale: float) -> Tensor:
+def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], scale: float,
+                           prefix_of: tuple[int, ...] | None = None) -> Tensor:
     """Causal attention within each ``[bounds[i], bounds[i+1])`` segment of the token axis, without CP:
-    one torch SDPA call per sequence (its fused CPU/GPU kernels), ``q`` ``[b, groups, per_group, s, d]``
+    one torch SDPA call per segment (its fused CPU/GPU kernels), ``q`` ``[b, groups, per_group, s, d]``
     and ``k``/``v`` ``[b, groups, 1, s, d]`` as in :meth:`ContextParallelAttention._attend`.
+
+    ``prefix_of[i]`` (optional; -1 for none) names an earlier segment that segment i also sees whole, in
+    front of its own causal keys: a shared-prefix branch (:mod:`parallel.shared_prefix`).
 
     Used at cp=1 because the tiled kernel's plain-torch online softmax took ~45% of a tiny packed SFT
     step on CPU (cProfile, 40 steps: 11.6 s of attention against 0.6 s with SDPA); SDPA's flash kernels
     keep long sequences O(s) in memory."""
     b, groups, per_group, s, d = q.shape
     q4, k4, v4 = q.reshape(b, groups * per_group, s, d), k.squeeze(2), v.squeeze(2)
-    parts = [F.scaled_dot_product_attention(q4[:, :, lo:hi], k4[:, :, lo:hi], v4[:, :, lo:hi], is_causal=True,
-                                            scale=scale, enable_gqa=per_group > 1)
-             for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    segments = list(zip(bounds[:-1], bounds[1:]))
+    prefix_of = prefix_of or (-1,) * len(segments)
+    parts = []
+    for (lo, hi), prefix in zip(segments, prefix_of):
+        if hi == lo:
+            continue
+        if prefix < 0:
+            parts.append(F.scaled_dot_product_attention(q4[:, :, lo:hi], k4[:, :, lo:hi], v4[:, :, lo:hi],
+                                                        is_causal=True, scale=scale, enable_gqa=per_group > 1))
+            continue
+        p_lo, p_hi = segments[prefix]
+        keys = torch.cat([k4[:, :, p_lo:p_hi], k4[:, :, lo:hi]], dim=2)
+        values = torch.cat([v4[:, :, p_lo:p_hi], v4[:, :, lo:hi]], dim=2)
+        parts.append(F.scaled_dot_product_attention(q4[:, :, lo:hi], keys, values, attn_mask=_prefix_mask(
+            p_hi - p_lo, hi - lo, q.device), scale=scale, enable_gqa=per_group > 1))
     return torch.cat(parts, dim=2).reshape(b, groups, per_group, s, d)
+
+
+def _prefix_mask(prefix: int, own: int, device) -> Tensor:
+    """[own, prefix + own] bool: every prefix key, then the segment's own keys causally."""
+    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(own, prefix, dtype=torch.bool, device=device), causal], dim=1)
 
 
 class ContextParallelAttention(MegatronModule):
@@ -347,26 +369,31 @@ class ContextParallelAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             bounds = tuple(int(x) for x in cu.tolist())
+            prefix_of = getattr(packed_seq_params, "prefix_of", None) or None
             if bounds[-1] != query.size(0) * cp_size:
                 raise ValueError(f"packed batch: this rank holds {query.size(0)} tokens but cu_seqlens "
                                  f"(padded) end at {bounds[-1]} = {query.size(0) * cp_size} expected "
                                  f"for context_parallel_size {cp_size}")
             q, k, v = (x.unsqueeze(1) for x in (query, key, value))
         else:
-            bounds = (0, query.size(0) * cp_size)
+            bounds, prefix_of = (0, query.size(0) * cp_size), None
             q, k, v = query, key, value
         # [s, b, n, d] -> [b, groups, per_group, s, d]
         s, b = q.size(0), q.size(1)
         q5 = q.permute(1, 2, 0, 3).reshape(b, self.kv_heads, self.heads // self.kv_heads, s, self.head_dim)
         k5 = k.permute(1, 2, 0, 3).unsqueeze(2)
         v5 = v.permute(1, 2, 0, 3).unsqueeze(2)
-        out = self._attend(q5, k5, v5, bounds, cp_size)
+        out = self._attend(q5, k5, v5, bounds, cp_size, prefix_of)
         out = out.reshape(b, self.heads, s, self.head_dim).permute(2, 0, 1, 3).reshape(s, b, -1)
         return out.squeeze(1) if thd else out
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], cp_size: int) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], cp_size: int,
+                prefix_of: tuple[int, ...] | None) -> Tensor:
         if cp_size == 1:
-            return per_sequence_attention(q, k, v, bounds, self.softmax_scale)
+            return per_sequence_attention(q, k, v, bounds, self.softmax_scale, prefix_of)
+        if prefix_of is not None:
+            raise ValueError(f"ContextParallelAttention: shared-prefix rows need context_parallel_size 1, "
+                             f"got {cp_size}")
         rank = self.cp_group.rank()
         layouts = [TokenLayout.of_rank(bounds, cp_size, r) for r in range(cp_size)]
         if self.cp_comm_type == "p2p":

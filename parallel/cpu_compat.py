@@ -36,8 +36,9 @@ Patches (every one of them, and why):
    per layer; RL and SFT micro-batches pack dozens of short sequences (bench/bench_rope_thd.py: 5.5x
    faster on 64 sequences; the demo's SFT step ~5% faster). :func:`_rope_thd_vectorised` gathers each token's frequencies by its position
    within its sequence and applies Megatron's own bshd formula once to the whole packed tensor (the
-   same arithmetic, bitwise equal). Calls with context parallelism (CP > 1) or whole-batch frequency
-   tables go to Megatron's function unchanged.
+   same arithmetic, bitwise equal); a whole-row table (one row per token, Megatron's "packed freqs",
+   which shared-prefix rows use) is applied the same way without its per-sequence slicing loop. Calls
+   with context parallelism (CP > 1) go to Megatron's function unchanged.
 
 Not patched, because it cannot work here: context parallelism in Megatron's local attention (megarlhf
 has its own CP attention in :mod:`parallel.context_parallel`) and sequence parallelism.
@@ -166,15 +167,18 @@ def _rope_thd_vectorised(original):
               cp_group=None, multi_latent_attention=None):
         total = int(cu_seqlens[-1].item())
         if (cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None
-                or freqs.size(0) == total or t.size(0) != total):
+                or t.size(0) != total):
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
                             multi_latent_attention=multi_latent_attention)
-        starts = cu_seqlens[:-1].long()
-        lengths = cu_seqlens[1:].long() - starts
-        position = torch.arange(total, device=t.device) - torch.repeat_interleave(starts, lengths)
+        if freqs.size(0) == total:  # Megatron's "packed freqs": already one row per token
+            per_token = freqs
+        else:
+            starts = cu_seqlens[:-1].long()
+            lengths = cu_seqlens[1:].long() - starts
+            per_token = freqs[torch.arange(total, device=t.device) - torch.repeat_interleave(starts, lengths)]
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs[position], rotary_interleaved=rotary_interleaved,
+            t.unsqueeze(1), per_token, rotary_interleaved=rotary_interleaved,
             mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
 
     apply.__wrapped__ = original

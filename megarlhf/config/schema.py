@@ -183,6 +183,9 @@ class TrainConfig:
     epochs_per_step: int = 1  # passes over the step's samples (PPO epochs)
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
     packing: bool = True  # pack sequences into micro-batches up to the token budget
+    # packed, at context_parallel_size 1 (else ignored): sequences that begin with the same prompt (a
+    # group's samples, a preference pair) hold it once in their micro-batch, computed once
+    share_prompt_prefix: bool = True
     on_nonfinite: Literal["abort", "skip"] = "abort"  # a NaN/Inf loss or gradient: stop, or skip the batch
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # activation recomputation
 

@@ -26,21 +26,25 @@ contract; the CP split itself is :mod:`parallel.cp_sharding`'s.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from parallel.context_parallel import CPShardPlan, make_shard_plan, packed_seq_params_for, shard, unshard
+from parallel.shared_prefix import shared_prefix_seq_params
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, packed: bool = True,
-                       groups: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+                       groups: Sequence[Sequence[int]] | None = None,
+                       shared: Sequence[int] | None = None) -> list[list[int]]:
     """Indices of the sequences of each micro-batch (ascending inside one); every index exactly once.
 
     ``groups`` (optional, a partition of the indices) keeps the sequences of a group in one micro-batch:
-    the chosen and rejected responses of a preference pair, whose loss needs both.
+    the chosen and rejected responses of a preference pair, whose loss needs both, or the samples of a
+    shared-prefix tree. ``shared[k]`` (packed only) is the number of leading tokens group k's sequences
+    hold once between them (its tree's prefix), so the group costs ``sum(lengths) - (size - 1) * shared``.
     """
     if budget < 1:
         raise ValueError(f"plan_micro_batches: the token budget must be >= 1, got {budget}")
@@ -50,8 +54,11 @@ def plan_micro_batches(lengths: Sequence[int], budget: int, packed: bool = True,
     items = [list(g) for g in groups] if groups is not None else [[i] for i in range(len(lengths))]
     if sorted(i for g in items for i in g) != list(range(len(lengths))):
         raise ValueError("plan_micro_batches: groups must hold every sequence index exactly once")
+    shared = [0] * len(items) if shared is None else [int(c) for c in shared]
+    if len(shared) != len(items) or (not packed and any(shared)):
+        raise ValueError("plan_micro_batches: shared needs one entry per group, and packing")
     longest = [max(lengths[i] for i in g) for g in items]
-    total = [sum(lengths[i] for i in g) for g in items]
+    total = [sum(lengths[i] for i in g) - (len(g) - 1) * c for g, c in zip(items, shared)]
     order = sorted(range(len(items)), key=lambda k: (-longest[k], min(items[k])))
     bins: list[list[int]] = []
     if packed:
@@ -88,6 +95,9 @@ class MicroBatch:
     packed_seq_params: object | None  # Megatron PackedSeqParams (packed) or None
     plan: CPShardPlan  # the CP split of the packed row, or of every unpacked row
     cp_group: object | None = None
+    # packed: [n, width + 1] the packed position whose output predicts token t of row j (column 0: any;
+    # column n_j: the output at row j's last token)
+    source: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -99,7 +109,8 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        """Tokens the model computes (a shared prefix counts once)."""
+        return int(self.plan.cu_seqlens[-1]) if self.packed else int(self.lengths.sum())
 
     def to_rows(self, local: Tensor) -> Tensor:
         """This rank's per-position outputs (shape of ``tokens``) -> [n, width], token-aligned.
@@ -112,16 +123,12 @@ class MicroBatch:
         n, width = self.lengths.numel(), self.width
         cols = torch.arange(width, device=local.device)
         if self.packed:
-            full = unshard(self.plan, local[0], self.cp_group)  # [T]: output at each packed position
-            starts = self.plan.cu_seqlens[:-1].long()
-            index = (starts[:, None] + cols[None, :] - 1).clamp(0, full.numel() - 1)
-            shifted = full[index]
+            shifted = unshard(self.plan, local[0], self.cp_group)[self.source[:, :width]]  # [T] -> [n, width]
         else:
             full = unshard(self.plan, local, self.cp_group, seq_dim=1)  # [n, S]
             shifted = torch.cat([full.new_zeros(n, 1), full[:, :width - 1]], dim=1)
         valid = (cols[None, :] >= 1) & (cols[None, :] < self.lengths[:, None])
         return torch.where(valid, shifted, shifted.new_zeros(()))
-
 
     def last_token_outputs(self, local: Tensor) -> Tensor:
         """This rank's per-position outputs (shape of ``tokens``) -> [n]: the output at each sequence's
@@ -131,9 +138,51 @@ class MicroBatch:
                              f"tokens' {tuple(self.tokens.shape)}")
         if self.packed:
             full = unshard(self.plan, local[0], self.cp_group)  # [T]
-            return full[self.plan.cu_seqlens[1:].long() - 1]
+            return full[self.source.gather(1, self.lengths[:, None]).squeeze(1)]  # column n: position n - 1
         full = unshard(self.plan, local, self.cp_group, seq_dim=1)  # [n, S]
         return full.gather(1, (self.lengths - 1)[:, None]).squeeze(1)
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """Rows packed together; when ``shared`` > 0 they begin with the same ``shared`` tokens, held once."""
+
+    rows: tuple[int, ...]
+    shared: int = 0
+
+
+def _trees(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int,
+           groups: Sequence[Sequence[int]] | None) -> list[_Tree]:
+    """The shared-prefix trees of a batch: rows whose tokens before their first wanted output are equal.
+
+    The shared part stops one token short of the first wanted output, so every wanted output (and every
+    label that differs between rows) lies in a row's own branch. Without ``groups``, rows with equal
+    prefixes form trees of at most ``budget`` tokens (in row order); with ``groups`` each group is one tree,
+    sharing only if all its rows have the same prefix.
+    """
+    first = torch.where(wanted.any(1), wanted.int().argmax(1), lengths).tolist()
+    keys = [tuple(input_ids[r, :max(f - 1, 0)].tolist()) for r, f in enumerate(first)]
+    if groups is not None:
+        trees = []
+        for group in groups:
+            same = len({keys[r] for r in group}) == 1 and len(group) > 1
+            trees.append(_Tree(tuple(group), len(keys[group[0]]) if same else 0))
+        return trees
+    by_key: dict[tuple, list[int]] = {}
+    for row, key in enumerate(keys):
+        by_key.setdefault(key if key else (row, "alone"), []).append(row)
+    trees = []
+    for rows in by_key.values():
+        shared, chunk, size = len(keys[rows[0]]), [], 0
+        for row in rows:
+            cost = int(lengths[row]) - (shared if chunk else 0)
+            if chunk and size + cost > budget:
+                trees.append(_Tree(tuple(chunk), shared if len(chunk) > 1 else 0))
+                chunk, size, cost = [], 0, int(lengths[row])
+            chunk.append(row)
+            size += cost
+        trees.append(_Tree(tuple(chunk), shared if len(chunk) > 1 else 0))
+    return trees
 
 
 def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
@@ -145,42 +194,123 @@ def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
     return labels, masks
 
 
+@dataclass
+class _Segments:
+    """A packed row being built: its segments' tokens, labels, masks and positions, and per row where
+    each output comes from."""
+
+    tokens: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    masks: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+    prefix_of: list = field(default_factory=list)
+    bounds: list = field(default_factory=lambda: [0])
+    sources: list = field(default_factory=list)
+
+    def add(self, tokens: Tensor, labels: Tensor, mask: Tensor, first_position: int, prefix: int = -1) -> int:
+        """Appends a segment; returns its start in the packed row."""
+        start = self.bounds[-1]
+        self.tokens.append(tokens)
+        self.labels.append(labels)
+        self.masks.append(mask)
+        self.positions.append(torch.arange(first_position, first_position + tokens.numel(), device=tokens.device))
+        self.prefix_of.append(prefix)
+        self.bounds.append(start + tokens.numel())
+        return start
+
+    def add_tree(self, ids: Tensor, lens: Tensor, wanted: Tensor, shared: int, width: int) -> None:
+        """The rows of one tree: a prefix segment of ``shared`` tokens (if > 0), then one segment per row."""
+        labels, masks = _next_token_fields(ids, lens, wanted)
+        cols = torch.arange(width + 1, device=ids.device) - 1  # column t reads the output at position t - 1
+        prefix_start, prefix_index = 0, len(self.prefix_of)
+        if shared:
+            prefix_start = self.add(ids[0, :shared], labels[0][:shared], torch.zeros_like(masks[0][:shared]), 0)
+        for i, n in enumerate(lens.tolist()):
+            start = self.add(ids[i, shared:n], labels[i][shared:], masks[i][shared:], shared,
+                             prefix_index if shared else -1)
+            self.sources.append(torch.where(cols < shared, prefix_start + cols, start + cols - shared))
+
+    def fields(self):
+        total = self.bounds[-1]
+        source = torch.stack(self.sources).clamp(0, total - 1)
+        return (torch.cat(self.tokens), torch.cat(self.labels), torch.cat(self.masks), torch.cat(self.positions),
+                source)
+
+
 def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int, *, packed: bool = True,
                         cp_size: int = 1, cp_rank: int = 0, cp_group=None,
-                        groups: Sequence[Sequence[int]] | None = None) -> list[MicroBatch]:
+                        groups: Sequence[Sequence[int]] | None = None,
+                        share_prefixes: bool = False) -> list[MicroBatch]:
     """The micro-batches of a batch of sequences, for this CP rank.
 
     ``input_ids`` [B, L], ``lengths`` [B]; ``wanted`` [B, L] bool, token-aligned: the tokens whose
     output (log-prob, value) the caller needs (e.g. the response mask); column 0 is ignored. The
     micro-batches live on ``input_ids``' device; ``groups`` keep rows together (:func:`plan_micro_batches`).
+    ``share_prefixes`` (packed, CP = 1) packs rows that begin alike as shared-prefix trees
+    (:mod:`parallel.shared_prefix`): the common tokens before the first wanted output are computed once.
     """
     if wanted.shape != input_ids.shape:
         raise ValueError(f"build_micro_batches: wanted has shape {tuple(wanted.shape)}, input_ids "
                          f"{tuple(input_ids.shape)}")
+    if share_prefixes and (not packed or cp_size != 1):
+        raise ValueError(f"build_micro_batches: shared prefixes need packing and context parallel size 1 "
+                         f"(packed={packed}, cp_size={cp_size})")
     device = input_ids.device
     wanted = wanted.bool() & (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None])
+    if share_prefixes:
+        trees = _trees(input_ids, lengths, wanted, budget, groups)
+    else:
+        trees = [_Tree(tuple(g)) for g in groups] if groups is not None else [
+            _Tree((r,)) for r in range(len(lengths))]
+    tree_of = {row: tree for tree in trees for row in tree.rows}
+    plan_rows = plan_micro_batches(lengths.tolist(), budget, packed, [t.rows for t in trees],
+                                   [t.shared for t in trees] if packed else None)
     result = []
-    for rows in plan_micro_batches(lengths.tolist(), budget, packed, groups):
-        rows = torch.tensor(rows, dtype=torch.long, device=device)
-        ids, lens = input_ids[rows], lengths[rows]
-        labels, masks = _next_token_fields(ids, lens, wanted[rows])
+    for bin_rows in plan_rows:
+        bin_trees = list(dict.fromkeys(tree_of[r] for r in bin_rows))  # in order of first row
         if packed:
-            plan = make_shard_plan([0, *lens.cumsum(0).tolist()], cp_size, cp_rank).to(device)
-            row = torch.cat([ids[i, :n] for i, n in enumerate(lens.tolist())])
-            fields = [shard(plan, t, 0).unsqueeze(0) for t in (row, torch.cat(labels), torch.cat(masks))]
-            positions = plan.local_position_ids().unsqueeze(0)
-            params = packed_seq_params_for(plan, cp_group)
+            result.append(_packed_micro_batch(input_ids, lengths, wanted, bin_trees, cp_size, cp_rank, cp_group))
         else:
-            width = int(lens.max())
-            multiple = 2 * cp_size if cp_size > 1 else 1
-            padded = -(-width // multiple) * multiple
-            plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
-            full = [torch.zeros(len(rows), padded, dtype=dtype, device=device)
-                    for dtype in (torch.long, torch.long, torch.bool)]
-            for i, n in enumerate(lens.tolist()):
-                full[0][i, :n], full[1][i, :n], full[2][i, :n] = ids[i, :n], labels[i], masks[i]
-            fields = [shard(plan, t, 0, seq_dim=1) for t in full]
-            positions = plan.local_position_ids().unsqueeze(0).expand(len(rows), -1)
-            params = None
-        result.append(MicroBatch(rows, lens, fields[0], positions, fields[1], fields[2], params, plan, cp_group))
+            result.append(_padded_micro_batch(input_ids, lengths, wanted, bin_rows, cp_size, cp_rank, cp_group))
     return result
+
+
+def _packed_micro_batch(input_ids, lengths, wanted, trees: list[_Tree], cp_size, cp_rank, cp_group) -> MicroBatch:
+    """One packed row of ``trees`` (its rows in tree order), sharded for this CP rank."""
+    device = input_ids.device
+    rows = torch.tensor([r for tree in trees for r in tree.rows], dtype=torch.long, device=device)
+    lens = lengths[rows]
+    width = int(lens.max())
+    row = _Segments()
+    for tree in trees:
+        index = torch.tensor(tree.rows, dtype=torch.long, device=device)
+        row.add_tree(input_ids[index], lengths[index], wanted[index], tree.shared, width)
+    tokens, labels, masks, positions, source = row.fields()
+    plan = make_shard_plan(row.bounds, cp_size, cp_rank).to(device)
+    fields = [shard(plan, t, 0).unsqueeze(0) for t in (tokens, labels, masks)]
+    if any(tree.shared for tree in trees):
+        params = shared_prefix_seq_params(plan.cu_seqlens, tuple(row.prefix_of), positions, cp_group)
+        positions = positions.unsqueeze(0)
+    else:
+        positions = plan.local_position_ids().unsqueeze(0)
+        params = packed_seq_params_for(plan, cp_group)
+    return MicroBatch(rows, lens, fields[0], positions, fields[1], fields[2], params, plan, cp_group, source)
+
+
+def _padded_micro_batch(input_ids, lengths, wanted, bin_rows: list[int], cp_size, cp_rank, cp_group) -> MicroBatch:
+    """One right-padded [n, width] micro-batch, each row sharded for this CP rank."""
+    device = input_ids.device
+    rows = torch.tensor(bin_rows, dtype=torch.long, device=device)
+    ids, lens = input_ids[rows], lengths[rows]
+    labels, masks = _next_token_fields(ids, lens, wanted[rows])
+    width = int(lens.max())
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    padded = -(-width // multiple) * multiple
+    plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
+    full = [torch.zeros(len(rows), padded, dtype=dtype, device=device)
+            for dtype in (torch.long, torch.long, torch.bool)]
+    for i, n in enumerate(lens.tolist()):
+        full[0][i, :n], full[1][i, :n], full[2][i, :n] = ids[i, :n], labels[i], masks[i]
+    fields = [shard(plan, t, 0, seq_dim=1) for t in full]
+    positions = plan.local_position_ids().unsqueeze(0).expand(len(rows), -1)
+    return MicroBatch(rows, lens, fields[0], positions, fields[1], fields[2], None, plan, cp_group)

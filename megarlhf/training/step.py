@@ -37,6 +37,7 @@ from megarlhf.algorithms import LossNormaliser, compute_normaliser
 from megarlhf.training.forward import LossFn, run_schedule
 from megarlhf.training.models import TrainModel
 from megarlhf.training.packing import MicroBatch, build_micro_batches
+from parallel.shared_prefix import shared_prefix_supported
 from parallel.runtime import Runtime
 
 NONFINITE_MODES = ("abort", "skip")
@@ -165,7 +166,10 @@ def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | N
 def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime,
                       groups=None) -> list[MicroBatch]:
     """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing
-    (``groups`` of rows kept in one micro-batch, e.g. preference pairs)."""
+    (``groups`` of rows kept in one micro-batch, e.g. preference pairs), with shared prompt prefixes where
+    ``train.share_prompt_prefix`` asks and the layout allows (packed, CP = 1, megarlhf's attention)."""
+    share = (config.train.share_prompt_prefix and config.train.packing and runtime.cp.size == 1
+             and shared_prefix_supported())
     return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
                                packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
-                               cp_group=runtime.cp.group, groups=groups)
+                               cp_group=runtime.cp.group, groups=groups, share_prefixes=share)

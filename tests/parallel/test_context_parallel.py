@@ -14,7 +14,7 @@ import torch
 
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 from parallel.context_parallel import make_shard_plan, rank_token_index, shard, with_cp_attention
-from parallel.cp_attention import ContextParallelAttention, TokenLayout, _LocalTiledAttention
+from parallel.cp_attention import ContextParallelAttention, TokenLayout, _LocalTiledAttention, per_sequence_attention
 
 WORKER = Path(__file__).with_name("_worker_context_parallel.py")
 TOL = 1e-5
@@ -111,6 +111,36 @@ def test_tiled_attention_matches_naive_float64_packed_gqa(block):
         assert (out - ref[..., lay.index, :]).abs().max() < 1e-12
         total = total + (out * grad[..., lay.index, :]).sum()
     for mine, expected in zip(torch.autograd.grad(total, (q, k, v)), ref_grads):
+        assert (mine - expected).abs().max() < 1e-12
+
+
+def test_shared_prefix_attention_matches_separate_sequences_float64_gqa():
+    """Two branches over one prefix (segments [0, 5) | [5, 9) | [9, 16)) give, with their values and
+    gradients, the attention of the two whole sequences prefix + branch computed apart; a third plain
+    segment [16, 20) stays causal on its own."""
+    torch.manual_seed(0)
+    groups, per_group, dim, scale = 2, 2, 8, 0.3
+    q = torch.randn(1, groups, per_group, 20, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, groups, 1, 20, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, groups, 1, 20, dim, dtype=torch.float64, requires_grad=True)
+    out = per_sequence_attention(q, k, v, (0, 5, 9, 16, 20), scale, prefix_of=(-1, 0, 0, -1))
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad((out * grad).sum(), (q, k, v))
+
+    def naive(index):  # plain causal attention over the tokens ``index`` as one sequence
+        qi, ki, vi = q[..., index, :], k[..., index, :], v[..., index, :]
+        causal = torch.ones(len(index), len(index), dtype=torch.bool).tril()
+        return torch.softmax((qi @ ki.transpose(-1, -2) * scale).masked_fill(~causal, -math.inf), -1) @ vi
+
+    first, second, plain = list(range(0, 9)), list(range(5)) + list(range(9, 16)), list(range(16, 20))
+    ref_first, ref_second, ref_plain = naive(first), naive(second), naive(plain)
+    assert (out[..., :9, :] - ref_first).abs().max() < 1e-12
+    assert (out[..., 9:16, :] - ref_second[..., 5:, :]).abs().max() < 1e-12
+    assert (out[..., 16:, :] - ref_plain).abs().max() < 1e-12
+    # the prefix's gradient is the sum over both sequences (its outputs counted once, in the first)
+    loss = ((ref_first * grad[..., :9, :]).sum() + (ref_second[..., 5:, :] * grad[..., 9:16, :]).sum()
+            + (ref_plain * grad[..., 16:, :]).sum())
+    for mine, expected in zip(grads, torch.autograd.grad(loss, (q, k, v))):
         assert (mine - expected).abs().max() < 1e-12
 
 

@@ -1,7 +1,8 @@
 """The experience batch and run config shared by the training workers (built identically on every rank).
 
-Eight sequences in four GRPO groups of two, prompt lengths 2..7 and response lengths 3..14 (so micro-
-batches of a 40-token budget differ in size and a context-parallel split pads some sequences), and
+Eight sequences in four GRPO groups of two, each group's samples with the same prompt (so packed
+micro-batches share it, :mod:`parallel.shared_prefix`), prompt lengths 2..7 and response lengths 3..14 (so
+micro-batches of a 40-token budget differ in size and a context-parallel split pads some sequences), and
 sequence rewards for the registry's GRPO estimator.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from megarlhf.config.schema import ModelConfig, OptimConfig, RunConfig, TrainCon
 from megarlhf.data.source import DataConfig
 from megarlhf.training import ExperienceBatch
 
-PROMPT_LENGTHS = (5, 3, 7, 4, 2, 6, 3, 5)
+PROMPT_LENGTHS = (5, 7, 2, 3)  # one per group of two
 RESPONSE_LENGTHS = (9, 12, 4, 14, 7, 3, 11, 6)
 VOCAB = 384
 
@@ -21,7 +22,7 @@ VOCAB = 384
 def experience(vocab: int = VOCAB, seed: int = 0) -> ExperienceBatch:
     """Token ids, response mask, group ids and GRPO advantages (from the registry) of the batch."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    prompts = [p for n in PROMPT_LENGTHS for p in [torch.randint(0, vocab, (n,), generator=g).tolist()] * 2]
     responses = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
     batch = ExperienceBatch.from_sequences(prompts, responses, device=torch.device("cpu"),
                                            group_ids=[i // 2 for i in range(len(prompts))])

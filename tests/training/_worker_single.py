@@ -1,7 +1,8 @@
 """Single-rank checks of the training engine against HF transformers (fp32).
 Usage: _worker_single.py MODEL_DIR CRITIC_DIR OUT_DIR
 
-Records: forward log-probs packed vs unpacked vs HF log_softmax of the full logits; values vs the HF
+Records: forward log-probs packed (groups sharing their prompt) vs packed without sharing vs unpacked vs
+HF log_softmax of the full logits; values vs the HF
 ForSequenceClassification head; one actor update (GRPO advantages, ppo_clip, token TIS, k3 KL loss,
 entropy bonus, token_mean, three unequal micro-batches) vs the same loss written out by hand on HF's
 model, loss and every gradient; the same update with the old log-probs taken from the update's own
@@ -53,15 +54,22 @@ def megatron_grads(trainable, head: str) -> dict[str, torch.Tensor]:
 
 def forward_checks(cfg, batch, hf) -> dict:
     from megarlhf.training import build_actor, compute_logprobs
+    from megarlhf.training.step import micro_batches_for
 
     actor = build_actor(cfg, RUNTIME)
     ref_lp, ref_ent = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
     mask = batch.response_mask
     packed, entropy = compute_logprobs(actor, batch, cfg, entropy=True)
+    shared_mbs = micro_batches_for(batch.input_ids, batch.lengths, mask, cfg, RUNTIME)
+    cfg.train.share_prompt_prefix = False
+    plain = compute_logprobs(actor, batch, cfg)
+    cfg.train.share_prompt_prefix = True
     cfg.train.packing = False
     unpacked = compute_logprobs(actor, batch, cfg)
     cfg.train.packing = True
     return {"packed_vs_unpacked": float((packed - unpacked)[mask].abs().max()),
+            "shared_vs_plain_packed": float((packed - plain)[mask].abs().max()),
+            "tokens_saved_by_sharing": int(batch.lengths.sum()) - sum(mb.num_tokens for mb in shared_mbs),
             "packed_vs_hf": float((packed - ref_lp.detach())[mask].abs().max()),
             "entropy_vs_hf": float((entropy - ref_ent.detach())[mask].abs().max()),
             "outside_mask_zero": bool((packed[~mask] == 0).all())}

@@ -58,6 +58,65 @@ def test_micro_batches_round_trip_to_token_aligned_rows(packed):
 
 def test_packed_forward_equals_unpacked_and_hf(single_run):
     r = single_run["forward"]
-    assert r["packed_vs_unpacked"] <= 1e-5, r
+    # the four groups' shared prompts, less the last prompt token of each (in every branch): 4 + 6 + 1 + 2
+    assert r["tokens_saved_by_sharing"] == 13, r
+    assert r["packed_vs_unpacked"] <= 1e-5 and r["shared_vs_plain_packed"] <= 1e-5, r
     assert r["packed_vs_hf"] <= 1e-5 and r["entropy_vs_hf"] <= 1e-5, r
     assert r["outside_mask_zero"]
+
+
+def _shared_prompt_batch():
+    """Rows 0-2 share the prompt [1, 2, 3, 4], row 3 has its own, row 4 repeats row 3's prompt but its
+    first wanted token comes later (a longer prompt), so it shares nothing with row 3."""
+    seqs = [[1, 2, 3, 4, 10, 11, 12], [1, 2, 3, 4, 20, 21], [1, 2, 3, 4, 30], [5, 6, 40, 41], [5, 6, 7, 50, 51]]
+    prompt = [4, 4, 4, 2, 3]
+    ids = torch.zeros(5, 7, dtype=torch.long)
+    wanted = torch.zeros(5, 7, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        wanted[i, prompt[i]:len(s)] = True
+    return ids, torch.tensor([len(s) for s in seqs]), wanted
+
+
+def test_shared_prefix_trees_round_trip_and_count_the_prompt_once():
+    ids, lengths, wanted = _shared_prompt_batch()
+    mbs = build_micro_batches(ids, lengths, wanted, 100, share_prefixes=True)
+    assert len(mbs) == 1
+    mb = mbs[0]
+    # rows 0-2: prefix [1, 2, 3] once, branches [4, 10, 11, 12], [4, 20, 21], [4, 30]; rows 3 and 4 whole
+    assert mb.tokens[0].tolist() == [1, 2, 3, 4, 10, 11, 12, 4, 20, 21, 4, 30, 5, 6, 40, 41, 5, 6, 7, 50, 51]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4]
+    assert mb.packed_seq_params.prefix_of == (-1, 0, 0, 0, -1, -1)
+    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 7, 10, 12, 16, 21]
+    assert mb.num_tokens == int(lengths.sum()) - 2 * 3
+    # every wanted label is its row's next token, and to_rows puts position t - 1's output in column t
+    rows = mb.to_rows(mb.labels.float())
+    wanted_rows = mb.to_rows(mb.label_mask.float()).bool()
+    for j, row in enumerate(mb.rows.tolist()):
+        n = int(lengths[row])
+        assert wanted_rows[j].tolist() == wanted[row].tolist()
+        assert rows[j][wanted[row]].tolist() == ids[row][wanted[row]].float().tolist()
+        assert (rows[j, n:] == 0).all()
+    # the last token's output of each row (a reward model's score)
+    positions = torch.arange(mb.tokens.shape[1], dtype=torch.float32)[None]
+    last = mb.last_token_outputs(positions)
+    assert last.tolist() == [6.0, 9.0, 11.0, 15.0, 20.0]
+
+
+def test_shared_prefix_trees_stay_under_the_budget():
+    ids, lengths, wanted = _shared_prompt_batch()
+    # 7 + (6 - 3) = 10 fills a budget of 10, so row 2 starts a tree of its own (then first-fit decreasing)
+    mbs = build_micro_batches(ids, lengths, wanted, 10, share_prefixes=True)
+    assert [mb.rows.tolist() for mb in mbs] == [[0, 1], [2, 4], [3]]
+    assert [mb.num_tokens for mb in mbs] == [10, 10, 4]
+    assert mbs[0].packed_seq_params.prefix_of == (-1, 0, 0)
+    assert not hasattr(mbs[1].packed_seq_params, "prefix_of")  # two unrelated sequences: plain packing
+    with pytest.raises(ValueError, match="shared prefixes need packing and context parallel size 1"):
+        build_micro_batches(ids, lengths, wanted, 10, share_prefixes=True, packed=False)
+
+
+def test_shared_prefix_groups_share_only_when_all_rows_agree():
+    ids, lengths, wanted = _shared_prompt_batch()
+    mbs = build_micro_batches(ids, lengths, wanted, 100, share_prefixes=True, groups=[[0, 1], [2, 3], [4]])
+    params = mbs[0].packed_seq_params
+    assert params.prefix_of == (-1, 0, 0, -1, -1, -1)  # [0, 1] share; [2, 3] and [4] are whole rows
