@@ -8,6 +8,12 @@ context- and pipeline-parallel rank of a replica computes the same plan from the
 * unpacked: sequences sorted by length, longest first, grouped while ``count * longest <= budget``;
   a micro-batch is a [n, longest] right-padded batch (Megatron's ordinary ``sbhd`` path).
 
+* shared prefixes (packed, CP = 1, ``share_prefixes``): rows whose tokens before their first wanted
+  output are equal (a GRPO group's samples, a preference pair) form trees (:mod:`parallel.shared_prefix`):
+  those tokens, but the last, are one prefix segment computed once, each row's rest a branch segment.
+  A tree is planned as one item costing its real token count; a group too big for the budget is split
+  into several trees.
+
 A sequence longer than the budget gets a micro-batch of its own (the budget bounds what can be
 shared, not what a sequence needs). Under context parallelism the budget counts real tokens; each
 sequence's split padding (fewer than ``2 * cp`` tokens) comes on top.

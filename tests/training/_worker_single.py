@@ -11,6 +11,7 @@ gate (skip and abort); one SFT step vs HF cross-entropy on the response tokens.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -67,12 +68,28 @@ def forward_checks(cfg, batch, hf) -> dict:
     cfg.train.packing = False
     unpacked = compute_logprobs(actor, batch, cfg)
     cfg.train.packing = True
-    return {"packed_vs_unpacked": float((packed - unpacked)[mask].abs().max()),
+    return {"bf16_mean_error": bf16_sharing_errors(cfg, batch, plain),
+            "packed_vs_unpacked": float((packed - unpacked)[mask].abs().max()),
             "shared_vs_plain_packed": float((packed - plain)[mask].abs().max()),
             "tokens_saved_by_sharing": int(batch.lengths.sum()) - sum(mb.num_tokens for mb in shared_mbs),
             "packed_vs_hf": float((packed - ref_lp.detach())[mask].abs().max()),
             "entropy_vs_hf": float((entropy - ref_ent.detach())[mask].abs().max()),
             "outside_mask_zero": bool((packed[~mask] == 0).all())}
+
+
+def bf16_sharing_errors(cfg, batch, fp32: torch.Tensor) -> dict:
+    """Mean |bf16 log-prob - fp32 log-prob| on response tokens, with shared prompts and packed whole."""
+    from megarlhf.training import build_actor, compute_logprobs
+
+    cfg16 = copy.deepcopy(cfg)
+    cfg16.model.dtype = "bfloat16"
+    actor = build_actor(cfg16, RUNTIME)
+    errors = {}
+    for share in (True, False):
+        cfg16.train.share_prompt_prefix = share
+        lp = compute_logprobs(actor, batch, cfg16)
+        errors["shared" if share else "whole"] = float((lp - fp32)[batch.response_mask].abs().mean())
+    return errors
 
 
 def actor_checks(cfg, batch, hf) -> dict:
