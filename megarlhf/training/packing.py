@@ -167,7 +167,8 @@ def _trees(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int,
     sharing only if all its rows have the same prefix.
     """
     first = torch.where(wanted.any(1), wanted.int().argmax(1), lengths).tolist()
-    keys = [tuple(input_ids[r, :max(f - 1, 0)].tolist()) for r, f in enumerate(first)]
+    token_lists = input_ids.tolist()  # one device-to-host copy
+    keys = [tuple(token_lists[r][:max(f - 1, 0)]) for r, f in enumerate(first)]
     if groups is not None:
         trees = []
         for group in groups:
