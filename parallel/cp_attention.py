@@ -302,8 +302,10 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, .
     return torch.cat(parts, dim=2).reshape(b, groups, per_group, s, d)
 
 
-def _prefix_mask(prefix: int, own: int, device) -> Tensor:
-    """[own, prefix + own] bool: every prefix key, then the segment's own keys causally."""
+@lru_cache(maxsize=256)
+def _prefix_mask(prefix: int, own: int, device: torch.device) -> Tensor:
+    """[own, prefix + own] bool: every prefix key, then the segment's own keys causally (cached: every
+    layer of a forward asks for the same masks; read-only)."""
     causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
     return torch.cat([torch.ones(own, prefix, dtype=torch.bool, device=device), causal], dim=1)
 
