@@ -1,9 +1,13 @@
 """SampleLog: what it writes, on which rank, and how a resume cuts it back."""
 import json
+from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.engine import RolloutBatch
 from megarlhf.sample_log import SampleLog
+from megarlhf.testing.launch import run_torchrun
+
+WORKER = Path(__file__).with_name("_worker_sample_log.py")
 
 
 class _Tokenizer:
@@ -30,10 +34,22 @@ def test_writes_the_first_samples_of_a_step(tmp_path):
          "ground_truth": "3", "finish_reason": "length", "response_tokens": 1}]
 
 
-def test_other_ranks_and_zero_write_nothing(tmp_path):
-    SampleLog(tmp_path, _Tokenizer(), per_step=4, rank=1).write(0, "eval", *_batch())
+def test_zero_per_step_writes_nothing(tmp_path):
     SampleLog(tmp_path, _Tokenizer(), per_step=0).write(0, "eval", *_batch())
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+def _read(path):
+    return [(r["step"], r["response"], r["reward"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_first_samples_of_the_whole_batch_at_dp2_once_at_tp2(tmp_path):
+    """At DP=2 rank 0 held only 2 of the first 3 samples (an evaluation split over replicas recorded too
+    few samples, and none at all when rank 0's share was empty); at TP=2 the peers do not write twice."""
+    run_torchrun(WORKER, 2, [str(tmp_path)], timeout_s=300)
+    assert _read(tmp_path / "tp1" / "samples.jsonl") == [
+        (0, "t0", 0.0), (0, "t1", 0.0), (0, "t10", 1.0), (1, "t10", 1.0), (1, "t11", 1.0)]
+    assert _read(tmp_path / "tp2" / "samples.jsonl") == [(0, "t0", 0.0), (0, "t1", 0.0)]
 
 
 def test_resume_cuts_back_to_the_checkpointed_steps(tmp_path):

@@ -54,7 +54,7 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
     rollout, tools = phase.generate(mine, eval_sampling(config, stop_token_ids), seed)
     rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, shape_length=False) if mine else ([], {})
-    if samples is not None and mine:
+    if samples is not None:  # collective over data-parallel ranks, so called with an empty share too
         samples.write(step, "eval", mine, rollout, rewards)
     correct = [0.0] * len(mine)
     for p, r in zip(rollout.prompt_index, rewards):

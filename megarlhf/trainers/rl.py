@@ -72,7 +72,7 @@ def train_rl(config: RunConfig) -> Path | None:
                                rank=runtime.launch.rank, resume_after_step=first_step - 1,
                                log_every=config.logging.log_every)
     samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
-                        rank=runtime.launch.rank, resume_after_step=first_step - 1)
+                        runtime=runtime, resume_after_step=first_step - 1)
 
     def run_eval(step: int) -> dict[str, float]:
         if eval_prompts is None or eval_reward is None:

@@ -25,7 +25,9 @@ def _comparable(records):
 
 @pytest.mark.slow  # three 2-rank runs (~3-5 min on 2 cores): make test-slow
 def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
-    overrides = ["train.steps=4", "checkpoint.every=2", "eval.every=0", "optim.schedule=cosine",
+    # eval.every=4: an evaluation at step 0 (before the kill) and the final one at step 4 (after the
+    # resume), so the resumed run's final evaluation is compared too (eval.every=0 turns both off)
+    overrides = ["train.steps=4", "checkpoint.every=2", "eval.every=4", "optim.schedule=cosine",
                  "optim.warmup_steps=1"]
     full = tmp_path / "full"
     run_torchrun(WORKER, 2, [str(_recipe(tmp_path, rl_assets, full)), *overrides], timeout_s=900)
