@@ -1,16 +1,20 @@
-"""Benchmark: Megatron -> vLLM weight sync, megarlhf's streamed in-memory sync vs the naive disk path.
+"""Benchmark: Megatron -> vLLM weight sync, megarlhf's verified in-memory sync vs an unverified in-memory
+load of the same tensors and vs the naive disk path, side by side in one process.
 
 Builds a Qwen2-0.5B-shaped random model (hidden 896, 24 layers, 14 heads / 2 KV heads, ffn 4864, vocab
 151,936, tied embeddings; fp32 by default), loads it into Megatron (TP=1, one process) and into an
-in-process vLLM engine, then times, several times each:
+in-process vLLM engine, then times, interleaved, several times each:
 
-* streamed: ``WeightSync.sync`` — ``iter_hf_weights`` -> size-bounded buckets -> the worker's
-  ``reload_weights(weights_iterator=...)`` -> prefix-cache reset, INCLUDING the two-sided CRC-32
-  checksums and their comparison (the probe forward is timed separately and left out of the ratio);
+* verified: ``WeightSync.sync`` — ``iter_hf_weights`` -> size-bounded buckets -> the worker's
+  ``reload_weights(weights_iterator=...)`` -> prefix-cache reset, INCLUDING the bitwise verification
+  (the trainer's fingerprints of what it sends, the engine's of its parameters, their comparison; the
+  probe forward is timed separately and left out of the ratios);
+* unverified: the same tensors straight into ``reload_weights`` -> prefix-cache reset, nothing checked;
 * naive: ``export_hf_checkpoint`` (HF safetensors on disk) -> ``reload_weights(weights_path=dir)`` ->
   prefix-cache reset (no verification at all).
 
-Prints seconds, bytes moved, bytes/s and the naive/streamed time ratio.
+Prints seconds, bytes moved, bytes/s, the ratios naive/verified and unverified/verified, and the
+verification's share of the verified sync (1 - unverified/verified).
 Usage:  OMP_NUM_THREADS=2 .venv/bin/python bench/bench_weight_sync.py [--dtype float32] [--repeats 3]
 """
 from __future__ import annotations
@@ -34,6 +38,16 @@ def naive_sync(model, provider, engine, directory: Path) -> float:
     start = time.perf_counter()
     export_hf_checkpoint(model, provider, directory, overwrite=True, dtype=model_dtype(model))
     engine.run_in_worker(lambda worker: worker.reload_weights(weights_path=str(directory)))
+    engine.llm.reset_prefix_cache()
+    return time.perf_counter() - start
+
+
+def unverified_sync(model, provider, engine) -> float:
+    from model_providers.hf_checkpoint import iter_hf_weights
+
+    start = time.perf_counter()
+    weights = iter_hf_weights(model, provider, copies=False)
+    engine.run_in_worker(lambda worker: worker.reload_weights(weights_iterator=weights))
     engine.llm.reset_prefix_cache()
     return time.perf_counter() - start
 
@@ -80,21 +94,25 @@ def main() -> None:
         sync = WeightSync(engine, actor, unprobed)
         probe = WeightSync(engine, actor, config)
         probe.calibrate()
-        streamed, naive, metrics = [], [], {}
+        streamed, unverified, naive, metrics = [], [], [], {}
         for _ in range(args.repeats):
             metrics = sync.sync()
             streamed.append(metrics["time/weight_sync_s"])
+            unverified.append(unverified_sync(model, provider, engine))
             naive.append(naive_sync(model, provider, engine, Path(tmp) / "naive"))
         probed = probe.sync()
     size = metrics["weight_sync/bytes"]
-    s, n = statistics.median(streamed), statistics.median(naive)
+    s, u, n = statistics.median(streamed), statistics.median(unverified), statistics.median(naive)
     print(f"model: Qwen2-0.5B shape, {args.dtype}, {size / 2**30:.2f} GiB in {metrics['weight_sync/tensors']:.0f} "
           f"tensors; torch threads {torch.get_num_threads()}; median of {args.repeats}")
-    print(f"streamed (verified, {metrics['weight_sync/buckets']:.0f} buckets <= {args.bucket_mb:g} MB): "
+    print(f"verified ({metrics['weight_sync/buckets']:.0f} buckets <= {args.bucket_mb:g} MB): "
           f"{s:.2f} s  {size / s / 2**20:.0f} MiB/s   runs {[round(x, 2) for x in streamed]}")
     print(f"naive (safetensors on disk + reload from path, unverified): {n:.2f} s  {size / n / 2**20:.0f} MiB/s   "
           f"runs {[round(x, 2) for x in naive]}")
-    print(f"ratio naive / streamed: {n / s:.2f}x")
+    print(f"unverified (same tensors into reload_weights, nothing checked): {u:.2f} s  {size / u / 2**20:.0f} MiB/s"
+          f"   runs {[round(x, 2) for x in unverified]}")
+    print(f"ratio naive / verified: {n / s:.2f}x   unverified / verified: {u / s:.2f}x   "
+          f"verification's share of the verified sync: {max(0.0, 1 - u / s):.0%}")
     print(f"probe forward (2 x 32 tokens, trainer + engine): {probed['time/weight_sync_probe_s']:.2f} s, "
           f"max |diff| {probed['weight_sync/probe_max_abs_diff']:.2e}")
 

@@ -196,11 +196,13 @@ def _stage_schedule(bound: list[_Bound]) -> list[tuple[tuple, tuple[str, ...], s
 
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: str = "lm",
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None, copies: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every HF-named full tensor of the live sharded model, on every rank, in a fixed order.
 
     Collective: all ranks of the model-parallel group must iterate to the end together. Tensors are
-    fresh copies (cast to ``dtype`` if given), so callers may keep or bucket them.
+    fresh copies (cast to ``dtype`` if given), so callers may keep or bucket them; ``copies=False``
+    (the weight sync, whose engine copies each tensor into its own parameters at once) skips the copy
+    where the tensor is already contiguous: it may then be a view of a live parameter.
     """
     from megatron.core import parallel_state as ps
 
@@ -218,7 +220,7 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
             if b.mapping.kind.tp_sharded and ctx.tp_size > 1:
                 shards = [torch.empty_like(shards[0]) for _ in range(ctx.tp_size)]
                 dist.all_gather(shards, b.param.detach().contiguous(), group=tp_group)
-            tensors = [t.contiguous().clone() for t in b.mapping.kind.export(shards, ctx)]
+            tensors = [t.contiguous().clone() if copies else t.contiguous() for t in b.mapping.kind.export(shards, ctx)]
         else:
             tensors = [torch.empty(shapes[n], dtype=getattr(torch, dtype_name), device=device) for n in hf_names]
         if pp_size > 1:

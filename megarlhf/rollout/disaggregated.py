@@ -18,14 +18,16 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
 :meth:`generate` / :meth:`stop_engines` together (they are collective over the trainer ranks).
 
 * ``sync(model)``: ``iter_hf_weights`` (collective over the trainer ranks) yields full HF tensors; the
-  source packs them into buckets of at most ``bucket_mb`` and broadcasts each (a header of names, dtypes,
-  shapes and trainer-side checksums, then one flat byte buffer). Each engine rank passes every bucket to
-  its engine core inside ONE layerwise-reload session of vLLM (begin; ``model.load_weights`` per bucket;
-  finalize), the same in-place path as ``reload_weights``, checksumming each tensor as vLLM's loader
-  takes it. Then the probe forward: the trainers' log-probs of fixed random sequences (the training
-  forward) vs each engine's prompt log-probs, gated by :mod:`megarlhf.gates`. The checksums, the
-  bucketing and the probe comparison are :mod:`megarlhf.rollout.weight_sync`'s, shared with the
-  colocated sync. The source collects every engine's problems and broadcasts the verdict to all ranks,
+  source packs them into buckets of at most ``bucket_mb`` and broadcasts each (a header of names, dtypes
+  and shapes, then one flat byte buffer), fingerprinting each tensor at its place in the engine's
+  parameters as it goes. Each engine rank passes every bucket to its engine core inside ONE
+  layerwise-reload session of vLLM (begin; ``model.load_weights`` per bucket; finalize), the same
+  in-place path as ``reload_weights``; the engine core then fingerprints the parameters it computes
+  with, and the engine rank compares them with the source's, bit for bit. Then the probe forward: the
+  trainers' log-probs of fixed random sequences (the training forward) vs each engine's prompt
+  log-probs, gated by :mod:`megarlhf.gates`. The fingerprints, the bucketing and the probe comparison
+  are :mod:`megarlhf.rollout.weight_sync`'s, shared with the colocated sync. (The bytes cross the gloo
+  channel from host memory: the engine core is another process, reached through vLLM's RPC.) The source collects every engine's problems and broadcasts the verdict to all ranks,
   which raise :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
 * ``generate(prompts, sampling)`` = ``receive(launch(prompts, sampling))``: the prompts of each data-
   parallel replica go to the source, are split round-robin over the engines (``launch`` returns as soon
@@ -48,10 +50,13 @@ import torch.distributed as dist
 
 from megarlhf.gates import calibration_problems, run_tolerances
 from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, _tied_modules
-from megarlhf.rollout.weight_sync import (calibration_metrics, compare_checksums, layout_problems, probe_floor,
-                                          probe_problems, probe_sequences, sync_metrics, tensor_checksum,
-                                          trainer_probe_logprobs, verdict_error, weight_buckets)
+from megarlhf.dtypes import torch_dtype
+from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
+from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
+from megarlhf.rollout.weight_sync import (ExpectedFingerprints, calibration_metrics, compare_fingerprints,
+                                          engine_placement, layout_problems, probe_floor, probe_problems,
+                                          probe_sequences, sync_metrics, trainer_probe_logprobs, verdict_error,
+                                          weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
 
@@ -80,34 +85,32 @@ def _worker_begin(worker) -> None:
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     model = worker.model_runner.model
-    worker.megarlhf_tied_modules = _tied_modules(model)  # before the layerwise reload moves params to meta
+    worker.megarlhf_tied_modules = tied_modules(model)  # before the layerwise reload moves params to meta
+    worker.megarlhf_capture = ProcessingCapture(model).__enter__()
     initialize_layerwise_reload(model)
 
 
-def _worker_load(worker, meta: list[tuple], payload: bytes) -> dict[str, tuple]:
-    received = {}
-
-    def arriving():
-        for name, tensor in _unpack(meta, payload):
-            received[name] = tensor_checksum(tensor)
-            yield name, tensor
-
-    worker.model_runner.model.load_weights(arriving())
-    return received
+def _worker_load(worker, meta: list[tuple], payload: bytes) -> None:
+    worker.model_runner.model.load_weights(_unpack(meta, payload))
 
 
-def _worker_finish(worker) -> None:
+def _worker_finish(worker) -> dict:
+    """Ends the reload session; returns the fingerprints of the parameters the engine now computes with."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    finalize_layerwise_reload(worker.model_runner.model, worker.model_runner.model_config)
-    for module in worker.megarlhf_tied_modules:  # see engine._tied_modules: vLLM skips tied heads
-        module.quant_method.process_weights_after_loading(module)
+    model, capture = worker.model_runner.model, worker.megarlhf_capture
+    try:
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+        reprocess_tied(worker.megarlhf_tied_modules)  # see engine_weights.tied_modules: vLLM skips tied heads
+    finally:
+        capture.__exit__(None, None, None)
+    return parameter_report(model, capture)
 
 
-def _as_checksum(value) -> tuple[str, tuple[int, ...], int]:
-    """A checksum back from the engine process (msgpack may turn tuples into lists)."""
-    dtype, shape, crc = value
-    return str(dtype), tuple(int(s) for s in shape), int(crc)
+def _worker_fused(worker) -> dict[str, list[str]]:
+    from megarlhf.rollout.engine_weights import fused_parameters
+
+    return fused_parameters(worker.model_runner.model)
 
 
 class DisaggregatedRollout:
@@ -144,7 +147,10 @@ class DisaggregatedRollout:
             if actor is None:
                 raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor")
             self.actor = actor
-            self.expected = set(actor.provider.hf_tensor_shapes("lm"))
+            self.hf_shapes = actor.provider.hf_tensor_shapes("lm")
+            self.expected = set(self.hf_shapes)
+            self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
+            self.placement = None  # the engines' layout, asked for at the first sync
             self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -180,6 +186,8 @@ class DisaggregatedRollout:
                 return
             if command[0] == "sync":
                 self._serve_sync()
+            elif command[0] == "layout":
+                self._from_engines(self.engine.run_in_worker(_worker_fused))
             elif command[0] == "calibrate":
                 self._from_engines(probe_floor(command[2], torch.tensor(  # host: compared there
                     self.engine.prompt_logprobs(command[1]), dtype=torch.float32)))
@@ -196,26 +204,23 @@ class DisaggregatedRollout:
         dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
         return header, buffer
 
-    def _load_bucket(self, meta: list[tuple], payload: torch.Tensor) -> dict[str, tuple]:
-        """Hands one bucket to the engine core; returns the checksums of what its loader took."""
-        call = functools.partial(_worker_load, meta=meta, payload=payload.numpy().tobytes())
-        received = self.engine.run_in_worker(call)
-        return {name: _as_checksum(c) for name, c in received.items()}
+    def _load_bucket(self, meta: list[tuple], payload: torch.Tensor) -> None:
+        """Hands one bucket to the engine core (bytes: it is another process)."""
+        self.engine.run_in_worker(functools.partial(_worker_load, meta=meta, payload=payload.numpy().tobytes()))
 
     def _serve_sync(self) -> None:
-        sent, received, problems = {}, {}, []
+        problems = []
         self.engine.run_in_worker(_worker_begin)
         while (bucket := self._receive_bucket()) is not None:
             header, buffer = bucket
-            sent.update({name: (dtype, tuple(shape), crc) for name, dtype, shape, _, crc in header})
             try:
-                received.update(self._load_bucket([h[:4] for h in header], buffer))
+                self._load_bucket(header, buffer)
             except Exception as err:  # keep draining the stream so that every rank reaches the verdict
                 problems.append(f"the engine failed to load the bucket with {header[0][0]}...: {err}")
-        self.engine.run_in_worker(_worker_finish)
+        report = self.engine.run_in_worker(_worker_finish)
         self.engine.llm.reset_prefix_cache()
-        problems += compare_checksums(sent, received)
-        self._verdict(problems, "checksums of the tensors the engine received")
+        problems += compare_fingerprints(self._channel_bcast(), report)  # the source's expected fingerprints
+        self._verdict(problems, "fingerprints of the engine's parameters")
         probe, gaps, problems = self._channel_bcast(), (float("nan"), float("nan")), []
         if probe is not None:
             ids, trainer, tolerances = probe
@@ -258,8 +263,7 @@ class DisaggregatedRollout:
         return metrics
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        header = [(name, str(t.dtype), tuple(t.shape), t.numel() * t.element_size(), tensor_checksum(t)[2])
-                  for name, t in bucket]
+        header = [(name, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in bucket]
         self._channel_bcast(header)
         # host: the channel is a gloo group between processes that share no device
         buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8).cpu() for _, t in bucket])
@@ -291,20 +295,28 @@ class DisaggregatedRollout:
 
         self._require(False, "sync")
         source = self.rank == SOURCE_RANK
+        if source and self.placement is None:
+            self._channel_bcast(("layout",))
+            layouts = self._from_engines()  # every engine runs the same model class
+            self.placement = engine_placement(self.hf_shapes, layouts[0])
         if source:
             self._channel_bcast(("sync",))
+            expected = ExpectedFingerprints(self.placement, self.engine_dtype)
         sent, stats = [], {}
         start = time.perf_counter()
-        weights = iter_hf_weights(self.actor.model, self.actor.provider)  # collective over the trainer ranks
+        weights = iter_hf_weights(self.actor.model, self.actor.provider, copies=False)  # collective (trainers)
         for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
             if source:
+                for name, tensor in bucket:
+                    expected.add(name, tensor)
                 self._send_bucket(bucket)
                 sent += [name for name, _ in bucket]
         problems = []
         if source:
             self._channel_bcast([])  # end of stream
+            self._channel_bcast(expected.result())
             problems = layout_problems(sent, self.expected)
-        self._trainer_verdict(problems, "checksums of the tensors the engine received")
+        self._trainer_verdict(problems, "fingerprints of the engine's parameters")
         metrics = self._trainer_bcast(sync_metrics(stats, len(sent), time.perf_counter() - start) if source else None)
         start, probe = time.perf_counter(), None
         if self.sync_config.probe_sequences:

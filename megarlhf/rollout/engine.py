@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 from megarlhf.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
+from megarlhf.rollout.engine_weights import (ProcessingCapture, arrival_report, fused_parameters, parameter_report,
+                                             reprocess_tied, tied_modules)
+from megarlhf.rollout.fingerprint import fingerprint
 
 FINISH_REASONS = ("stop", "length")
 __all__ = ["FINISH_REASONS", "EngineConfig", "RolloutBatch", "RolloutEngine", "SamplingConfig"]
@@ -114,22 +117,6 @@ def _cpu_thread_binding(tp_size: int) -> str:
     per_rank = max(1, len(cores) // tp_size)
     chunks = [cores[(r * per_rank) % len(cores):(r * per_rank) % len(cores) + per_rank] for r in range(tp_size)]
     return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
-
-
-def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules whose weight is another module's parameter (a tied LM head), with a quant method.
-
-    vLLM's in-place reload skips them (no checkpoint tensor is addressed to them), so derived state built
-    after loading (on CPU: the oneDNN-packed copy behind ``cpu_linear``) would stay stale: a tied head
-    would keep computing logits with the old embedding. They are re-processed after every reload.
-    """
-    seen, tied = set(), []
-    for module in model.modules():
-        params = list(module.parameters(recurse=False))
-        if any(id(p) in seen for p in params) and hasattr(module, "quant_method"):
-            tied.append(module)
-        seen.update(id(p) for p in params)
-    return tied
 
 
 class RolloutEngine:
@@ -224,28 +211,43 @@ class RolloutEngine:
         """Runs ``fn(worker)`` on this rank's vLLM worker (in this process) and returns its result."""
         return self.llm.collective_rpc(fn)[0]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], on_arrival: Callable | None = None) -> None:
-        """Reloads the engine's weights in place from ``(hf_name, full tensor)`` pairs, then drops the
-        prefix cache (its KV entries were computed with the old weights).
+    def fused_parameters(self) -> dict[str, list[str]]:
+        """How the engine's parameters fuse HF tensors (:func:`~megarlhf.rollout.engine_weights.fused_parameters`),
+        for the trainer's prediction of the engine's fingerprints. A TP > 1 engine holds shards and reports
+        what its loader received instead (:meth:`load_weights`): nothing fused."""
+        if self.config.tensor_parallel_size > 1:
+            return {}
+        return self.run_in_worker(lambda worker: fused_parameters(worker.model_runner.model))
 
-        ``on_arrival(name, tensor)`` is called inside the worker for every tensor as vLLM's loader takes
-        it (the weight sync checksums there). Uses the worker's ``reload_weights``: on CPU vLLM repacks
-        linear weights after loading, so writing parameters directly has no effect.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Reloads the engine's weights in place from ``(hf_name, full tensor)`` pairs, then drops the
+        prefix cache (its KV entries were computed with the old weights); returns the fingerprints of the
+        parameters the engine now computes with (:func:`~megarlhf.rollout.engine_weights.parameter_report`).
+
+        Uses the worker's ``reload_weights``: on CPU vLLM repacks linear weights after loading, so writing
+        parameters directly has no effect. A TP > 1 engine (each rank a shard of every fused parameter)
+        reports the fingerprints of the full tensors its loader received instead.
         """
-        def arriving():
-            for name, tensor in weights:
-                if on_arrival is not None:
-                    on_arrival(name, tensor)
-                yield name, tensor
+        sharded = self.config.tensor_parallel_size > 1
 
         def reload(worker):
-            tied = _tied_modules(worker.model_runner.model)
-            worker.reload_weights(weights_iterator=arriving())
-            for module in tied:
-                module.quant_method.process_weights_after_loading(module)
+            model = worker.model_runner.model
+            tied, arrived = tied_modules(model), {}
 
-        self.run_in_worker(reload)
+            def arriving():
+                for name, tensor in weights:
+                    if sharded:
+                        arrived[name] = fingerprint(tensor)
+                    yield name, tensor
+
+            with ProcessingCapture(model) as capture:
+                worker.reload_weights(weights_iterator=arriving())
+                reprocess_tied(tied)
+            return arrival_report(arrived, capture) if sharded else parameter_report(model, capture)
+
+        report = self.run_in_worker(reload)
         self.llm.reset_prefix_cache()
+        return report
 
     @property
     def sleep_supported(self) -> bool:

@@ -18,7 +18,8 @@ surface as the vLLM engine (``generate``, ``prompt_logprobs``, ``load_weights``,
   sampling temperature (1 when greedy): what the trainer computes when it scores the response.
 * ``prompt_logprobs``: teacher-forced ``log p(x_t | x_<t)``, t = 1..L-1, temperature 1, fp32.
 * ``load_weights``: in-place copies of ``(hf_name, full tensor)`` pairs into the parameters of those
-  names; a tied LM head is not a parameter of its own and stays tied.
+  names; a tied LM head is not a parameter of its own and stays tied; returns the fingerprints of the
+  parameters afterwards (the weight sync compares them with the trainer's, bit for bit).
 * ``sleep`` / ``wake_up``: on CUDA the weights go to host memory and back; nothing to do on CPU.
 
 Hand-written rather than ``model.generate``: the RL contract needs one seeded generator per sample
@@ -33,11 +34,12 @@ from __future__ import annotations
 import dataclasses
 
 import os
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from megarlhf.rollout.engine import RolloutBatch, SamplingConfig, check_prompt_ids
+from megarlhf.rollout.engine_weights import parameter_report
 
 # logits of one prompt_logprobs chunk (rows x padded length x vocab) stay below this many elements
 _LOGIT_BUDGET = 2**27
@@ -243,18 +245,20 @@ class HFRolloutEngine:
         return [row[:len(s) - 1] for row, s in zip(lps, sequences)]
 
     # ---- weights and memory -------------------------------------------------------------------------
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], on_arrival: Callable | None = None) -> None:
-        """Copies ``(hf_name, full tensor)`` pairs into the model's parameters of those names.
+    def fused_parameters(self) -> dict[str, list[str]]:
+        """The engine's parameters are the HF tensors themselves: nothing fused."""
+        return {}
 
-        ``on_arrival(name, tensor)`` is called for every tensor as it is taken. A tied LM head has no
-        parameter of its own (it is the embedding), so ``lm_head.weight`` is an unknown name there.
-        Tensors are copied (converted to the engine's dtype and device), never kept.
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Copies ``(hf_name, full tensor)`` pairs into the model's parameters of those names; returns the
+        fingerprints of the parameters afterwards (:func:`~megarlhf.rollout.engine_weights.parameter_report`).
+
+        A tied LM head has no parameter of its own (it is the embedding), so ``lm_head.weight`` is an
+        unknown name there. Tensors are copied (converted to the engine's dtype and device), never kept.
         """
         params = dict(self.model.named_parameters())
         for name, tensor in weights:
-            if on_arrival is not None:
-                on_arrival(name, tensor)
             param = params.get(name)
             if param is None:
                 tied = " (the model ties its LM head to the embedding)" if name == "lm_head.weight" else ""
@@ -264,6 +268,7 @@ class HFRolloutEngine:
                 raise ValueError(f"HF rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
                                  f"the model's is {tuple(param.shape)}")
             param.copy_(tensor)
+        return parameter_report(self.model, None)
 
     def sleep(self) -> None:
         """On CUDA: moves the weights to host memory and frees the device memory they held."""

@@ -3,19 +3,22 @@
 :class:`WeightSync` streams the live sharded Megatron model into a colocated engine without touching disk:
 
 1. ``iter_hf_weights`` (the project's one Megatron -> HF mapping; TP all-gather and PP broadcast inside)
-   yields full HF-named tensors; :func:`weight_buckets` groups them into buckets of at most
-   ``rollout.weight_sync.bucket_mb`` (a tensor larger than that travels alone), so at most one bucket
-   of full tensors is alive at a time, never the model.
+   yields full HF-named tensors on the trainer's device (no host copy, no pickling);
+   :func:`weight_buckets` groups them into buckets of at most ``rollout.weight_sync.bucket_mb`` (a
+   tensor larger than that travels alone), so at most one bucket of full tensors is alive at a time.
 2. The buckets are handed to the engine's in-place ``load_weights`` (one call for the whole stream).
-3. Checksums (CRC-32 of the raw bytes, plus dtype and shape) are taken on the trainer side as tensors
-   leave ``iter_hf_weights`` and on the engine side as its loader takes them. vLLM fuses qkv / gate_up
-   and repacks linear weights for oneDNN on CPU, so its parameters cannot be compared with HF tensors
-   bit for bit; what it received can. Any missing, extra or altered tensor stops the run with a
+3. Bitwise verification at the engine's parameters: as each tensor leaves, the trainer fingerprints
+   it (:mod:`megarlhf.rollout.fingerprint`, tensor ops on its device) cast to the engine's dtype, at its
+   place in the engine's parameter (:class:`ExpectedFingerprints`: vLLM fuses ``q/k/v`` and
+   ``gate/up``); after loading and processing, the engine fingerprints the parameters its kernels use
+   (:mod:`megarlhf.rollout.engine_weights`). Both sides are read to the host once, as one small
+   array each, and compared exactly: no tolerance, any dtype. A missing, extra, altered or stale
+   parameter (a dropped bucket, post-load processing that did not run) stops the run with a
    :class:`WeightSyncError` naming it.
-4. A probe forward: the engine's prompt log-probs of fixed random sequences vs the trainer's, through
+4. A probe forward, the second line of defence: the engine's prompt log-probs of fixed random sequences vs the trainer's, through
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
    training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
-   what the checksums cannot (a loader that puts a received tensor in the wrong place). The gates are
+   what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
    calibrated once, before the first sync (:meth:`WeightSync.calibrate`), with the same probe while the
    engine still holds the checkpoint it loaded itself.
 
@@ -23,19 +26,21 @@ The verdict is agreed over the trainer ranks, so every rank raises together inst
 the others waiting in the next collective. The disaggregated placement
 (:mod:`megarlhf.rollout.disaggregated`) moves bytes differently but verifies with the same functions.
 
-Hand-written because the bucketing, the two-sided checksums and the probe are megarlhf's own contract;
+Hand-written because the bucketing, the two-sided fingerprints and the probe are megarlhf's own contract;
 the engines do the loading and Megatron the gathering.
 """
 from __future__ import annotations
 
+import math
 import time
-import zlib
 from typing import Iterable, Iterator
 
 import torch
 
+from megarlhf.dtypes import torch_dtype
 from megarlhf.gates import Tolerances, calibration_problems, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
+from megarlhf.rollout.fingerprint import combine, fingerprint, to_host
 from model_providers.hf_checkpoint import iter_hf_weights
 
 PROBE_SEED = 1234  # the probe's random sequences are the same at every sync
@@ -45,21 +50,65 @@ class WeightSyncError(RuntimeError):
     """The engine's weights are not the trainer's after a sync; the message names what differs."""
 
 
-def tensor_checksum(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
-    """(dtype, shape, CRC-32 of the bytes): any change of any bit of any element changes it."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    return str(tensor.dtype), tuple(tensor.shape), zlib.crc32(memoryview(raw))
+def engine_placement(hf_shapes: dict[str, tuple[int, ...]], fused: dict[str, list[str]]
+                     ) -> dict[str, tuple[str, int]]:
+    """Each HF tensor's place in the engine: ``hf_name -> (engine parameter, element offset)``. A part of
+    a fused module (``fused``: e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``) sits after its
+    preceding parts, concatenated along the first dimension; every other tensor is its own parameter."""
+    part_of = {part: (name, index) for name, parts in fused.items() for index, part in enumerate(parts)}
+    placement = {}
+    for name in hf_shapes:
+        path = name.split(".")
+        if len(path) < 2 or path[-2] not in part_of:
+            placement[name] = (name, 0)
+            continue
+        fused_name, index = part_of[path[-2]]
+        before = [".".join(path[:-2] + [part, path[-1]]) for part in fused[fused_name][:index]]
+        missing = [b for b in before if b not in hf_shapes]
+        if missing:
+            raise ValueError(f"weight sync: the engine fuses {fused[fused_name]} into {fused_name}, but the "
+                             f"checkpoint has {name} without {missing}")
+        offset = sum(math.prod(hf_shapes[b]) for b in before)
+        placement[name] = (".".join(path[:-2] + [fused_name, path[-1]]), offset)
+    return placement
 
 
-def compare_checksums(sent: dict[str, tuple], received: dict[str, tuple]) -> list[str]:
-    """Human-readable differences between trainer-side and engine-side checksums (empty: identical)."""
-    problems = [f"tensor {n} was sent but never reached the engine" for n in sent if n not in received]
-    problems += [f"tensor {n} reached the engine but was not sent by the trainer" for n in received if n not in sent]
-    for name in sent:
-        if name in received and sent[name] != received[name]:
-            (d0, s0, c0), (d1, s1, c1) = sent[name], received[name]
-            problems.append(f"tensor {name} differs: trainer {d0} {list(s0)} crc32={c0:08x}, "
-                            f"engine {d1} {list(s1)} crc32={c1:08x}")
+class ExpectedFingerprints:
+    """The trainer's prediction of the engine's parameter fingerprints, built as tensors are sent: each
+    HF tensor cast to the engine's ``dtype`` and fingerprinted at its place (:func:`engine_placement`)."""
+
+    def __init__(self, placement: dict[str, tuple[str, int]], dtype: torch.dtype):
+        self.placement, self.dtype = placement, dtype
+        self.parts: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        engine_name, offset = self.placement.get(name, (name, 0))
+        self.parts.setdefault(engine_name, []).append(fingerprint(tensor.to(self.dtype), offset))
+
+    def result(self) -> dict[str, tuple[int, int]]:
+        """Every engine parameter's expected fingerprint, on the host (one transfer)."""
+        return to_host({name: combine(parts) for name, parts in self.parts.items()})
+
+
+def _hex(value) -> str:
+    return "/".join(f"{int(v):08x}" for v in value)
+
+
+def compare_fingerprints(expected: dict[str, tuple[int, int]], report: dict) -> list[str]:
+    """Human-readable differences between the trainer's expected fingerprints and an engine's
+    :func:`~megarlhf.rollout.engine_weights.parameter_report` (empty: bitwise identical)."""
+    problems, held = list(report["problems"]), set()
+    for kind, how in (("parameters", "as the engine holds it"), ("processed", "as processed for its kernels")):
+        for name, value in report[kind].items():
+            canonical = report["aliases"].get(name, name)
+            held.add(canonical)
+            want = expected.get(canonical)
+            if want is None:
+                problems.append(f"engine parameter {name} ({how}) matches no tensor the trainer sent")
+            elif tuple(value) != tuple(want):
+                problems.append(f"engine parameter {name} ({how}) differs from the trainer's: fingerprint "
+                                f"{_hex(value)}, trainer {_hex(want)}")
+    problems += [f"no engine parameter holds the trainer's {name}" for name in expected if name not in held]
     return problems
 
 
@@ -158,7 +207,10 @@ class WeightSync:
         self.tolerances: Tolerances = run_tolerances(config)
         self.sync_config = config.rollout.weight_sync
         self.runtime = actor.runtime
-        self.expected = set(actor.provider.hf_tensor_shapes("lm"))
+        hf_shapes = actor.provider.hf_tensor_shapes("lm")
+        self.expected = set(hf_shapes)
+        self.placement = engine_placement(hf_shapes, engine.fused_parameters())
+        self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
 
     def _agree(self, problems: list[str], what: str) -> None:
@@ -188,21 +240,23 @@ class WeightSync:
 
         Collective over the trainer ranks (the gathers inside ``iter_hf_weights`` and the verdicts).
         """
-        sent, received, stats = {}, {}, {}
+        sent, stats = [], {}
+        expected = ExpectedFingerprints(self.placement, self.engine_dtype)
 
         def outgoing():
-            weights = iter_hf_weights(self.actor.model, self.actor.provider)
+            weights = iter_hf_weights(self.actor.model, self.actor.provider, copies=False)
             for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
                 while bucket:  # drop each tensor once the engine has taken it
                     name, tensor = bucket.pop(0)
-                    sent[name] = tensor_checksum(tensor)
+                    expected.add(name, tensor)
+                    sent.append(name)
                     yield name, tensor
 
         start = time.perf_counter()
-        self.engine.load_weights(outgoing(), on_arrival=lambda name, t: received.__setitem__(name, tensor_checksum(t)))
+        report = self.engine.load_weights(outgoing())
         seconds = time.perf_counter() - start
-        problems = compare_checksums(sent, received) + layout_problems(sent, self.expected)
-        self._agree(problems, "checksums of the tensors the engine received")
+        problems = compare_fingerprints(expected.result(), report) + layout_problems(sent, self.expected)
+        self._agree(problems, "fingerprints of the engine's parameters")
         metrics = sync_metrics(stats, len(sent), seconds)
         if self.sync_config.probe_sequences:
             start = time.perf_counter()

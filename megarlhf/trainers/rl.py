@@ -6,7 +6,7 @@ registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torc
 
  1. data       this data-parallel replica draws its share of the step's global batch of prompts
  2. wake       trainer state (actor, critic, reference) is offloaded; the engine's weights wake
- 3. sync       actor shards -> full HF-named tensors -> engine, in buckets, checksum-verified
+ 3. sync       actor shards -> full HF-named tensors -> engine, in buckets, verified bit for bit
  4. rollout    the engine samples ``rollout.n_samples`` responses per prompt, with their log-probs
  5. sleep      the engine sleeps and the trainer state comes back
  6. reward     verifiers, user functions (per sample, time-bounded) and a learned reward model

@@ -5,9 +5,13 @@ Usage: _worker_bf16_gates.py MODEL_DIR OUT_DIR BACKEND [BACKEND ...] (one rank).
 * the probe's max / mean gap of a correct sync, and whether the gates passed it;
 * the step-0 gap: the trainer's log-probs (training forward) of the engine's sampled responses vs the
   engine's own, max and mean over the response tokens;
+* bitwise verification in bf16: a sync whose stream moves one element of one tensor by one bf16 ulp, and
+  one that drops a layer's tensors after the actor's weights changed (the engine keeps that layer's
+  previous weights), must both stop at the fingerprints;
 * a corrupted sync: one weight tensor perturbed by 100 bf16 ulps per element *inside the engine's loader*
-  (after the trainer's checksum and with the checksum the engine reports left intact, i.e. what a loader
-  that mangles a tensor would do) must fail the probe gate; its gaps and the message are recorded.
+  while the engine reports the fingerprints of the unperturbed tensors (what a kernel that reads correct
+  weights wrongly would look like: only the probe can see it) must fail the probe gate; its gaps and the
+  message are recorded.
 """
 from __future__ import annotations
 
@@ -59,19 +63,17 @@ def step0_gap(engine, actor, config) -> tuple[float, float, int]:
 
 
 def corrupted_probe(sync, engine) -> dict:
-    """A sync whose loader receives TARGET perturbed by ULPS bf16 ulps while reporting the original's
-    checksum: the checksums agree, so only the probe can catch it."""
+    """A sync whose engine holds TARGET perturbed by ULPS bf16 ulps while reporting the fingerprints of
+    the unperturbed weights: the fingerprints agree, so only the probe can catch it."""
     from megarlhf.rollout.weight_sync import WeightSyncError
 
     real_load = engine.load_weights
 
-    def mangling_load(weights, on_arrival=None):
-        def stream():
-            for name, tensor in weights:
-                if on_arrival is not None:
-                    on_arrival(name, tensor)  # the checksum of what the trainer sent
-                yield name, bf16_ulps(tensor, ULPS) if name == TARGET else tensor
-        real_load(stream(), None)
+    def mangling_load(weights):
+        weights = list(weights)
+        honest = real_load(iter(weights))
+        real_load((name, bf16_ulps(tensor, ULPS) if name == TARGET else tensor) for name, tensor in weights)
+        return honest
 
     engine.load_weights = mangling_load
     try:
@@ -81,6 +83,40 @@ def corrupted_probe(sync, engine) -> dict:
         return {"message": str(err)}
     finally:
         engine.load_weights = real_load
+
+
+def bitwise_faults(sync, engine) -> dict:
+    """Messages of a one-ulp sync and of a stale layer (module docstring); None where the sync passed."""
+    from megarlhf.rollout.weight_sync import WeightSyncError
+
+    real_load = engine.load_weights
+
+    def one_ulp(stream):
+        for name, tensor in stream:
+            if name == TARGET:
+                tensor = tensor.clone()
+                bits = tensor.view(-1)[5:6].view(torch.int16)
+                bits += 1
+            yield name, tensor
+
+    def drop_layer(stream):
+        return ((n, t) for n, t in stream if not n.startswith("model.layers.1."))
+
+    messages = {}
+    for case, corrupt in (("one_ulp", one_ulp), ("stale_layer", drop_layer)):
+        if case == "stale_layer":
+            with torch.no_grad():  # an update's worth of change, so that the previous weights differ
+                for param in sync.actor.model.parameters():
+                    param.mul_(1.01)
+        engine.load_weights = lambda weights, corrupt=corrupt: real_load(corrupt(weights))
+        try:
+            sync.sync()
+            messages[case] = None
+        except WeightSyncError as err:
+            messages[case] = str(err)
+        finally:
+            engine.load_weights = real_load
+    return messages
 
 
 def run_backend(model_dir: str, backend: str, runtime) -> dict:
@@ -98,6 +134,7 @@ def run_backend(model_dir: str, backend: str, runtime) -> dict:
     result = {"calibration": sync.calibrate()}  # the engine holds the checkpoint it loaded
     result["sync"] = sync.sync()  # raises if the gates refuse a correct bf16 sync
     result["step0_max"], result["step0_mean"], result["step0_tokens"] = step0_gap(engine, actor, config)
+    result["bitwise"] = bitwise_faults(sync, engine)
     result["corrupted"] = corrupted_probe(sync, engine)
     result["after_corruption"] = sync.sync()  # a clean sync repairs the engine
     result["tolerances"] = vars(sync.tolerances)

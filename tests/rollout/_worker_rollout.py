@@ -10,7 +10,8 @@ shared engine), and records
   after 3 AdamW steps + a re-sync;
 * seeded sampling: the same seed twice (and, with per-rank engines, on two independent engines);
 * the colocate scheduler's offload/onload round trip (bit-exact state, same loss as without it);
-* the messages of deliberately corrupted syncs (a perturbed tensor, a skipped tensor).
+* the messages of deliberately corrupted syncs (a perturbed tensor, a skipped tensor, a dropped layer,
+  a tied head left unprocessed).
 """
 from __future__ import annotations
 
@@ -156,7 +157,13 @@ def seeded_repeat(engine, prompt_list) -> dict:
 
 
 def corrupted_syncs(sync) -> dict:
-    """Messages of a sync whose stream perturbs one tensor by one ulp, and of one that drops a tensor."""
+    """Messages of syncs that leave the engine with other weights than the trainer's: one tensor
+    perturbed by one ulp, one tensor skipped, a whole bucket dropped (the engine keeps the previous
+    weights of those layers), and the tied LM head not re-processed after the reload (vLLM skips it;
+    its kernels would keep the previous embedding)."""
+    from contextlib import nullcontext
+    from unittest import mock
+
     from megarlhf.rollout.weight_sync import WeightSyncError
 
     engine, real_load = sync.engine, sync.engine.load_weights
@@ -172,16 +179,28 @@ def corrupted_syncs(sync) -> dict:
     def skip(stream):
         return ((n, t) for n, t in stream if n != "model.layers.0.self_attn.k_proj.weight")
 
-    messages = {}
-    for case, corrupt in {"perturbed": perturb, "skipped": skip}.items():
-        engine.load_weights = lambda weights, on_arrival=None: real_load(corrupt(weights), on_arrival)
+    def drop_bucket(stream):  # every tensor of layer 1: the engine keeps that layer's previous weights
+        return ((n, t) for n, t in stream if not n.startswith("model.layers.1."))
+
+    def run(corrupt=None, patch=None) -> str | None:
+        if corrupt is not None:
+            engine.load_weights = lambda weights: real_load(corrupt(weights))
         try:
-            sync.sync()
-            messages[case] = None
+            with patch or nullcontext():
+                sync.sync()
+            return None
         except WeightSyncError as err:
-            messages[case] = str(err)
+            return str(err)
         finally:
             engine.load_weights = real_load
+
+    messages = {"perturbed": run(perturb), "skipped": run(skip)}
+    with torch.no_grad():  # an update's worth of change, so that the previous weights differ
+        for param in sync.actor.model.parameters():
+            param.mul_(1.01)
+    messages["stale_layer"] = run(drop_bucket)
+    messages["tied_head_unprocessed"] = run(patch=mock.patch("megarlhf.rollout.engine.reprocess_tied"))
+    messages["clean_after"] = run()  # a clean sync repairs the engine
     return messages
 
 

@@ -1,6 +1,7 @@
 """The dtype-aware gates on a bf16 trainer with bf16 engines (vLLM and the transformers engine): a correct
-sync and a correct rollout pass them, and a sync whose loader mangles one weight tensor by 100 bf16 ulps
-per element (checksums left intact, so only the probe can see it) fails them.
+sync and a correct rollout pass them; one bf16 ulp in one element and a stale layer stop the sync at the
+fingerprints; and an engine that holds one weight tensor mangled by 100 bf16 ulps per element while its
+fingerprints say otherwise (so only the probe can see it) fails the probe.
 
 Measured here on the tiny Qwen2; megarlhf/gates.py's docstring has the demo's SFT model and
 SmolLM2-135M-Instruct, whose correct-sync noise is what the calibration scales the tolerances by."""
@@ -35,6 +36,16 @@ def test_correct_bf16_sync_and_rollout_pass(gates_run, backend):
     assert r["step0_max"] <= tolerances["step0_max"] and r["step0_mean"] <= tolerances["step0_mean"]
     # bf16 rounding is visible: these are not fp32 numbers, so an fp32 gate would have refused them
     assert r["step0_mean"] > FLOORS["float32"].step0_mean
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_one_ulp_and_a_stale_layer_stop_the_bf16_sync(gates_run, backend):
+    faults = gates_run[backend]["bitwise"]
+    for case in ("one_ulp", "stale_layer"):
+        assert faults[case] is not None, case
+        assert faults[case].startswith("weight sync verification failed (fingerprints of the engine's parameters)")
+    assert "model.layers.1.mlp.down_proj.weight" in faults["one_ulp"]
+    assert "model.layers.1." in faults["stale_layer"]
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])

@@ -1,4 +1,4 @@
-"""Weight sync Megatron -> vLLM: exact arrival (checksums), engine == trainer after every sync (greedy
+"""Weight sync Megatron -> vLLM: bitwise-equal engine parameters (fingerprints), engine == trainer after every sync (greedy
 generations and sampled-token log-probs vs the trainer's own decoding and teacher forcing), before and
 after 3 AdamW steps, at trainer TP=1 and TP=2; corrupted syncs stop with the tensor's name."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarlhf.rollout.config import WeightSyncConfig
-from megarlhf.rollout.weight_sync import compare_checksums, tensor_checksum, weight_buckets
+from megarlhf.rollout.weight_sync import compare_fingerprints, engine_placement, weight_buckets
 
 LAYOUTS = ("tp1", "tp2")
 
@@ -39,33 +39,52 @@ def test_training_changed_weights_and_resync_verified(rollout_run, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_corrupted_sync_names_the_tensor(rollout_run, layout):
+    """tp2 runs one TP=1 engine per rank (its parameters fingerprinted, fused qkv / gate_up predicted by the
+    trainer); tp1 one TP=2 engine (what its loader received is fingerprinted, and whether each layer was
+    processed after loading)."""
     for rank in rollout_run(layout):
-        perturbed, skipped = rank["corrupted"]["perturbed"], rank["corrupted"]["skipped"]
-        assert perturbed is not None and "tensor model.layers.1.mlp.down_proj.weight differs" in perturbed
-        assert skipped is not None
-        assert "tensor model.layers.0.self_attn.k_proj.weight was sent but never reached the engine" in skipped
+        m = rank["corrupted"]
+        assert m["clean_after"] is None
+        if layout == "tp2":
+            assert "engine parameter model.layers.1.mlp.down_proj.weight" in m["perturbed"]
+            assert "engine parameter model.layers.0.self_attn.qkv_proj.weight" in m["skipped"]
+            assert "model.layers.1." in m["stale_layer"]
+            assert "engine layer lm_head was not processed after this sync's load" in m["tied_head_unprocessed"]
+        else:
+            assert "engine parameter model.layers.1.mlp.down_proj.weight" in m["perturbed"]
+            assert "no engine parameter holds the trainer's model.layers.0.self_attn.k_proj.weight" in m["skipped"]
+            assert "no engine parameter holds the trainer's model.layers.1." in m["stale_layer"]
+            assert "engine layer lm_head was not processed after this sync's load" in m["tied_head_unprocessed"]
 
 
-def test_checksum_sees_one_ulp_dtype_and_shape():
-    t = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
-    u = t.clone()
-    u[2, 3] = torch.nextafter(u[2, 3], torch.tensor(float("inf")))
-    assert tensor_checksum(t) == tensor_checksum(t.clone())
-    assert tensor_checksum(t) != tensor_checksum(u)
-    assert tensor_checksum(t) != tensor_checksum(t.reshape(5, 4))
-    assert tensor_checksum(t.bfloat16()) != tensor_checksum(t.bfloat16().view(torch.float16))
-    assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
+def test_engine_placement_of_fused_parameters():
+    shapes = {"m.l.q_proj.weight": (4, 2), "m.l.k_proj.weight": (2, 2), "m.l.v_proj.weight": (2, 2),
+              "m.l.q_proj.bias": (4,), "m.l.k_proj.bias": (2,), "m.l.v_proj.bias": (2,), "m.norm.weight": (2,)}
+    placement = engine_placement(shapes, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    assert placement == {"m.l.q_proj.weight": ("m.l.qkv_proj.weight", 0), "m.l.k_proj.weight": ("m.l.qkv_proj.weight", 8),
+                         "m.l.v_proj.weight": ("m.l.qkv_proj.weight", 12), "m.l.q_proj.bias": ("m.l.qkv_proj.bias", 0),
+                         "m.l.k_proj.bias": ("m.l.qkv_proj.bias", 4), "m.l.v_proj.bias": ("m.l.qkv_proj.bias", 6),
+                         "m.norm.weight": ("m.norm.weight", 0)}
+    with pytest.raises(ValueError, match=r"m.l.v_proj.weight without \['m.l.k_proj.weight'\]"):
+        engine_placement({"m.l.q_proj.weight": (4, 2), "m.l.v_proj.weight": (2, 2)},
+                         {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
 
 
-def test_compare_checksums_reports_every_kind_of_difference():
-    a, b = torch.zeros(3), torch.ones(3)
-    sent = {"x": tensor_checksum(a), "y": tensor_checksum(a), "z": tensor_checksum(a)}
-    received = {"x": tensor_checksum(a), "y": tensor_checksum(b), "extra": tensor_checksum(a)}
-    problems = compare_checksums(sent, received)
-    assert problems[0] == "tensor z was sent but never reached the engine"
-    assert problems[1] == "tensor extra reached the engine but was not sent by the trainer"
-    assert problems[2].startswith("tensor y differs: trainer torch.float32 [3] crc32=")
-    assert len(problems) == 3 and compare_checksums(sent, dict(sent)) == []
+def test_compare_fingerprints_reports_every_kind_of_difference():
+    expected = {"x": (1, 2), "y": (3, 4), "z": (5, 6), "emb": (7, 8)}
+    report = {"parameters": {"x": [1, 2], "y": [3, 5], "extra": [0, 0], "emb": [7, 8]},
+              "processed": {"x": [9, 9], "head": [7, 8]}, "aliases": {"head": "emb"},
+              "problems": ["engine layer h was not processed after this sync's load"]}
+    problems = compare_fingerprints(expected, report)
+    assert problems[0] == report["problems"][0]
+    assert problems[1] == "engine parameter y (as the engine holds it) differs from the trainer's: fingerprint " \
+                          "00000003/00000005, trainer 00000003/00000004"
+    assert problems[2] == "engine parameter extra (as the engine holds it) matches no tensor the trainer sent"
+    assert problems[3].startswith("engine parameter x (as processed for its kernels) differs")
+    assert problems[4] == "no engine parameter holds the trainer's z"
+    assert len(problems) == 5  # the tied head ("head", an alias of "emb") matches
+    clean = {"parameters": {k: list(v) for k, v in expected.items()}, "processed": {}, "aliases": {}, "problems": []}
+    assert compare_fingerprints(expected, clean) == []
 
 
 def test_config_errors_name_the_field():

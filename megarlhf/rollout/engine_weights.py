@@ -1,0 +1,121 @@
+"""The engine side of the verified weight sync: fingerprints of the parameters a vLLM model computes with.
+
+After a reload, :func:`parameter_report` fingerprints (:mod:`megarlhf.rollout.fingerprint`) every
+parameter of the engine's model as its kernels read it, in the engine's own layout (vLLM fuses
+``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; :func:`fused_parameters`
+tells the trainer how, so it can predict those fingerprints from the HF tensors it sends).
+
+A layer whose weights vLLM turns into a kernel-specific form after loading (on CPU linear weights are
+packed for oneDNN and the parameter is emptied) is fingerprinted as its quant method receives it for
+that processing (:class:`ProcessingCapture`): the last point the values exist as a tensor. A layer with
+such processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that
+never arrived) is reported as a problem: its kernels may still use the previous weights.
+
+The report is plain data (lists and dicts of ints), read to the host in one transfer, so it crosses
+vLLM's process boundary (disaggregated placement) as it is.
+"""
+from __future__ import annotations
+
+import torch
+
+from megarlhf.rollout.fingerprint import fingerprint, to_host
+
+
+def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules whose weight is another module's parameter (a tied LM head), with a quant method.
+
+    vLLM's in-place reload skips them (no checkpoint tensor is addressed to them), so derived state built
+    after loading (on CPU: the oneDNN-packed copy behind ``cpu_linear``) would stay stale: a tied head
+    would keep computing logits with the old embedding. They are re-processed after every reload.
+    """
+    seen, tied = set(), []
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if any(id(p) in seen for p in params) and hasattr(module, "quant_method"):
+            tied.append(module)
+        seen.update(id(p) for p in params)
+    return tied
+
+
+def reprocess_tied(modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        module.quant_method.process_weights_after_loading(module)
+
+
+def fused_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
+    """vLLM's fused modules and their HF parts in order, e.g. ``{"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"]}`` (the model class's ``packed_modules_mapping``; empty where nothing is fused)."""
+    return {fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
+
+
+def _processed_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules with a quant method and parameters of their own (what vLLM processes after loading)."""
+    return {name: m for name, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None and any(True for _ in m.parameters(recurse=False))}
+
+
+class ProcessingCapture:
+    """While active, fingerprints each layer's own parameters as its quant method's
+    ``process_weights_after_loading`` receives them (module docstring); restores the methods on exit."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = _processed_modules(model)
+        self.names = {id(m): name for name, m in self.modules.items()}
+        self.fingerprints: dict[str, torch.Tensor] = {}
+        self.processed: set[str] = set()
+        self._wrapped: list[object] = []
+
+    def __enter__(self) -> "ProcessingCapture":
+        for module in self.modules.values():
+            method = module.quant_method
+            if any(method is w for w in self._wrapped):  # one quant method may serve several layers
+                continue
+            original = method.process_weights_after_loading
+
+            def process(layer, _original=original):
+                name = self.names.get(id(layer))
+                if name is not None:
+                    self.processed.add(name)
+                    for pname, param in layer.named_parameters(recurse=False):
+                        self.fingerprints[f"{name}.{pname}"] = fingerprint(param)
+                return _original(layer)
+
+            method.process_weights_after_loading = process  # an instance attribute shadows the method
+            self._wrapped.append(method)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for method in self._wrapped:
+            del method.process_weights_after_loading
+        self._wrapped.clear()
+
+
+def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) -> dict:
+    """``{"parameters": {name: [a, b]}, "processed": {name: [a, b]}, "aliases": {name: canonical},
+    "problems": [...]}`` of the model after a reload (module docstring)."""
+    parameters, aliases, owner = {}, {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in owner:
+            aliases[name] = owner[id(param)]
+            continue
+        owner[id(param)] = name
+        if param.numel() > 0:  # an emptied parameter was packed: see the capture
+            parameters[name] = fingerprint(param)
+    processed = capture.fingerprints if capture is not None else {}
+    problems = unprocessed_problems(capture) if capture is not None else []
+    host = to_host({**{f"p:{n}": v for n, v in parameters.items()}, **{f"k:{n}": v for n, v in processed.items()}})
+    return {"parameters": {n[2:]: list(v) for n, v in host.items() if n.startswith("p:")},
+            "processed": {n[2:]: list(v) for n, v in host.items() if n.startswith("k:")},
+            "aliases": aliases, "problems": problems}
+
+
+def unprocessed_problems(capture: ProcessingCapture) -> list[str]:
+    return [f"engine layer {name} was not processed after this sync's load (its kernels may still use the "
+            f"previous weights)" for name in capture.modules if name not in capture.processed]
+
+
+def arrival_report(arrived: dict[str, torch.Tensor], capture: ProcessingCapture) -> dict:
+    """The report of an engine that holds shards (TP > 1): the fingerprints of the full HF tensors its
+    loader received, and its layers that were not processed after loading."""
+    return {"parameters": {n: list(v) for n, v in to_host(arrived).items()}, "processed": {}, "aliases": {},
+            "problems": unprocessed_problems(capture)}

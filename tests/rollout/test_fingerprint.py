@@ -1,0 +1,83 @@
+"""Weight fingerprints: equal to a plain-Python statement of the definition, exact under chunking, additive
+over the parts of a fused parameter at any offset, and changed by one ulp of one element in every dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarlhf.rollout import fingerprint as fp_module
+from megarlhf.rollout.fingerprint import PRIME, combine, fingerprint, to_host
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn]
+
+
+def _random(shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _naive(tensor: torch.Tensor, offset: int = 0) -> tuple[int, int]:
+    """The module docstring's definition, lane by lane in Python integers."""
+    size = tensor.element_size()
+    lane_bytes = min(size, 4)
+    raw = tensor.contiguous().view(-1).view(torch.uint8).tolist()
+    lanes = [int.from_bytes(bytes(raw[i:i + lane_bytes]), "little", signed=True) for i in range(0, len(raw), lane_bytes)]
+    start = offset * max(1, size // 4)
+    bits, rows = 8 * lane_bytes, {}
+    for k, x in enumerate(lanes):
+        row, column = divmod(start + k, fp_module.ROW)
+        product = (x * fp_module._COLUMN_WEIGHTS[column]) % 2**bits  # wraps in the lane's width, signed
+        product -= 2**bits if product >= 2**(bits - 1) else 0
+        rows[row] = rows.get(row, 0) + product
+    return tuple(sum((s % PRIME) * ((r + 1) * m % PRIME) for r, s in rows.items()) % PRIME
+                 for m in fp_module._ROW_MULTIPLIERS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_definition(dtype):
+    t = _random((5, 29), dtype)
+    assert tuple(fingerprint(t).tolist()) == _naive(t)
+    assert tuple(fingerprint(t, offset=77).tolist()) == _naive(t, offset=77)
+
+
+def test_chunks_do_not_change_it(monkeypatch):
+    t = _random((300, 7), torch.float32)
+    whole = fingerprint(t, offset=3)
+    monkeypatch.setattr(fp_module, "CHUNK_LANES", 128)
+    assert torch.equal(fingerprint(t, offset=3), whole)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_parameter_is_the_sum_of_its_parts(dtype):
+    q, k, v = _random((13, 7), dtype, 1), _random((5, 7), dtype, 2), _random((5, 7), dtype, 3)
+    parts = [fingerprint(q), fingerprint(k, offset=q.numel()), fingerprint(v, offset=q.numel() + k.numel())]
+    assert torch.equal(combine(parts), fingerprint(torch.cat([q, k, v])))
+    padded = torch.cat([q, torch.zeros(3, 7, dtype=dtype)])  # vLLM's zero vocabulary padding
+    assert torch.equal(fingerprint(padded), fingerprint(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_ulp_and_moved_values_change_it(dtype):
+    t = _random((40, 33), dtype)
+    for index in (0, 63, 64, 700, t.numel() - 1):
+        u = t.clone()
+        u.view(-1)[index] = torch.nextafter(u.view(-1)[index].float(), torch.tensor(float("inf"))).to(dtype) \
+            if dtype in (torch.float32, torch.float64) else _next_up(u.view(-1)[index])
+        assert not torch.equal(fingerprint(u), fingerprint(t)), (dtype, index)
+    swapped = t.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert not torch.equal(fingerprint(swapped), fingerprint(t))
+    assert not torch.equal(fingerprint(t, offset=1), fingerprint(t))  # the place matters
+    assert torch.equal(fingerprint(t.t().contiguous().t()), fingerprint(t))  # values, not strides
+
+
+def _next_up(value: torch.Tensor) -> torch.Tensor:
+    """One ulp up for a narrow float type, through its bits."""
+    ints = {1: torch.uint8, 2: torch.int16}[value.element_size()]
+    bits = value.view(ints).clone()
+    return (bits + 1).view(value.dtype)
+
+
+def test_to_host_reads_everything_at_once():
+    fingerprints = {"a": fingerprint(torch.ones(3)), "b": fingerprint(torch.zeros(3))}
+    host = to_host(fingerprints)
+    assert host == {"a": tuple(fingerprints["a"].tolist()), "b": (0, 0)} and to_host({}) == {}
