@@ -94,10 +94,12 @@ def main() -> None:
         sync = WeightSync(engine, actor, unprobed)
         probe = WeightSync(engine, actor, config)
         probe.calibrate()
-        streamed, unverified, naive, metrics = [], [], [], {}
+        streamed, unverified, naive, fingerprints, metrics = [], [], [], [], {}
         for _ in range(args.repeats):
             metrics = sync.sync()
             streamed.append(metrics["time/weight_sync_s"])
+            fingerprints.append(metrics["time/weight_sync_fingerprint_trainer_s"]
+                                + metrics["time/weight_sync_fingerprint_engine_s"])
             unverified.append(unverified_sync(model, provider, engine))
             naive.append(naive_sync(model, provider, engine, Path(tmp) / "naive"))
         probed = probe.sync()
@@ -111,8 +113,11 @@ def main() -> None:
           f"runs {[round(x, 2) for x in naive]}")
     print(f"unverified (same tensors into reload_weights, nothing checked): {u:.2f} s  {size / u / 2**20:.0f} MiB/s"
           f"   runs {[round(x, 2) for x in unverified]}")
+    f = statistics.median(fingerprints)
     print(f"ratio naive / verified: {n / s:.2f}x   unverified / verified: {u / s:.2f}x   "
           f"verification's share of the verified sync: {max(0.0, 1 - u / s):.0%}")
+    print(f"fingerprints (trainer + engine, {2 * size / 2**30:.2f} GiB hashed): {f:.2f} s, {f / s:.0%} of the "
+          f"verified sync   runs {[round(x, 2) for x in fingerprints]}")
     print(f"probe forward (2 x 32 tokens, trainer + engine): {probed['time/weight_sync_probe_s']:.2f} s, "
           f"max |diff| {probed['weight_sync/probe_max_abs_diff']:.2e}")
 

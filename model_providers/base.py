@@ -41,13 +41,16 @@ def rope_parameters(hf_config) -> dict:
 
 
 def uses_transformer_engine() -> bool:
-    """Whether models are built with Transformer Engine's layer spec (a GPU with a working TE)."""
+    """Whether models are built with Transformer Engine's layer spec (a GPU with TE installed). An
+    installed TE that does not import is an error, not a silent fallback to other kernels."""
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE installed without a working CUDA build: fall back to local modules
-        return False
+    except Exception as err:
+        raise RuntimeError(f"Transformer Engine is installed but 'import transformer_engine.pytorch' failed "
+                           f"({type(err).__name__}: {err}); repair the install (a TE build for this torch and "
+                           f"CUDA) or uninstall transformer_engine to use Megatron's local modules") from err
     return True
 
 

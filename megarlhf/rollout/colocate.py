@@ -24,6 +24,11 @@ trip is bit-exact by construction. Module buffers (rotary tables, ...) stay resi
 and not training state. Megatron's own ``offload_grad_buffers`` / ``offload_to_cpu`` are not used:
 they assume CUDA and cover only part of this state.
 
+Storages that already live in host memory stay where they are (``OffloadedModel.skip_host_storages``,
+on by default): the offload target is host memory, so on a CPU machine an offload would copy the
+trainer state from host memory to host memory and free nothing. The state machine runs all the same
+(and its copy path is tested on CPU with ``skip_host_storages=False``).
+
 The actor is offloaded in two calls: first everything except the storages that back its parameters
 (a storage shared by a parameter and other state, e.g. the distributed optimizer's fp32 shard of an
 fp32 param buffer, belongs to the parameter phase), then, after the sync, the parameter storages.
@@ -140,12 +145,13 @@ class OffloadedModel:
     phases: list[_Phase] = field(default_factory=list)
     params_offloaded: bool = False
     rest_offloaded: bool = False
+    skip_host_storages: bool = True  # storages in host memory already are where offload puts them
 
     @classmethod
-    def of(cls, train_model) -> "OffloadedModel":
+    def of(cls, train_model, skip_host_storages: bool = True) -> "OffloadedModel":
         """From a :class:`megarlhf.training.TrainModel` (its DDP model and Megatron optimizer, if any)."""
         optimizers = [] if train_model.optimizer is None else [train_model.optimizer]
-        return cls(train_model.role, train_model.model, optimizers)
+        return cls(train_model.role, train_model.model, optimizers, skip_host_storages=skip_host_storages)
 
     def storages(self, *, params: bool = True, rest: bool = True) -> dict[tuple[str, int], torch.UntypedStorage]:
         """The resident storages an offload with these flags would free. A storage shared by a parameter
@@ -154,6 +160,8 @@ class OffloadedModel:
         chosen = dict(param_storages) if params else {}
         if rest:
             chosen.update(unique_storages(_rest_tensors(self.module, self.optimizers), exclude=param_storages))
+        if self.skip_host_storages:
+            chosen = {key: s for key, s in chosen.items() if s.device.type != "cpu"}
         return chosen
 
     def offload(self, *, params: bool = True, rest: bool = True) -> int:

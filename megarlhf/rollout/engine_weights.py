@@ -5,16 +5,19 @@ parameter of the engine's model as its kernels read it, in the engine's own layo
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; :func:`fused_parameters`
 tells the trainer how, so it can predict those fingerprints from the HF tensors it sends).
 
-A layer whose weights vLLM turns into a kernel-specific form after loading (on CPU linear weights are
-packed for oneDNN and the parameter is emptied) is fingerprinted as its quant method receives it for
-that processing (:class:`ProcessingCapture`): the last point the values exist as a tensor. A layer with
-such processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that
-never arrived) is reported as a problem: its kernels may still use the previous weights.
+A parameter that vLLM turns into a kernel-specific form after loading (on CPU linear weights are packed
+for oneDNN and the parameter is left empty) is fingerprinted as its layer's quant method receives it
+for that processing (:class:`ProcessingCapture`): the last point its values exist as a tensor. Every
+other parameter is fingerprinted once, after the reload, where the kernels read it. A layer with such
+processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that never
+arrived) is reported as a problem: its kernels may still use the previous weights.
 
 The report is plain data (lists and dicts of ints), read to the host in one transfer, so it crosses
 vLLM's process boundary (disaggregated placement) as it is.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -55,12 +58,17 @@ def _processed_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 class ProcessingCapture:
-    """While active, fingerprints each layer's own parameters as its quant method's
-    ``process_weights_after_loading`` receives them (module docstring); restores the methods on exit."""
+    """While active, records which layers vLLM processes after loading and fingerprints the parameters
+    that processing leaves empty (packed away) as the quant method's ``process_weights_after_loading``
+    receives them (module docstring); restores the methods on exit. Create it before the reload starts:
+    the parameters that are empty then are the packed ones."""
 
     def __init__(self, model: torch.nn.Module):
+        self.seconds = 0.0  # spent fingerprinting (host time: on a GPU, the kernels' launch)
         self.modules = _processed_modules(model)
         self.names = {id(m): name for name, m in self.modules.items()}
+        self.packed = {f"{name}.{pname}" for name, m in self.modules.items()
+                       for pname, p in m.named_parameters(recurse=False) if p.numel() == 0}
         self.fingerprints: dict[str, torch.Tensor] = {}
         self.processed: set[str] = set()
         self._wrapped: list[object] = []
@@ -76,8 +84,11 @@ class ProcessingCapture:
                 name = self.names.get(id(layer))
                 if name is not None:
                     self.processed.add(name)
+                    start = time.perf_counter()
                     for pname, param in layer.named_parameters(recurse=False):
-                        self.fingerprints[f"{name}.{pname}"] = fingerprint(param)
+                        if f"{name}.{pname}" in self.packed:
+                            self.fingerprints[f"{name}.{pname}"] = fingerprint(param)
+                    self.seconds += time.perf_counter() - start
                 return _original(layer)
 
             method.process_weights_after_loading = process  # an instance attribute shadows the method
@@ -92,7 +103,8 @@ class ProcessingCapture:
 
 def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) -> dict:
     """``{"parameters": {name: [a, b]}, "processed": {name: [a, b]}, "aliases": {name: canonical},
-    "problems": [...]}`` of the model after a reload (module docstring)."""
+    "problems": [...], "seconds": fingerprinting time}`` of the model after a reload (module docstring)."""
+    start = time.perf_counter()
     parameters, aliases, owner = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in owner:
@@ -106,7 +118,8 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) 
     host = to_host({**{f"p:{n}": v for n, v in parameters.items()}, **{f"k:{n}": v for n, v in processed.items()}})
     return {"parameters": {n[2:]: list(v) for n, v in host.items() if n.startswith("p:")},
             "processed": {n[2:]: list(v) for n, v in host.items() if n.startswith("k:")},
-            "aliases": aliases, "problems": problems}
+            "aliases": aliases, "problems": problems,
+            "seconds": time.perf_counter() - start + (capture.seconds if capture is not None else 0.0)}
 
 
 def unprocessed_problems(capture: ProcessingCapture) -> list[str]:
@@ -118,4 +131,4 @@ def arrival_report(arrived: dict[str, torch.Tensor], capture: ProcessingCapture)
     """The report of an engine that holds shards (TP > 1): the fingerprints of the full HF tensors its
     loader received, and its layers that were not processed after loading."""
     return {"parameters": {n: list(v) for n, v in to_host(arrived).items()}, "processed": {}, "aliases": {},
-            "problems": unprocessed_problems(capture)}
+            "problems": unprocessed_problems(capture), "seconds": capture.seconds}

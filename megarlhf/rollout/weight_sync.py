@@ -80,14 +80,20 @@ class ExpectedFingerprints:
     def __init__(self, placement: dict[str, tuple[str, int]], dtype: torch.dtype):
         self.placement, self.dtype = placement, dtype
         self.parts: dict[str, list[torch.Tensor]] = {}
+        self.seconds = 0.0  # host time spent here (on a GPU the kernels' launch; the read waits for them)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
         engine_name, offset = self.placement.get(name, (name, 0))
         self.parts.setdefault(engine_name, []).append(fingerprint(tensor.to(self.dtype), offset))
+        self.seconds += time.perf_counter() - start
 
     def result(self) -> dict[str, tuple[int, int]]:
         """Every engine parameter's expected fingerprint, on the host (one transfer)."""
-        return to_host({name: combine(parts) for name, parts in self.parts.items()})
+        start = time.perf_counter()
+        host = to_host({name: combine(parts) for name, parts in self.parts.items()})
+        self.seconds += time.perf_counter() - start
+        return host
 
 
 def _hex(value) -> str:
@@ -258,6 +264,8 @@ class WeightSync:
         problems = compare_fingerprints(expected.result(), report) + layout_problems(sent, self.expected)
         self._agree(problems, "fingerprints of the engine's parameters")
         metrics = sync_metrics(stats, len(sent), seconds)
+        metrics.update({"time/weight_sync_fingerprint_trainer_s": expected.seconds,
+                        "time/weight_sync_fingerprint_engine_s": report["seconds"]})
         if self.sync_config.probe_sequences:
             start = time.perf_counter()
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)

@@ -101,3 +101,20 @@ def test_hf_tensor_shapes_follow_transformers():
     assert shapes["lm_head.weight"] == (384, 64)
     value = get_provider(tiny_config("qwen3")).hf_tensor_shapes("value")
     assert value["score.weight"] == (1, 64) and "lm_head.weight" not in value
+
+
+def test_a_broken_transformer_engine_install_is_an_error_naming_the_import(monkeypatch):
+    """With CUDA and TE installed, a TE that fails to import used to fall back to the local spec silently."""
+    import importlib.machinery
+    import sys
+
+    from model_providers import base
+
+    monkeypatch.setattr(base.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(base.importlib.util, "find_spec",
+                        lambda name: importlib.machinery.ModuleSpec(name, None) if name == "transformer_engine" else None)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # the import fails (ModuleNotFoundError)
+    with pytest.raises(RuntimeError, match=r"'import transformer_engine.pytorch' failed \(ModuleNotFoundError"):
+        base.uses_transformer_engine()
+    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None)
+    assert base.uses_transformer_engine() is False  # not installed: Megatron's local modules

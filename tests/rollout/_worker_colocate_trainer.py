@@ -138,7 +138,8 @@ def run_case(model_dir: str, dist_opt: bool, dtype: str, runtime) -> dict:
                           "grads": [v for k, v in state.items() if "grad" in k],
                           "opt_state": [v for k, v in state.items() if k.startswith("opt") and k.count(".") == 3],
                           "reference": ref_params})
-    sched = ColocateScheduler(RecordingEngine(), sync, OffloadedModel.of(actor), [OffloadedModel.of(reference)])
+    sched = ColocateScheduler(RecordingEngine(), sync, OffloadedModel.of(actor, skip_host_storages=False),
+                              [OffloadedModel.of(reference, skip_host_storages=False)])
     enter = sched.enter_rollout()
     freed = all(t.untyped_storage().nbytes() == 0 for t in [*state.values(), *ref_params])
     exit_ = sched.exit_rollout()

@@ -7,7 +7,7 @@ out-of-process vLLM engine each and serve. The trainers record
   token log-probs vs trainer teacher forcing (the training forward), before and after training;
 * seeded sampling asked twice;
 * the message of a third sync whose bucket is perturbed by one ulp on the engine side (after the
-  trainer's checksum, before vLLM's loader), which must stop trainers and engines alike.
+  trainer's fingerprint, before vLLM's loader), which must stop trainers and engines alike.
 Engine ranks record what Megatron set up on them and the error their ``serve`` loop stopped with.
 """
 from __future__ import annotations

@@ -239,8 +239,8 @@ def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_li
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train_with(model, provider, opt, steps=1)  # creates grads and optimizer state
     before, ref_before = snapshot(model, opt), [p.detach().clone() for p in reference.parameters()]
-    sched = ColocateScheduler(engine, sync, OffloadedModel("actor", model, [opt]),
-                              [OffloadedModel("reference", reference)])
+    sched = ColocateScheduler(engine, sync, OffloadedModel("actor", model, [opt], skip_host_storages=False),
+                              [OffloadedModel("reference", reference, skip_host_storages=False)])
     result = {"enter": sched.enter_rollout(), "state_in_rollout": sched.state.value}
     # Offload frees storages in place (tensors keep their shapes so that views stay valid).
     result["actor_params_freed"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())

@@ -18,6 +18,11 @@ TRAINER_WORKER = Path(__file__).with_name("_worker_colocate_trainer.py")
 CASES = ["dist-float32", "dist-bfloat16", "plain-float32", "plain-bfloat16"]
 
 
+def moving(name, module, optimizers=()) -> OffloadedModel:
+    """An OffloadedModel that moves host storages too: the copy path, tested on CPU."""
+    return OffloadedModel(name, module, list(optimizers), skip_host_storages=False)
+
+
 def freed(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() == 0
 
@@ -90,8 +95,8 @@ def test_round_trip_is_bit_exact_and_order_is_explicit():
     tensors = live(actor, opt) + live(critic, critic_opt)
     shapes = [t.shape for t in tensors]
     n_params = sum(p.numel() for p in actor.parameters()) + sum(p.numel() for p in critic.parameters())
-    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor), OffloadedModel("actor", actor, [opt]),
-                              [OffloadedModel("critic", critic, [critic_opt])])
+    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor), moving("actor", actor, [opt]),
+                              [moving("critic", critic, [critic_opt])])
     metrics = sched.enter_rollout()
     # the sync saw the actor's params resident and its grads already offloaded; then the params went too
     assert log == [("wake", ("weights",)), ("sync", True, True), ("wake", ("kv_cache",))]
@@ -123,7 +128,7 @@ def test_views_share_one_storage_and_stay_views():
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     opt.step()
     before = [t.clone() for t in (flat, grad_flat, opt.state[module.a]["momentum_buffer"])]
-    model = OffloadedModel("m", module, [opt])
+    model = moving("m", module, [opt])
     assert model.offload(params=False) == 12 * 4 + 8 * 4 + 4 * 4  # grad buffer + two momentum buffers
     assert not freed(flat) and freed(grad_flat) and freed(module.b.grad)
     assert model.offload(params=True, rest=False) == 12 * 4  # one storage behind both params
@@ -140,7 +145,7 @@ def test_failed_sync_leaves_the_trainer_whole():
     actor, opt = trained(0)
     before = state_of(actor, opt)
     sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor, fail=True),
-                              OffloadedModel("actor", actor, [opt]))
+                              moving("actor", actor, [opt]))
     with pytest.raises(RuntimeError, match="sync failed"):
         sched.enter_rollout()
     assert sched.state is Residency.TRAINER_RESIDENT and log[-1] == ("sleep",)
@@ -149,7 +154,7 @@ def test_failed_sync_leaves_the_trainer_whole():
 
 def test_offload_twice_non_optimizer_and_fixed_storage_are_refused():
     actor, opt = trained(0)
-    model = OffloadedModel("actor", actor, [opt])
+    model = moving("actor", actor, [opt])
     model.offload(params=False)
     with pytest.raises(ColocateStateError, match="state of actor are already offloaded"):
         model.offload(params=False)
@@ -158,12 +163,30 @@ def test_offload_twice_non_optimizer_and_fixed_storage_are_refused():
         model.offload()
     model.onload()
     with pytest.raises(TypeError, match="not a torch optimizer"):
-        OffloadedModel("x", actor, [object()]).offload(params=False)
+        moving("x", actor, [object()]).offload(params=False)
     borrowed = torch.nn.Linear(2, 2)
     borrowed.weight.data = torch.from_numpy(np.ones((2, 2), dtype=np.float32))
     with pytest.raises(ValueError, match="storage.*of borrowed cannot be resized"):
-        OffloadedModel("borrowed", borrowed).offload()
+        moving("borrowed", borrowed).offload()
     assert not freed(borrowed.bias)  # refused before anything was freed
+
+
+def test_host_resident_state_is_left_in_place():
+    """By default offload skips storages already in host memory (on CPU it would copy host to host and
+    free nothing); the state machine and its checks run all the same."""
+    log = []
+    actor, opt = trained(0)
+    before = state_of(actor, opt)
+    sched = ColocateScheduler(RecordingEngine(log), RecordingSync(log, actor), OffloadedModel("actor", actor, [opt]))
+    metrics = sched.enter_rollout()
+    assert metrics["colocate/offload_bytes"] == 0 and not any(freed(t) for t in live(actor, opt))
+    assert log == [("wake", ("weights",)), ("sync", True, False), ("wake", ("kv_cache",))]
+    with pytest.raises(ColocateStateError, match="cannot enter_rollout while engine_resident"):
+        sched.enter_rollout()
+    with pytest.raises(ColocateStateError, match="params of actor are already offloaded"):
+        sched.actor.offload()
+    assert sched.exit_rollout()["colocate/onload_bytes"] == 0
+    assert_same(before, state_of(actor, opt))
 
 
 @pytest.fixture(scope="module")

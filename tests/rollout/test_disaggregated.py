@@ -1,6 +1,6 @@
 """Disaggregated rollouts: trainer ranks (Megatron) and engine ranks (vLLM) apart, weights synced over the
 process group. References: the trainer's own greedy decoding and teacher-forced log-probs of the engines'
-samples, before and after 3 AdamW steps + a re-sync; exact arrival of the trainer's bytes (checksums);
+samples, before and after 3 AdamW steps + a re-sync; bitwise-equal engine parameters (fingerprints);
 a corrupted sync stops trainer and engine ranks with the tensor's name."""
 from __future__ import annotations
 
