@@ -70,18 +70,21 @@ def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: R
 
 
 def _nonfinite(model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(parameters, gradients): names (this rank's stage) holding a non-finite element."""
-    params, grads = [], []
+    """(parameters, gradients): names (this rank's stage) holding a non-finite element. The checks run on
+    the device and are read in one transfer: one host synchronisation per step, not two per parameter."""
+    names, finite = [], []
     for name, param in model.named_parameters():
-        name = name.removeprefix("module.")
-        if not bool(torch.isfinite(param).all()):
-            params.append(name)
         grad = getattr(param, "main_grad", None)
         if grad is None:
             grad = param.grad
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            grads.append(name)
-    return params, grads
+        names.append(name.removeprefix("module."))
+        finite += [torch.isfinite(param).all(),
+                   torch.isfinite(grad).all() if grad is not None else torch.ones((), dtype=torch.bool,
+                                                                                  device=param.device)]
+    if not names:
+        return [], []
+    flags = torch.stack(finite).view(-1, 2).tolist()  # host: the verdict is taken there
+    return ([n for n, (p, _) in zip(names, flags) if not p], [n for n, (_, g) in zip(names, flags) if not g])
 
 
 def _names(names: list[str]) -> str:

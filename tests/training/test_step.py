@@ -22,3 +22,27 @@ def test_abort_raises_naming_what_was_non_finite(single_run):
     param = r["abort_param_message"]
     assert param and "parameters hold non-finite values on rank 0: decoder.final_layernorm.weight" in param
     assert r["abort_unchanged"]
+
+
+def test_non_finite_check_reads_the_device_once(monkeypatch):
+    """Names of non-finite parameters and gradients, read in ONE host transfer for the whole model (it
+    used to synchronise twice per parameter; on a GPU each one stalls the queue)."""
+    import torch
+
+    from megarlhf.training.step import _nonfinite
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    model[1].bias.data[2] = float("inf")
+    model[3].weight.grad[0, 1] = float("nan")
+    model[4].weight.main_grad = torch.full_like(model[4].weight, float("-inf"))  # Megatron's, preferred
+    model[0].bias.grad = None
+    reads = []
+    for method in ("tolist", "item", "__bool__", "__float__", "__int__", "cpu"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda self, *a, _m=method, _o=original, **k: reads.append(_m) or _o(self, *a, **k))
+    params, grads = _nonfinite(model)
+    assert (params, grads) == (["1.bias"], ["3.weight", "4.weight"])
+    assert reads == ["tolist"]
