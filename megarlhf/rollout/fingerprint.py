@@ -39,8 +39,7 @@ _LANE_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def lanes_per_element(dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    return max(1, size // 4)
+    return max(1, dtype.itemsize // 4)
 
 
 def _lanes(tensor: torch.Tensor) -> torch.Tensor:

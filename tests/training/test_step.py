@@ -38,11 +38,21 @@ def test_non_finite_check_reads_the_device_once(monkeypatch):
     model[3].weight.grad[0, 1] = float("nan")
     model[4].weight.main_grad = torch.full_like(model[4].weight, float("-inf"))  # Megatron's, preferred
     model[0].bias.grad = None
-    reads = []
+    reads, depth = [], [0]
+
+    def counting(method, original):
+        def read(self, *args, **kwargs):  # outermost calls only: a torch function mode re-dispatches
+            if depth[0] == 0:
+                reads.append(method)
+            depth[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return read
+
     for method in ("tolist", "item", "__bool__", "__float__", "__int__", "cpu"):
-        original = getattr(torch.Tensor, method)
-        monkeypatch.setattr(torch.Tensor, method,
-                            lambda self, *a, _m=method, _o=original, **k: reads.append(_m) or _o(self, *a, **k))
+        monkeypatch.setattr(torch.Tensor, method, counting(method, getattr(torch.Tensor, method)))
     params, grads = _nonfinite(model)
     assert (params, grads) == (["1.bias"], ["3.weight", "4.weight"])
     assert reads == ["tolist"]
