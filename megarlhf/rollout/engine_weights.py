@@ -115,10 +115,12 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) 
             parameters[name] = fingerprint(param)
     processed = capture.fingerprints if capture is not None else {}
     problems = unprocessed_problems(capture) if capture is not None else []
-    host = to_host({**{f"p:{n}": v for n, v in parameters.items()}, **{f"k:{n}": v for n, v in processed.items()}})
-    return {"parameters": {n[2:]: list(v) for n, v in host.items() if n.startswith("p:")},
-            "processed": {n[2:]: list(v) for n, v in host.items() if n.startswith("k:")},
-            "aliases": aliases, "problems": problems,
+    host = to_host({**{("parameters", n): v for n, v in parameters.items()},
+                    **{("processed", n): v for n, v in processed.items()}})  # one transfer for both
+    report = {"parameters": {}, "processed": {}}
+    for (kind, name), value in host.items():
+        report[kind][name] = list(value)
+    return {**report, "aliases": aliases, "problems": problems,
             "seconds": time.perf_counter() - start + (capture.seconds if capture is not None else 0.0)}
 
 

@@ -15,7 +15,8 @@
    array each, and compared exactly: no tolerance, any dtype. A missing, extra, altered or stale
    parameter (a dropped bucket, post-load processing that did not run) stops the run with a
    :class:`WeightSyncError` naming it.
-4. A probe forward, the second line of defence: the engine's prompt log-probs of fixed random sequences vs the trainer's, through
+4. A probe forward, the second line of defence: the engine's prompt log-probs of fixed random
+   sequences vs the trainer's, through
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
    training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
