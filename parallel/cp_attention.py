@@ -368,9 +368,11 @@ class ContextParallelAttention(MegatronModule):
         cp_size = self.cp_group.size()
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            bounds = tuple(int(x) for x in cu.tolist())
+            bounds = getattr(packed_seq_params, "padded_bounds", None)  # host boundaries: no device read
+            if not bounds:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                bounds = tuple(int(x) for x in cu.tolist())
             prefix_of = getattr(packed_seq_params, "prefix_of", None) or None
             if bounds[-1] != query.size(0) * cp_size:
                 raise ValueError(f"packed batch: this rank holds {query.size(0)} tokens but cu_seqlens "

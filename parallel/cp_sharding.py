@@ -25,11 +25,13 @@ device of the plan or of their input.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 
@@ -39,7 +41,9 @@ class CPShardPlan:
 
     ``cu_seqlens`` are the real sequence boundaries in the unpadded packed row, ``cu_seqlens_padded``
     the boundaries after padding each sequence to a multiple of ``2 * cp_size``. ``local_index[i]``
-    is the index, in the padded packed row, of this rank's i-th local token.
+    is the index, in the padded packed row, of this rank's i-th local token. ``bounds`` and
+    ``padded_bounds`` are the same boundaries as host integers: sizes are read from them, never from the
+    device tensors (which would synchronise the device).
     """
 
     cp_size: int
@@ -47,14 +51,16 @@ class CPShardPlan:
     cu_seqlens: Tensor
     cu_seqlens_padded: Tensor
     local_index: Tensor
+    bounds: tuple[int, ...]
+    padded_bounds: tuple[int, ...]
 
     @property
     def total_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return self.bounds[-1]
 
     @property
     def padded_tokens(self) -> int:
-        return int(self.cu_seqlens_padded[-1])
+        return self.padded_bounds[-1]
 
     @property
     def local_tokens(self) -> int:
@@ -62,14 +68,14 @@ class CPShardPlan:
 
     @property
     def max_seqlen_padded(self) -> int:
-        return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max())
+        return max(hi - lo for lo, hi in zip(self.padded_bounds[:-1], self.padded_bounds[1:]))
 
     def padded_position_of_original(self) -> Tensor:
         """int64 [total_tokens]: where each original token sits in the padded packed row."""
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
         shift = (self.cu_seqlens_padded[:-1] - self.cu_seqlens[:-1]).long()
         return (torch.arange(self.total_tokens, device=self.cu_seqlens.device)
-                + torch.repeat_interleave(shift, lengths))
+                + torch.repeat_interleave(shift, lengths, output_size=self.total_tokens))
 
     def local_sequence_start(self) -> Tensor:
         """int64 [local_tokens]: padded-row index where each local token's sequence starts."""
@@ -88,23 +94,27 @@ class CPShardPlan:
 
     def for_rank(self, rank: int) -> "CPShardPlan":
         """The same split seen from another rank of the CP group (no communication)."""
-        index = rank_token_index(self.cu_seqlens_padded, self.cp_size, rank)
-        return CPShardPlan(self.cp_size, rank, self.cu_seqlens, self.cu_seqlens_padded, index)
+        index = _rank_token_index(self.padded_bounds, self.cp_size, rank, self.local_index.device)
+        return dataclasses.replace(self, cp_rank=rank, local_index=index)
 
     def to(self, device: torch.device) -> "CPShardPlan":
         """The same plan with its index tensors on ``device``."""
-        return CPShardPlan(self.cp_size, self.cp_rank, self.cu_seqlens.to(device),
-                           self.cu_seqlens_padded.to(device), self.local_index.to(device))
+        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device),
+                                   cu_seqlens_padded=self.cu_seqlens_padded.to(device),
+                                   local_index=self.local_index.to(device))
 
 
 def rank_token_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     """Padded-row indices of CP rank ``cp_rank``'s tokens: per sequence, head chunk then tail chunk
     (on the device of ``cu_seqlens_padded``)."""
-    device = cu_seqlens_padded.device
+    bounds = tuple(cu_seqlens_padded.long().tolist())  # host: the boundaries are a few integers
+    return _rank_token_index(bounds, cp_size, cp_rank, cu_seqlens_padded.device)
+
+
+def _rank_token_index(bounds: tuple[int, ...], cp_size: int, cp_rank: int, device) -> Tensor:
     if cp_size == 1:
-        return torch.arange(int(cu_seqlens_padded[-1]), device=device)
+        return torch.arange(bounds[-1], device=device)
     pieces = []
-    bounds = cu_seqlens_padded.long().tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         chunk = (end - start) // (2 * cp_size)
         head = start + cp_rank * chunk
@@ -114,38 +124,44 @@ def rank_token_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> T
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def make_shard_plan(cu_seqlens: Tensor | list[int], cp_size: int, cp_rank: int,
+def make_shard_plan(cu_seqlens: Tensor | Sequence[int], cp_size: int, cp_rank: int,
                     allow_padding: bool = True) -> CPShardPlan:
     """Plans this rank's share of a packed row with real boundaries ``cu_seqlens`` (``[0, ..., T]``).
 
     With ``allow_padding=False`` every sequence length must already be a multiple of ``2 * cp_size``
     (the case of Megatron's unpacked ``[batch, seq]`` input, which is never padded here). The plan is
-    made on the host (move it with :meth:`CPShardPlan.to`).
+    made on the host from the boundaries (give them as integers to avoid a device read; move the plan
+    with :meth:`CPShardPlan.to`).
     """
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu").flatten()
-    validate_cp_lengths(cu, cp_size, allow_padding=allow_padding)
+    if isinstance(cu_seqlens, Tensor):
+        cu_seqlens = cu_seqlens.flatten().tolist()  # host: a few integers
+    bounds = tuple(int(x) for x in cu_seqlens)
+    validate_cp_lengths(bounds, cp_size, allow_padding=allow_padding)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside the context-parallel group of size {cp_size}")
-    lengths = cu[1:] - cu[:-1]
     multiple = 2 * cp_size if cp_size > 1 else 1
-    padded = (lengths + multiple - 1) // multiple * multiple
-    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), torch.cumsum(padded, 0)])
-    index = rank_token_index(cu_padded, cp_size, cp_rank)
-    return CPShardPlan(cp_size, cp_rank, cu.to(torch.int32), cu_padded.to(torch.int32), index)
+    padded = [0]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        padded.append(padded[-1] + -(-(hi - lo) // multiple) * multiple)
+    index = _rank_token_index(tuple(padded), cp_size, cp_rank, torch.device("cpu"))
+    host = torch.device("cpu")  # the plan is made on the host and moved once (.to)
+    return CPShardPlan(cp_size, cp_rank, torch.tensor(bounds, dtype=torch.int32, device=host),
+                       torch.tensor(padded, dtype=torch.int32, device=host), index, bounds, tuple(padded))
 
 
-def validate_cp_lengths(cu_seqlens: Tensor, cp_size: int, allow_padding: bool = True) -> None:
+def validate_cp_lengths(cu_seqlens: Sequence[int], cp_size: int, allow_padding: bool = True) -> None:
     """Raises a ValueError that explains which sequence breaks which context-parallel constraint."""
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"context_parallel_size must be a positive integer, got {cp_size!r}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+    cu_seqlens = list(cu_seqlens)
+    if len(cu_seqlens) < 2 or cu_seqlens[0] != 0:
         raise ValueError(f"cu_seqlens must be a 1-D tensor [0, end_1, ..., end_n] with at least one "
-                         f"sequence, got {cu_seqlens.tolist()}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+                         f"sequence, got {cu_seqlens}")
+    lengths = [hi - lo for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     for i, length in enumerate(lengths):
         if length <= 0:
             raise ValueError(f"sequence {i} of the packed batch has length {length}: cu_seqlens must "
-                             f"be strictly increasing, got {cu_seqlens.tolist()}")
+                             f"be strictly increasing, got {cu_seqlens}")
         if cp_size > 1 and not allow_padding and length % (2 * cp_size):
             raise ValueError(
                 f"sequence {i} has length {length}, which is not divisible by 2 * "
@@ -189,7 +205,7 @@ def shard(plan: CPShardPlan, full: Tensor, pad_value: float | int = 0, seq_dim: 
     """This rank's tokens of ``full`` (original packed order along ``seq_dim``), padding filled in."""
     if full.size(seq_dim) != plan.total_tokens:
         raise ValueError(f"tensor has {full.size(seq_dim)} tokens along dim {seq_dim}, but the shard plan "
-                         f"was made for {plan.total_tokens} (cu_seqlens {plan.cu_seqlens.tolist()})")
+                         f"was made for {plan.total_tokens} (cu_seqlens {list(plan.bounds)})")
     moved = full.movedim(seq_dim, 0)
     padded = moved.new_full((plan.padded_tokens, *moved.shape[1:]), pad_value)
     padded[plan.padded_position_of_original()] = moved
@@ -214,18 +230,28 @@ def unshard(plan: CPShardPlan, local: Tensor, group: Optional[dist.ProcessGroup]
     return padded.index_select(0, plan.padded_position_of_original()).movedim(0, seq_dim)
 
 
-def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] = None):
+@dataclass
+class HostBoundsSeqParams(PackedSeqParams):
+    """Megatron's ``PackedSeqParams`` (``thd``) plus what the model would otherwise read back from the
+    device in every layer: ``padded_bounds`` (``cu_seqlens_q_padded`` as host integers, for attention) and,
+    at context parallel size 1, ``token_positions`` (each packed token's logical position, so the rotary
+    table is indexed once per micro-batch: :class:`parallel.shared_prefix.TokenPositionGPTModel`)."""
+
+    padded_bounds: tuple[int, ...] = ()
+    token_positions: Tensor | None = None
+
+
+def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] = None,
+                          token_positions: Tensor | None = None) -> HostBoundsSeqParams:
     """Megatron ``PackedSeqParams`` (``thd``) describing the whole packed row of ``plan``.
 
     ``max_seqlen_*`` is the longest padded sequence: Megatron sizes the rotary table with it, and a
     value equal to the padded row length would switch its rotary code to row-offset positions.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(
+    return HostBoundsSeqParams(
         qkv_format="thd",
         cu_seqlens_q=plan.cu_seqlens, cu_seqlens_kv=plan.cu_seqlens,
         cu_seqlens_q_padded=plan.cu_seqlens_padded, cu_seqlens_kv_padded=plan.cu_seqlens_padded,
         max_seqlen_q=plan.max_seqlen_padded, max_seqlen_kv=plan.max_seqlen_padded,
-        cp_group=group,
+        cp_group=group, padded_bounds=plan.padded_bounds, token_positions=token_positions,
     )

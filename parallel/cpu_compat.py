@@ -37,8 +37,9 @@ Patches (every one of them, and why):
    faster on 64 sequences; the demo's SFT step ~5% faster). :func:`_rope_thd_vectorised` gathers each token's frequencies by its position
    within its sequence and applies Megatron's own bshd formula once to the whole packed tensor (the
    same arithmetic, bitwise equal); a whole-row table (one row per token, Megatron's "packed freqs",
-   which shared-prefix rows use) is applied the same way without its per-sequence slicing loop. Calls
-   with context parallelism (CP > 1) go to Megatron's function unchanged.
+   which every packed row at CP = 1 uses: :class:`parallel.shared_prefix.TokenPositionGPTModel`) is
+   applied the same way without its per-sequence slicing loop and without reading ``cu_seqlens`` back.
+   Calls with context parallelism (CP > 1) go to Megatron's function unchanged.
 
 Not patched, because it cannot work here: context parallelism in Megatron's local attention (megarlhf
 has its own CP attention in :mod:`parallel.context_parallel`) and sequence parallelism.
@@ -165,14 +166,17 @@ def _rope_thd_vectorised(original):
 
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
               cp_group=None, multi_latent_attention=None):
-        total = int(cu_seqlens[-1].item())
-        if (cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None
-                or t.size(0) != total):
+        if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None:
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
                             multi_latent_attention=multi_latent_attention)
-        if freqs.size(0) == total:  # Megatron's "packed freqs": already one row per token
+        total = t.size(0)
+        if freqs.size(0) == total:  # Megatron's "packed freqs": already one row per token (no device read)
             per_token = freqs
+        elif int(cu_seqlens[-1].item()) != total:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
+                            multi_latent_attention=multi_latent_attention)
         else:
             starts = cu_seqlens[:-1].long()
             lengths = cu_seqlens[1:].long() - starts

@@ -6,7 +6,7 @@ no launcher at all) and a :class:`~parallel.config.ParallelConfig` into an initi
 group (gloo on CPU, nccl on GPU) and Megatron-Core's tensor/pipeline/context/data-parallel groups, and
 returns a :class:`Runtime`: this rank's device (``cuda:<local_rank>`` or ``cpu``), its groups, and one
 helper for the bookkeeping collectives (metric sums, token counts, verdicts). Without CUDA it first
-activates :mod:`parallel.cpu_compat`.
+activates :mod:`parallel.cpu_compat`; on any device it installs :mod:`parallel.megatron_fallbacks`.
 
 Bookkeeping collectives run on the runtime's device over the same groups as the training (nccl on GPU,
 gloo on CPU) rather than over a second set of gloo groups: the numbers they reduce mostly come out of
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel import cpu_compat
+from parallel import cpu_compat, megatron_fallbacks
 from parallel.config import ParallelConfig
 
 
@@ -92,6 +92,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
     launch = read_launch_env()
     if not torch.cuda.is_available():
         cpu_compat.activate()
+    megatron_fallbacks.install()  # any device: the fallback reads the host once per parameter
     if dist.is_initialized():
         return launch
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -174,10 +175,15 @@ class Runtime:
         """Reduces a few bookkeeping numbers (float64, on the runtime's device) over group ``over``;
         every rank of it gets the result. The one helper for metric / count / verdict collectives."""
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        return self.all_reduce_on_device(tensor, op, over).tolist()
+
+    def all_reduce_on_device(self, tensor: torch.Tensor, op: str = "sum", over: str = "dp") -> torch.Tensor:
+        """:meth:`all_reduce` of a tensor that stays on the device (in place; no host read), for numbers
+        accumulated on the device and read once later."""
         group = self.group(over)
         if group.size > 1:
             dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.group)
-        return tensor.tolist()
+        return tensor
 
     def any_rank(self, flag: bool, over: str = "trainers") -> bool:
         """True on every rank of ``over`` if ``flag`` is True on any of them."""

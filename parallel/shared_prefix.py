@@ -10,13 +10,16 @@ sequences.
 
 Two pieces make a Megatron ``GPTModel`` run such a row:
 
-* :class:`SharedPrefixSeqParams`, Megatron's ``PackedSeqParams`` (``thd``) plus ``prefix_of`` (for each
-  segment of ``cu_seqlens``, the index of the segment it also sees, or -1) and ``token_positions`` (each
-  packed token's logical position). The attention that honours ``prefix_of`` is
-  :func:`parallel.cp_attention.per_sequence_attention` (context parallel size 1);
-* :class:`TokenPositionGPTModel`, a ``GPTModel`` whose rotary table, for such params, is indexed by
-  ``token_positions``: one row per packed token, which Megatron's unfused ``thd`` RoPE applies as is
-  (its "packed freqs" case). Megatron's own GPTModel always numbers positions from each segment's start.
+* :class:`SharedPrefixSeqParams`, :class:`parallel.cp_sharding.HostBoundsSeqParams` (Megatron's
+  ``PackedSeqParams`` with host boundaries and ``token_positions``, each packed token's logical position)
+  plus ``prefix_of`` (for each segment of ``cu_seqlens``, the index of the segment it also sees, or -1).
+  The attention that honours ``prefix_of`` is :func:`parallel.cp_attention.per_sequence_attention`
+  (context parallel size 1);
+* :class:`TokenPositionGPTModel`, a ``GPTModel`` whose rotary table, for params with ``token_positions``,
+  is indexed by them: one row per packed token, which Megatron's unfused ``thd`` RoPE applies as is (its
+  "packed freqs" case). Megatron's own GPTModel always numbers positions from each segment's start. Plain
+  packed rows at CP = 1 carry their positions too, so the table is built once per micro-batch rather than
+  sliced per segment in every layer.
 
 Only megarlhf's local attention reads ``prefix_of``: Transformer Engine's attention would ignore it, and
 TE's fused RoPE would misread the per-token table, so both are refused here rather than computing
@@ -30,37 +33,39 @@ import torch
 from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.packed_seq_params import PackedSeqParams
+
+from parallel.cp_sharding import CPShardPlan, HostBoundsSeqParams
 
 NO_PREFIX = -1
 
 
 @dataclass
-class SharedPrefixSeqParams(PackedSeqParams):
+class SharedPrefixSeqParams(HostBoundsSeqParams):
     """``thd`` params of a packed row with shared-prefix segments (see the module docstring)."""
 
     prefix_of: tuple[int, ...] = ()
-    token_positions: Tensor | None = None
 
 
-def shared_prefix_seq_params(cu_seqlens: Tensor, prefix_of: tuple[int, ...], token_positions: Tensor,
-                             cp_group=None) -> SharedPrefixSeqParams:
-    """The params of one packed row (context parallel size 1): segment boundaries ``cu_seqlens`` (int32),
-    ``prefix_of`` per segment, and the logical position of every packed token."""
-    segments = cu_seqlens.numel() - 1
+def shared_prefix_seq_params(plan: CPShardPlan, prefix_of: tuple[int, ...], token_positions: Tensor,
+                             longest: int, cp_group=None) -> SharedPrefixSeqParams:
+    """The params of one packed row (context parallel size 1): the segments of ``plan``, ``prefix_of`` per
+    segment, the logical position of every packed token, and ``longest``, the rotary table's length (past
+    the largest logical position). Sizes come from the plan's host boundaries: nothing is read back."""
+    bounds = plan.bounds
+    segments = len(bounds) - 1
     if len(prefix_of) != segments:
         raise ValueError(f"shared_prefix_seq_params: {len(prefix_of)} prefix_of entries for {segments} segments")
     if any(p != NO_PREFIX and not 0 <= p < i for i, p in enumerate(prefix_of)):
         raise ValueError(f"shared_prefix_seq_params: a segment's prefix must be an earlier segment, got {prefix_of}")
-    if token_positions.numel() != int(cu_seqlens[-1]):
+    if token_positions.numel() != bounds[-1]:
         raise ValueError(f"shared_prefix_seq_params: {token_positions.numel()} positions for "
-                         f"{int(cu_seqlens[-1])} packed tokens")
-    longest = int(token_positions.max()) + 1  # the rotary table must reach the last logical position
+                         f"{bounds[-1]} packed tokens")
+    cu_seqlens = plan.cu_seqlens
     return SharedPrefixSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
         cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
-        max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=cp_group, prefix_of=tuple(prefix_of),
-        token_positions=token_positions.long())
+        max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=cp_group, padded_bounds=bounds,
+        prefix_of=tuple(prefix_of), token_positions=token_positions.long())
 
 
 def shared_prefix_supported() -> bool:
@@ -93,8 +98,12 @@ class TokenPositionGPTModel(GPTModel):
         rotary = out[1]
         if positions is None or rotary is None:
             return out
-        check_supported(self.config, packed_seq_params.cp_group.size() if packed_seq_params.cp_group else 1)
-        # [max_len, 1, 1, dim] table -> one row per packed token (Megatron's per-token "packed freqs")
+        if any(p != NO_PREFIX for p in getattr(packed_seq_params, "prefix_of", ())):
+            check_supported(self.config, packed_seq_params.cp_group.size() if packed_seq_params.cp_group else 1)
+        elif self.config.apply_rope_fusion:
+            return out  # plain packed rows: the fused thd RoPE reads cu_seqlens on the device itself
+        # [max_len, 1, 1, dim] table -> one row per packed token (Megatron's per-token "packed freqs"), once
+        # per micro-batch instead of per segment in every layer
         return (out[0], rotary.index_select(0, positions.to(rotary.device)), *out[2:])
 
 

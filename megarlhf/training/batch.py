@@ -38,6 +38,10 @@ class ExperienceBatch:
     advantages: Tensor | None = None  # [B, L]
     returns: Tensor | None = None  # [B, L] critic targets
     group_ids: Tensor | None = None  # [B] prompt ids (samples of one prompt share an id)
+    # ``lengths`` on the host. Given by the constructors that know them (from_sequences, select, replace):
+    # sizes are then read from here, and the value checks below, done when the batch was first built,
+    # are not repeated (each would read the device). Computed in one read when not given.
+    host_lengths: tuple[int, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         where = "ExperienceBatch"
@@ -48,15 +52,21 @@ class ExperienceBatch:
         self.lengths = torch.as_tensor(self.lengths, dtype=torch.long, device=self.input_ids.device)
         if tuple(self.lengths.shape) != (batch,):
             raise ValueError(f"{where}: lengths has shape {tuple(self.lengths.shape)}, expected ({batch},)")
-        if batch and (int(self.lengths.min()) < 2 or int(self.lengths.max()) > width):
+        checked = self.host_lengths is not None
+        if not checked:
+            self.host_lengths = tuple(self.lengths.tolist())  # host: one read, then sizes come from here
+        self.host_lengths = tuple(int(n) for n in self.host_lengths)
+        if len(self.host_lengths) != batch:
+            raise ValueError(f"{where}: {len(self.host_lengths)} host_lengths for {batch} sequences")
+        if batch and (min(self.host_lengths) < 2 or max(self.host_lengths) > width):
             raise ValueError(f"{where}: lengths must lie in [2, {width}] (input_ids width); got "
-                             f"[{int(self.lengths.min())}, {int(self.lengths.max())}]")
+                             f"[{min(self.host_lengths)}, {max(self.host_lengths)}]")
         if tuple(self.response_mask.shape) != (batch, width):
             raise ValueError(f"{where}: response_mask has shape {tuple(self.response_mask.shape)}, "
                              f"expected {(batch, width)}")
         self.response_mask = self.response_mask.bool()
         beyond = torch.arange(width, device=self.input_ids.device)[None, :] >= self.lengths[:, None]
-        if bool(self.response_mask[:, 0].any()) or bool((self.response_mask & beyond).any()):
+        if not checked and bool((self.response_mask[:, 0].any()) | (self.response_mask & beyond).any()):
             raise ValueError(f"{where}: response_mask marks column 0 or a position past a sequence's length "
                              f"(column 0 is always prompt; padding is never response)")
         for name in PER_TOKEN_FIELDS:
@@ -116,16 +126,21 @@ class ExperienceBatch:
                    rollout_logprobs=(torch.tensor(lps, dtype=torch.float32, device=device)
                                      if rollout_logprobs is not None else None),
                    group_ids=(torch.tensor(list(group_ids), dtype=torch.long, device=device)
-                              if group_ids is not None else None))
+                              if group_ids is not None else None),
+                   host_lengths=tuple(lengths))
 
     def select(self, rows: Tensor | Sequence[int]) -> "ExperienceBatch":
         """The rows ``rows`` (in that order), trimmed to their longest sequence."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        width = int(self.lengths[rows].max()) if rows.numel() else 2
+        order = rows.tolist() if isinstance(rows, Tensor) else [int(r) for r in rows]  # host: row numbers
+        host_lengths = tuple(self.host_lengths[r] for r in order)
+        rows = torch.tensor(order, dtype=torch.long, device=self.device)
+        width = max(host_lengths, default=2)
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         picked = {}
         for name, value in fields.items():
-            if value is None:
+            if name == "host_lengths":
+                picked[name] = host_lengths
+            elif value is None:
                 picked[name] = None
             elif name in ("lengths", "group_ids"):
                 picked[name] = value[rows]
@@ -134,7 +149,10 @@ class ExperienceBatch:
         return ExperienceBatch(**picked)
 
     def replace(self, **fields) -> "ExperienceBatch":
-        """A copy with some fields replaced (e.g. ``batch.replace(old_logprobs=lp)``)."""
+        """A copy with some fields replaced (e.g. ``batch.replace(old_logprobs=lp)``). Replacing the tokens or
+        lengths checks the new batch in full; other fields are checked by shape."""
+        if "input_ids" in fields or "lengths" in fields:
+            fields.setdefault("host_lengths", None)
         return dataclasses.replace(self, **fields)
 
     def require(self, where: str, *names: str) -> None:

@@ -94,6 +94,7 @@ class MicroBatch:
 
     rows: Tensor  # [n] rows of the (mini-)batch, in micro-batch order
     lengths: Tensor  # [n] real lengths
+    host_lengths: tuple[int, ...]  # the same lengths on the host: sizes are read from them, not the device
     tokens: Tensor  # packed: [1, T_local]; unpacked: [n, S_local]
     position_ids: Tensor  # same shape as tokens
     labels: Tensor  # same shape: the token each position predicts (0 where none)
@@ -111,12 +112,12 @@ class MicroBatch:
 
     @property
     def width(self) -> int:
-        return int(self.lengths.max())
+        return max(self.host_lengths)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the model computes (a shared prefix counts once)."""
-        return int(self.plan.cu_seqlens[-1]) if self.packed else int(self.lengths.sum())
+        return self.plan.total_tokens if self.packed else sum(self.host_lengths)
 
     def to_rows(self, local: Tensor) -> Tensor:
         """This rank's per-position outputs (shape of ``tokens``) -> [n, width], token-aligned.
@@ -126,7 +127,7 @@ class MicroBatch:
         if tuple(local.shape) != tuple(self.tokens.shape):
             raise ValueError(f"MicroBatch.to_rows: outputs of shape {tuple(local.shape)}, expected the "
                              f"tokens' {tuple(self.tokens.shape)}")
-        n, width = self.lengths.numel(), self.width
+        n, width = len(self.host_lengths), self.width
         cols = torch.arange(width, device=local.device)
         if self.packed:
             shifted = unshard(self.plan, local[0], self.cp_group)[self.source[:, :width]]  # [T] -> [n, width]
@@ -157,7 +158,7 @@ class _Tree:
     shared: int = 0
 
 
-def _trees(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int,
+def _trees(token_lists: list[list[int]], lengths: list[int], first: list[int], budget: int,
            groups: Sequence[Sequence[int]] | None) -> list[_Tree]:
     """The shared-prefix trees of a batch: rows whose tokens before their first wanted output are equal.
 
@@ -166,8 +167,6 @@ def _trees(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int,
     prefixes form trees of at most ``budget`` tokens (in row order); with ``groups`` each group is one tree,
     sharing only if all its rows have the same prefix.
     """
-    first = torch.where(wanted.any(1), wanted.int().argmax(1), lengths).tolist()
-    token_lists = input_ids.tolist()  # one device-to-host copy
     keys = [tuple(token_lists[r][:max(f - 1, 0)]) for r, f in enumerate(first)]
     if groups is not None:
         trees = []
@@ -182,20 +181,20 @@ def _trees(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int,
     for rows in by_key.values():
         shared, chunk, size = len(keys[rows[0]]), [], 0
         for row in rows:
-            cost = int(lengths[row]) - (shared if chunk else 0)
+            cost = lengths[row] - (shared if chunk else 0)
             if chunk and size + cost > budget:
                 trees.append(_Tree(tuple(chunk), shared if len(chunk) > 1 else 0))
-                chunk, size, cost = [], 0, int(lengths[row])
+                chunk, size, cost = [], 0, lengths[row]
             chunk.append(row)
             size += cost
         trees.append(_Tree(tuple(chunk), shared if len(chunk) > 1 else 0))
     return trees
 
 
-def _next_token_fields(input_ids: Tensor, lengths: Tensor, wanted: Tensor):
+def _next_token_fields(input_ids: Tensor, lengths: Sequence[int], wanted: Tensor):
     """Per-sequence (labels, label_mask) lists: position t predicts token t + 1 of the same sequence."""
     labels, masks = [], []
-    for ids, n, want in zip(input_ids, lengths.tolist(), wanted):
+    for ids, n, want in zip(input_ids, lengths, wanted):
         labels.append(torch.cat([ids[1:n], ids.new_zeros(1)]))
         masks.append(torch.cat([want[1:n], want.new_zeros(1)]))
     return labels, masks
@@ -225,14 +224,14 @@ class _Segments:
         self.bounds.append(start + tokens.numel())
         return start
 
-    def add_tree(self, ids: Tensor, lens: Tensor, wanted: Tensor, shared: int, width: int) -> None:
+    def add_tree(self, ids: Tensor, lens: Sequence[int], wanted: Tensor, shared: int, width: int) -> None:
         """The rows of one tree: a prefix segment of ``shared`` tokens (if > 0), then one segment per row."""
         labels, masks = _next_token_fields(ids, lens, wanted)
         cols = torch.arange(width + 1, device=ids.device) - 1  # column t reads the output at position t - 1
         prefix_start, prefix_index = 0, len(self.prefix_of)
         if shared:
             prefix_start = self.add(ids[0, :shared], labels[0][:shared], torch.zeros_like(masks[0][:shared]), 0)
-        for i, n in enumerate(lens.tolist()):
+        for i, n in enumerate(lens):
             start = self.add(ids[i, shared:n], labels[i][shared:], masks[i][shared:], shared,
                              prefix_index if shared else -1)
             self.sources.append(torch.where(cols < shared, prefix_start + cols, start + cols - shared))
@@ -264,60 +263,80 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
                          f"(packed={packed}, cp_size={cp_size})")
     device = input_ids.device
     wanted = wanted.bool() & (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None])
+    host_lengths, token_lists, first = _host_rows(input_ids, lengths, wanted, share_prefixes)
     if share_prefixes:
-        trees = _trees(input_ids, lengths, wanted, budget, groups)
+        trees = _trees(token_lists, host_lengths, first, budget, groups)
     else:
         trees = [_Tree(tuple(g)) for g in groups] if groups is not None else [
-            _Tree((r,)) for r in range(len(lengths))]
+            _Tree((r,)) for r in range(len(host_lengths))]
     tree_of = {row: tree for tree in trees for row in tree.rows}
-    plan_rows = plan_micro_batches(lengths.tolist(), budget, packed, [t.rows for t in trees],
+    plan_rows = plan_micro_batches(host_lengths, budget, packed, [t.rows for t in trees],
                                    [t.shared for t in trees] if packed else None)
     result = []
     for bin_rows in plan_rows:
         bin_trees = list(dict.fromkeys(tree_of[r] for r in bin_rows))  # in order of first row
         if packed:
-            result.append(_packed_micro_batch(input_ids, lengths, wanted, bin_trees, cp_size, cp_rank, cp_group))
+            result.append(_packed_micro_batch(input_ids, lengths, host_lengths, wanted, bin_trees, cp_size, cp_rank,
+                                              cp_group))
         else:
-            result.append(_padded_micro_batch(input_ids, lengths, wanted, bin_rows, cp_size, cp_rank, cp_group))
+            result.append(_padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows, cp_size, cp_rank,
+                                              cp_group))
     return result
 
 
-def _packed_micro_batch(input_ids, lengths, wanted, trees: list[_Tree], cp_size, cp_rank, cp_group) -> MicroBatch:
+def _host_rows(input_ids: Tensor, lengths: Tensor, wanted: Tensor, with_tokens: bool):
+    """What the plan needs on the host, read in one device-to-host transfer: the lengths and, for shared
+    prefixes, every row's tokens and first wanted column ((lengths, None, None) without)."""
+    if not with_tokens:
+        return lengths.tolist(), None, None  # host: the plan is made there
+    first = torch.where(wanted.any(1), wanted.int().argmax(1), lengths)
+    rows = torch.cat([lengths[:, None], first[:, None], input_ids.long()], dim=1).tolist()  # host: one read
+    return [r[0] for r in rows], [r[2:] for r in rows], [r[1] for r in rows]
+
+
+def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_Tree], cp_size, cp_rank,
+                        cp_group) -> MicroBatch:
     """One packed row of ``trees`` (its rows in tree order), sharded for this CP rank."""
     device = input_ids.device
-    rows = torch.tensor([r for tree in trees for r in tree.rows], dtype=torch.long, device=device)
-    lens = lengths[rows]
-    width = int(lens.max())
+    order = [r for tree in trees for r in tree.rows]
+    rows = torch.tensor(order, dtype=torch.long, device=device)
+    lens = tuple(host_lengths[r] for r in order)
+    width = max(lens)
     row = _Segments()
     for tree in trees:
         index = torch.tensor(tree.rows, dtype=torch.long, device=device)
-        row.add_tree(input_ids[index], lengths[index], wanted[index], tree.shared, width)
+        row.add_tree(input_ids[index], [host_lengths[r] for r in tree.rows], wanted[index], tree.shared, width)
     tokens, labels, masks, positions, source = row.fields()
     plan = make_shard_plan(row.bounds, cp_size, cp_rank).to(device)
     fields = [shard(plan, t, 0).unsqueeze(0) for t in (tokens, labels, masks)]
     if any(tree.shared for tree in trees):
-        params = shared_prefix_seq_params(plan.cu_seqlens, tuple(row.prefix_of), positions, cp_group)
+        # every row's logical positions run 0 .. length - 1: the rotary table must reach the widest row
+        params = shared_prefix_seq_params(plan, tuple(row.prefix_of), positions, width, cp_group)
         positions = positions.unsqueeze(0)
     else:
-        positions = plan.local_position_ids().unsqueeze(0)
-        params = packed_seq_params_for(plan, cp_group)
-    return MicroBatch(rows, lens, fields[0], positions, fields[1], fields[2], params, plan, cp_group, source)
+        local_positions = plan.local_position_ids()
+        params = packed_seq_params_for(plan, cp_group, local_positions if cp_size == 1 else None)
+        positions = local_positions.unsqueeze(0)
+    return MicroBatch(rows, lengths[rows], lens, fields[0], positions, fields[1], fields[2], params, plan, cp_group,
+                      source)
 
 
-def _padded_micro_batch(input_ids, lengths, wanted, bin_rows: list[int], cp_size, cp_rank, cp_group) -> MicroBatch:
+def _padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows: list[int], cp_size, cp_rank,
+                        cp_group) -> MicroBatch:
     """One right-padded [n, width] micro-batch, each row sharded for this CP rank."""
     device = input_ids.device
     rows = torch.tensor(bin_rows, dtype=torch.long, device=device)
-    ids, lens = input_ids[rows], lengths[rows]
+    lens = tuple(host_lengths[r] for r in bin_rows)
+    ids = input_ids[rows]
     labels, masks = _next_token_fields(ids, lens, wanted[rows])
-    width = int(lens.max())
+    width = max(lens)
     multiple = 2 * cp_size if cp_size > 1 else 1
     padded = -(-width // multiple) * multiple
     plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
-    full = [torch.zeros(len(rows), padded, dtype=dtype, device=device)
+    full = [torch.zeros(len(bin_rows), padded, dtype=dtype, device=device)
             for dtype in (torch.long, torch.long, torch.bool)]
-    for i, n in enumerate(lens.tolist()):
+    for i, n in enumerate(lens):
         full[0][i, :n], full[1][i, :n], full[2][i, :n] = ids[i, :n], labels[i], masks[i]
     fields = [shard(plan, t, 0, seq_dim=1) for t in full]
-    positions = plan.local_position_ids().unsqueeze(0).expand(len(rows), -1)
-    return MicroBatch(rows, lens, fields[0], positions, fields[1], fields[2], None, plan, cp_group)
+    positions = plan.local_position_ids().unsqueeze(0).expand(len(bin_rows), -1)
+    return MicroBatch(rows, lengths[rows], lens, fields[0], positions, fields[1], fields[2], None, plan, cp_group)

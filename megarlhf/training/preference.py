@@ -117,9 +117,9 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
             rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
             ref_rejected_logps=None if ref is None else ref[:, 1]), config.preference.params)
         share = result.loss.sum() * (factor / pairs)
-        n = float(result.loss.numel())
-        metrics = {"loss": float(result.loss.detach().sum()), "pairs": n,
-                   **{name: float(result.metrics[name]) * n for name in PREFERENCE_METRICS}}
+        n = float(result.loss.numel())  # device tensors: reduce_metric_sums reads them once per step
+        metrics = {"loss": result.loss.detach().sum(), "pairs": n,
+                   **{name: result.metrics[name].detach() * n for name in PREFERENCE_METRICS}}
         return share, metrics
 
     result = optimizer_step(actor, _pair_micro_batches(batch, config, runtime), loss_fn,
@@ -140,9 +140,9 @@ def reward_model_step(model: TrainModel, batch: ExperienceBatch, config: RunConf
         margins = None if not margin else torch.full_like(scores[:, 0], margin)
         loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1], margins)
         share = loss.sum() * (factor / pairs)
-        n = float(loss.numel())
-        return share, {"loss": float(loss.detach().sum()), "pairs": n,
-                       **{name: float(stats[name]) * n for name in RM_METRICS}}
+        n = float(loss.numel())  # device tensors: reduce_metric_sums reads them once per step
+        return share, {"loss": loss.detach().sum(), "pairs": n,
+                       **{name: stats[name].detach() * n for name in RM_METRICS}}
 
     result = optimizer_step(model, _pair_micro_batches(batch, config, runtime), loss_fn,
                             ["loss", "pairs", *RM_METRICS], loss_name="loss", on_nonfinite=on_nonfinite)

@@ -40,7 +40,7 @@ def sft_batch(examples: Sequence, device: torch.device, pad_id: int = 0) -> Expe
     lengths = [len(e.input_ids) for e in examples]
     return ExperienceBatch(torch.tensor(ids, dtype=torch.long, device=device),
                            torch.tensor(lengths, dtype=torch.long, device=device),
-                           torch.tensor(mask, dtype=torch.bool, device=device))
+                           torch.tensor(mask, dtype=torch.bool, device=device), host_lengths=tuple(lengths))
 
 
 def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_nonfinite: str = "abort",
@@ -55,7 +55,7 @@ def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_non
     def loss_fn(mb, out):
         mask = batch.response_mask[mb.rows, :mb.width]
         share = aggregate_loss(-out["logprobs"], mask, "token_mean", normaliser)
-        return share, {"loss": share.item() / factor, "tokens": float(mask.sum())}
+        return share, {"loss": share.detach() / factor, "tokens": mask.sum()}  # read once per step
 
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, runtime)
     result = optimizer_step(actor, mbs, loss_fn, ["loss", "tokens"], loss_name="loss", on_nonfinite=on_nonfinite)

@@ -58,15 +58,16 @@ class StepResult:
 
 def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: Runtime) -> dict[str, float]:
     """Sums ``names`` over the micro-batches of the last pipeline stage and over the data-parallel
-    group; every rank gets the result."""
-    sums = [0.0] * len(names)
-    if runtime.is_last_stage:
-        for metrics in per_micro_batch:
-            sums = [total + float(metrics[name]) for total, name in zip(sums, names)]
-    sums = runtime.all_reduce(sums, over="dp")
+    group; every rank gets the result. A metric may be a device tensor (0-dim) or a number: the sums
+    stay on the device until the one host read at the end."""
+    sums = torch.zeros(len(names), dtype=torch.float64, device=runtime.device)
+    if runtime.is_last_stage and per_micro_batch:
+        sums += torch.stack([torch.stack([torch.as_tensor(metrics[name], device=runtime.device).double().reshape(())
+                                          for name in names]) for metrics in per_micro_batch]).sum(0)
+    runtime.all_reduce_on_device(sums, over="dp")
     if runtime.pp.size > 1:  # the other stages hold zeros: the last stage's sums reach them
-        sums = runtime.all_reduce(sums, over="pp")
-    return dict(zip(names, sums))
+        runtime.all_reduce_on_device(sums, over="pp")
+    return dict(zip(names, sums.tolist()))  # host: the one read of the step's metrics
 
 
 def _nonfinite(model: torch.nn.Module) -> tuple[list[str], list[str]]:

@@ -125,16 +125,16 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
         if algo.entropy_coef:
             per_token = per_token + entropy_bonus(out["entropy"], m, algo.entropy_coef)
         share = aggregate_loss(per_token, m, algo.loss_aggregation, normaliser)
-        tokens = float(m.sum())
-        with torch.no_grad():
+        with torch.no_grad():  # device tensors: reduce_metric_sums reads them once per step
+            tokens = m.sum()
             metrics = {
-                "loss": share.item() / factor,
-                "pg_loss": aggregate_loss(result.loss, m, algo.loss_aggregation, normaliser).item() / factor,
-                "kl_loss": aggregate_loss(kl, m, algo.loss_aggregation, normaliser).item() / factor,
+                "loss": share.detach() / factor,
+                "pg_loss": aggregate_loss(result.loss, m, algo.loss_aggregation, normaliser) / factor,
+                "kl_loss": aggregate_loss(kl, m, algo.loss_aggregation, normaliser) / factor,
                 "tokens": tokens,
-                "clip_fraction": float(result.metrics["policy/clip_fraction"]) * tokens,
-                "ppo_kl": float(result.metrics["policy/ppo_kl"]) * tokens,
-                "entropy": float(torch.where(m, out["entropy"], 0.0).sum()),
+                "clip_fraction": result.metrics["policy/clip_fraction"] * tokens,
+                "ppo_kl": result.metrics["policy/ppo_kl"] * tokens,
+                "entropy": torch.where(m, out["entropy"], 0.0).sum(),
             }
         return share, metrics
 
@@ -152,11 +152,20 @@ def _mean_of_steps(role: str, results: list[StepResult], per_token: tuple[str, .
     return out
 
 
+def _split(items: range, parts: int) -> list[range]:
+    """``parts`` contiguous splits of ``items``, the first ``len % parts`` one longer (tensor_split's rule)."""
+    size, extra = divmod(len(items), parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + size + (1 if k < extra else 0))
+    return [items[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
     """The row indices of each optimizer step: ``train.mini_batches`` contiguous splits of this rank's
     batch, repeated for ``train.epochs_per_step`` epochs."""
-    splits = torch.arange(batch.batch_size, device=batch.device).tensor_split(config.train.mini_batches)
-    if any(rows.numel() == 0 for rows in splits):
+    splits = [list(rows) for rows in _split(range(batch.batch_size), config.train.mini_batches)]
+    if any(not rows for rows in splits):
         raise ValueError(f"{where}: {batch.batch_size} sequences on this rank cannot fill "
                          f"train.mini_batches={config.train.mini_batches} mini-batches")
     for _ in range(config.train.epochs_per_step):
@@ -216,9 +225,9 @@ def _critic_loss_fn(mini: ExperienceBatch, config: RunConfig, normaliser):
         result = value_loss(out["values"], mini.values[rows, :width], mini.returns[rows, :width], m,
                             algo.value_clip)
         share = aggregate_loss(result.loss, m, algo.loss_aggregation, normaliser)
-        tokens = float(m.sum())
-        return share, {"value_loss": share.item() / factor, "tokens": tokens,
-                       "value_clip_fraction": float(result.metrics["value/clip_fraction"]) * tokens}
+        tokens = m.sum()
+        return share, {"value_loss": share.detach() / factor, "tokens": tokens,
+                       "value_clip_fraction": result.metrics["value/clip_fraction"].detach() * tokens}
 
     return loss_fn
 

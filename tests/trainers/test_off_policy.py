@@ -27,6 +27,7 @@ def uninterrupted(rl_assets, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("off_policy"), "full")
 
 
+@pytest.mark.slow  # a 2-rank off-policy run (~50 s): make test-slow
 def test_staleness_overlap_and_off_policy_gap(uninterrupted):
     assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3]
     assert [r["rollout/staleness"] for r in uninterrupted] == [0.0, 1.0, 1.0, 1.0]

@@ -66,6 +66,7 @@ def test_rm_run_records_metrics_and_exports_a_sequence_classifier(reward_model):
     assert stats["std"] > 0 and stats["responses"] == 64  # both sides of the 32 training pairs
 
 
+@pytest.mark.slow  # two 2-rank DPO runs and a kill (~65 s): make test-slow
 def test_dpo_resumed_run_continues_as_the_uninterrupted_one(pairs, tmp_path):
     whole = _pairs_run("dpo", pairs, tmp_path / "whole", "preference.precompute_reference=true")
     _pairs_run("dpo", pairs, tmp_path / "part", "preference.precompute_reference=true", "train.steps=2")
@@ -82,7 +83,7 @@ def test_dpo_resumed_run_continues_as_the_uninterrupted_one(pairs, tmp_path):
     AutoModelForCausalLM.from_pretrained(whole / "hf")
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+@pytest.mark.parametrize("estimator", ["grpo", pytest.param("gae", marks=pytest.mark.slow)])
 def test_rl_against_the_learned_reward(rl_assets, reward_model, tmp_path, estimator):
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, estimator, tmp_path / "run")
     run_torchrun(CLI, 2, ["train", str(recipe), "reward.functions=[]",

@@ -57,6 +57,10 @@ def _cases() -> dict[str, list[str]]:
     return cases
 
 
+# Every estimator, loss and KL mode through the 2-rank driver: one ~90 s run, in the slow set (make test-slow)
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, rl_assets):
     root = tmp_path_factory.mktemp("rl_matrix")
