@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.checkpoint import fetch as fetch_command
+from megarlhf.errors import UserError
 from megarlhf.planner import command as plan_command
 from megarlhf.registry import Registry
 from megarlhf.trainers import commands as trainer_commands
@@ -95,11 +96,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message is the whole story (bad paths, configs, layouts)."""
-    from megarlhf.checkpoint import CheckpointError
-
-    return CheckpointError, ValueError, OSError
+# Problems with what the user gave, whose message is the whole story (megarlhf.errors), and paths the user
+# named that cannot be read or written. Any other exception is megarlhf's own and keeps its traceback.
+USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
     try:
         return COMMANDS.get(args.command).run(args)
-    except _user_errors() as err:
+    except USER_ERRORS as err:
         print(f"megarlhf {args.command}: error: {err}", file=sys.stderr)
         return 1

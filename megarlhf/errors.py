@@ -1,6 +1,23 @@
-"""Errors shared across megarlhf's layers (kept free of heavy imports so every layer can raise them)."""
+"""Errors shared across megarlhf's layers (kept free of heavy imports so every layer can raise them).
+
+:class:`UserError` and its subclasses are problems with what the user gave: a config key, a data file, a
+checkpoint or model directory. Their message names the key or file and is the whole story, so the command
+line prints it as one line. Every other exception is megarlhf's own failure and keeps its traceback.
+"""
 
 
-class CheckpointError(ValueError):
+class UserError(ValueError):
+    """A problem with the user's input; the message names the key, file or path and what is wrong."""
+
+
+class ConfigError(UserError):
+    """A bad config key or value; the message names the key path."""
+
+
+class DataError(UserError):
+    """A data file, row or field that cannot be used; the message names the file (and row) and the field."""
+
+
+class CheckpointError(UserError):
     """A checkpoint (HF directory or Megatron distributed checkpoint) is missing, incomplete, incompatible
     with the model, or cannot be written; the message names the path and what is wrong."""

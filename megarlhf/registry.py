@@ -11,6 +11,8 @@ import importlib
 import re
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
+from megarlhf.errors import ConfigError
+
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)$")
 
 T = TypeVar("T")
@@ -57,13 +59,13 @@ def is_dotted_path(name: str) -> bool:
 def load_object(path: str, what: str) -> Any:
     """Imports ``pkg.mod:obj`` or ``pkg.mod.obj``; errors name ``what``, the path and what failed."""
     if not is_dotted_path(path):
-        raise ValueError(f"{what} path {path!r} must look like 'pkg.module:name' or 'pkg.module.name'")
+        raise ConfigError(f"{what} path {path!r} must look like 'pkg.module:name' or 'pkg.module.name'")
     module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code is reported with the path
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: "
+        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r}: "
                          f"{type(exc).__name__}: {exc}") from exc
     if not hasattr(module, attr):
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

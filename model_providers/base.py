@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from megarlhf.errors import UserError
 from model_providers.mapping import REPLICATED, VOCAB, ShardContext, WeightMapping
 from parallel import cpu_compat
 from parallel.config import ParallelConfig
@@ -26,7 +27,7 @@ from parallel.config import ParallelConfig
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
     """The HF config uses an architecture or a feature megarlhf cannot reproduce exactly."""
 
 

@@ -3,6 +3,7 @@
 The conversion round trip through the real command lives in tests/tools/test_convert_checkpoint.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -98,3 +99,44 @@ def test_plan_with_flags_after_the_recipe_runs(capsys):
     assert plans[0] == plans[1]
     # 8 ranks shard the distributed optimizer over more data-parallel ranks than the default layout's
     assert plans[0]["stages"][0]["actor_optimizer"] < plans[2]["stages"][0]["actor_optimizer"]
+
+
+def _command_raising(monkeypatch, error: BaseException) -> None:
+    real = cli.COMMANDS.get
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(cli.COMMANDS, "get", lambda name: dataclasses.replace(real(name), run=run))
+
+
+def test_user_errors_are_one_line_naming_the_file(monkeypatch, capsys):
+    from megarlhf.errors import ConfigError, DataError
+
+    for error in (DataError("prompts.jsonl:7: malformed JSON line (Expecting value at column 1)"),
+                  ConfigError("optim.lr: 'fast' is not a valid float"),
+                  FileNotFoundError(2, "No such file or directory", "runs/x/config.yaml")):
+        _command_raising(monkeypatch, error)
+        assert cli.main(["plan", "recipe.yaml"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and err.startswith("megarlhf plan: error: "), err
+        assert str(error) in err
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    """A ValueError that is not a user error (megarlhf's own check failing) propagates with its traceback
+    instead of being printed as if the user had made a mistake."""
+    for error in (ValueError("run_schedule: no micro-batches"), KeyError("actor/loss"),
+                  RuntimeError("engine died")):
+        _command_raising(monkeypatch, error)
+        with pytest.raises(type(error)) as raised:
+            cli.main(["plan", "recipe.yaml"])
+        assert raised.value is error and raised.traceback
+
+
+def test_a_recipe_whose_model_matches_nothing_is_one_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  path: {tmp_path / 'nowhere'}\ndata:\n  train_path: train.jsonl\n")
+    assert cli.main(["plan", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no config.json and its name matches no preset" in err, err

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megarlhf.checkpoint.distributed import CheckpointError, checkpoint_metadata, load_checkpoint, save_checkpoint
+from megarlhf.errors import ConfigError
 
 HF_SUBDIR = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
     from parallel.config import ParallelConfig
     from parallel.runtime import init_parallel, shutdown
 
-    parallel = ParallelConfig(args.tp, args.pp)
+    try:
+        parallel = ParallelConfig(args.tp, args.pp)
+    except ValueError as err:  # --tp / --pp: the user's flags
+        raise ConfigError(f"--tp {args.tp} --pp {args.pp}: {err}") from None
     dtype = DTYPES[args.dtype] if args.dtype else None
     # Path errors first, before any process group or Megatron import.
     if args.direction == "hf-to-megatron":

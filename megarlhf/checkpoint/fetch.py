@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megarlhf.errors import CheckpointError
+from megarlhf.errors import CheckpointError, UserError
 
 MARKER_FILE = "megarlhf-fetch.json"
 PIP_TAIL_LINES = 4
@@ -197,10 +197,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if (args.name is None) == (args.gguf is None):
-        raise ValueError(f"give a model NAME (one of: {', '.join(sorted(MODELS))}) or --gguf FILE, not both")
+        raise UserError(f"give a model NAME (one of: {', '.join(sorted(MODELS))}) or --gguf FILE, not both")
     if args.gguf is not None:
         if args.cache is not None:
-            raise ValueError("--cache applies to a NAME download, not to --gguf")
+            raise UserError("--cache applies to a NAME download, not to --gguf")
         from megarlhf.checkpoint.gguf import gguf_to_hf
 
         out = gguf_to_hf(args.gguf, args.out, overwrite=args.overwrite)

@@ -34,11 +34,9 @@ from typing import Any, Literal, Sequence, TypeVar, Union
 
 import yaml
 
+from megarlhf.errors import ConfigError  # re-exported as megarlhf.config.ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key path."""
 
 
 def _where(path: str) -> str:

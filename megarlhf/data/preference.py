@@ -39,6 +39,7 @@ from typing import Any
 from megarlhf.data.prompts import uses_chat_template
 from megarlhf.data.sft import encode_text, render_with_loss_mask
 from megarlhf.data.source import DataConfig, read_records
+from megarlhf.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class PreferenceDataConfig:
         keys = (self.prompt_key, self.chosen_key, self.rejected_key)
         for name, value in zip(("prompt_key", "chosen_key", "rejected_key"), keys):
             if not (isinstance(value, str) and value):
-                raise ValueError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
+                raise DataError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
         if len(set(keys)) != 3:
-            raise ValueError(f"PreferenceDataConfig: prompt_key, chosen_key and rejected_key must be three "
+            raise DataError(f"PreferenceDataConfig: prompt_key, chosen_key and rejected_key must be three "
                              f"different keys, got {keys}")
 
 
@@ -86,7 +87,7 @@ class PreferenceDataset:
 
 def _get(row: dict, key: str, setting: str, where: str) -> Any:
     if key not in row:
-        raise ValueError(f"{where}: the row has no field {key!r} ({setting}); its fields: {sorted(row)}")
+        raise DataError(f"{where}: the row has no field {key!r} ({setting}); its fields: {sorted(row)}")
     return row[key]
 
 
@@ -95,15 +96,15 @@ def _check_type(value: Any, key: str, setting: str, where: str, chat: bool) -> N
     if isinstance(value, str):
         return
     if not isinstance(value, list):
-        raise ValueError(f"{where}: field {key!r} ({setting}) must be a string or a list of chat messages, "
+        raise DataError(f"{where}: field {key!r} ({setting}) must be a string or a list of chat messages, "
                          f"got {type(value).__name__}")
     if not chat:
-        raise ValueError(f"{where}: field {key!r} ({setting}) is a list of chat messages, but no chat template "
+        raise DataError(f"{where}: field {key!r} ({setting}) is a list of chat messages, but no chat template "
                          f"is used (data.chat_template or a tokenizer without one): give it as a string")
     for i, message in enumerate(value):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise ValueError(f"{where}: field {key!r} ({setting}): message {i} is not a "
+            raise DataError(f"{where}: field {key!r} ({setting}): message {i} is not a "
                              f"{{'role': str, 'content': str}} message: {message!r}")
 
 
@@ -120,13 +121,13 @@ def _response_messages(value: str | list, prompt: list[dict], key: str, setting:
     messages = _as_messages(value, "assistant")
     if messages and messages[0]["role"] != "assistant":
         if messages[:len(prompt)] != prompt:
-            raise ValueError(f"{where}: field {key!r} ({setting}) is a conversation that does not begin with the "
+            raise DataError(f"{where}: field {key!r} ({setting}) is a conversation that does not begin with the "
                              f"prompt's messages; give the whole conversation or only the turns after the prompt")
         messages = messages[len(prompt):]
     if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
-        raise ValueError(f"{where}: field {key!r} ({setting}) is an empty response")
+        raise DataError(f"{where}: field {key!r} ({setting}) is an empty response")
     if messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: field {key!r} ({setting}): the response must start and end with an "
+        raise DataError(f"{where}: field {key!r} ({setting}): the response must start and end with an "
                          f"assistant message, got roles {[m['role'] for m in messages]}")
     return messages
 
@@ -142,7 +143,7 @@ def _prompt_messages(value: str | list, data: DataConfig, key: str, where: str) 
     """(the prompt's messages as the row gives them, the same after data.system_prompt)."""
     raw = _as_messages(value, "user")
     if not raw or not any(m["content"].strip() for m in raw):
-        raise ValueError(f"{where}: field {key!r} (prompt_key) is an empty prompt")
+        raise DataError(f"{where}: field {key!r} (prompt_key) is an empty prompt")
     messages = list(raw)
     if data.system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": data.system_prompt})
@@ -152,7 +153,7 @@ def _prompt_messages(value: str | list, data: DataConfig, key: str, where: str) 
 def _plain_side(prompt_ids: list[int], response: str, tokenizer, key: str, setting: str,
                 where: str) -> tuple[list[int], list[int]]:
     if not response.strip():
-        raise ValueError(f"{where}: field {key!r} ({setting}) is an empty response")
+        raise DataError(f"{where}: field {key!r} ({setting}) is an empty response")
     response_ids = encode_text(tokenizer, response) + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
@@ -177,11 +178,11 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
     else:
         text = fields["prompt_key"]
         if not text.strip():
-            raise ValueError(f"{where}: field {keys.prompt_key!r} (prompt_key) is an empty prompt")
+            raise DataError(f"{where}: field {keys.prompt_key!r} (prompt_key) is an empty prompt")
         if data.system_prompt is not None:
             text = f"{data.system_prompt}\n\n{text}"
         if tokenizer.eos_token_id is None:
-            raise ValueError("preference pairs in plain mode append EOS to each response, but the tokenizer "
+            raise DataError("preference pairs in plain mode append EOS to each response, but the tokenizer "
                              "has no eos token")
         prompt_ids = encode_text(tokenizer, text, special=True)
         prompt_len = len(prompt_ids)
@@ -190,7 +191,7 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
                                          setting, where)
     (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = sides["chosen_key"], sides["rejected_key"]
     if chosen_ids == rejected_ids:
-        raise ValueError(f"{where}: fields {keys.chosen_key!r} and {keys.rejected_key!r} give the same tokens; "
+        raise DataError(f"{where}: fields {keys.chosen_key!r} and {keys.rejected_key!r} give the same tokens; "
                          f"a pair with identical responses carries no preference")
     return PreferencePair(index, prompt_len, chosen_ids, chosen_mask, rejected_ids, rejected_mask)
 
@@ -201,7 +202,7 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
     ``<source> row N``, 1-based)."""
     keys = PreferenceDataConfig() if keys is None else keys
     if data.messages_key is not None:
-        raise ValueError(f"data.messages_key is not read for preference pairs: a row's prompt "
+        raise DataError(f"data.messages_key is not read for preference pairs: a row's prompt "
                          f"({keys.prompt_key!r}) may itself be a list of chat messages; unset data.messages_key")
     if locations is None:
         locations = [f"{source} row {i + 1}" for i in range(len(rows))]
@@ -215,7 +216,7 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
         logger.warning("%s: dropped %d of %d preference pairs with a side longer than data.max_sequence_length="
                        "%d tokens", source, dropped, len(pairs), limit)
     if not kept:
-        raise ValueError(f"{source}: no preference pair is left after filtering ({len(rows)} rows, "
+        raise DataError(f"{source}: no preference pair is left after filtering ({len(rows)} rows, "
                          f"data.max_sequence_length={limit})")
     return PreferenceDataset(kept, dropped, source)
 

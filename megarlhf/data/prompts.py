@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarlhf.data.source import DataConfig, read_records
+from megarlhf.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def uses_chat_template(tokenizer, config: DataConfig) -> bool:
     """Whether prompts are rendered with the tokenizer's chat template (see the module docstring)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if config.chat_template == "always" and not has_template:
-        raise ValueError("data.chat_template is 'always' but the tokenizer has no chat template")
+        raise DataError("data.chat_template is 'always' but the tokenizer has no chat template")
     return has_template and config.chat_template != "never"
 
 
@@ -59,7 +60,7 @@ def row_messages(row: dict, config: DataConfig, where: str) -> list[dict[str, st
         if not (isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
-            raise ValueError(f"{where}: field {config.messages_key!r} must be a non-empty list of "
+            raise DataError(f"{where}: field {config.messages_key!r} must be a non-empty list of "
                              f"{{'role': str, 'content': str}} messages")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     else:
@@ -71,14 +72,14 @@ def row_messages(row: dict, config: DataConfig, where: str) -> list[dict[str, st
 
 def _field(row: dict, key: str, setting: str, where: str) -> Any:
     if key not in row:
-        raise ValueError(f"{where}: the row has no field {key!r} (data.{setting}); its fields: {sorted(row)}")
+        raise DataError(f"{where}: the row has no field {key!r} (data.{setting}); its fields: {sorted(row)}")
     return row[key]
 
 
 def text_field(row: dict, key: str, setting: str, where: str) -> str:
     value = _field(row, key, setting, where)
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {key!r} (data.{setting}) must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field {key!r} (data.{setting}) must be a string, got {type(value).__name__}")
     return value
 
 
@@ -88,7 +89,7 @@ def render_prompt(row: dict, tokenizer, config: DataConfig, chat: bool, where: s
         return tokenizer.apply_chat_template(row_messages(row, config, where), tokenize=False,
                                              add_generation_prompt=True)
     if config.messages_key is not None:
-        raise ValueError(f"{where}: data.messages_key is set but prompts are plain text (data.chat_template="
+        raise DataError(f"{where}: data.messages_key is set but prompts are plain text (data.chat_template="
                          f"{config.chat_template!r}, tokenizer template: "
                          f"{'yes' if getattr(tokenizer, 'chat_template', None) else 'none'})")
     text = text_field(row, config.prompt_key, "prompt_key", where)
@@ -112,7 +113,7 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
         logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
                        source, dropped, len(rows), config.max_prompt_length)
     if not examples:
-        raise ValueError(f"{source}: no prompt is left after filtering ({len(rows)} rows, "
+        raise DataError(f"{source}: no prompt is left after filtering ({len(rows)} rows, "
                          f"data.max_prompt_length={config.max_prompt_length})")
     if all(e.ground_truth is None for e in examples):
         logger.warning("%s: no row has the answer field %r (data.answer_key); ground truths are None",

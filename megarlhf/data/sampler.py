@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from megarlhf.errors import DataError
+
 
 class PromptSampler:
     def __init__(self, num_examples: int, global_batch_size: int, seed: int, shuffle: bool = True,
                  dp_rank: int = 0, dp_size: int = 1):
         if num_examples < 1:
-            raise ValueError(f"PromptSampler: the dataset is empty (num_examples={num_examples})")
+            raise DataError(f"PromptSampler: the dataset is empty (num_examples={num_examples})")
         if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ValueError(f"PromptSampler: global batch size {global_batch_size} must be a positive "
+            raise DataError(f"PromptSampler: global batch size {global_batch_size} must be a positive "
                              f"multiple of the data-parallel size {dp_size}")
         if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"PromptSampler: dp_rank {dp_rank} is not in [0, {dp_size})")
+            raise DataError(f"PromptSampler: dp_rank {dp_rank} is not in [0, {dp_size})")
         self.num_examples, self.global_batch_size, self.seed, self.shuffle = (
             num_examples, global_batch_size, seed, shuffle)
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -69,6 +71,6 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_examples", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"PromptSampler.load_state_dict: the saved {key} is {state[key]!r} but this "
+                raise DataError(f"PromptSampler.load_state_dict: the saved {key} is {state[key]!r} but this "
                                  f"sampler's is {getattr(self, key)!r}; resuming would draw another sequence")
         self.consumed = int(state["consumed"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from megarlhf.data.prompts import text_field, row_messages, uses_chat_template
 from megarlhf.data.source import DataConfig, read_records
+from megarlhf.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:
 
 def _chat_example(messages: list[dict], tokenizer, where: str) -> SFTExample:
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant message to train on")
+        raise DataError(f"{where}: the conversation has no assistant message to train on")
     return SFTExample(*render_with_loss_mask(messages, tokenizer, 0, where))
 
 
@@ -66,14 +67,14 @@ def render_with_loss_mask(messages: list[dict], tokenizer, first: int, where: st
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (before.startswith(done) and after.startswith(before)):
-            raise ValueError(f"{where}: the chat template does not render message {i} as an extension of the "
+            raise DataError(f"{where}: the chat template does not render message {i} as an extension of the "
                              f"conversation before it, so response tokens cannot be masked exactly; "
                              f"use plain-text rows with data.chat_template=never")
         segments += [(before[len(done):], 0), (after[len(before):], 1)]
         done = after
     full = tokenizer.apply_chat_template(messages, tokenize=False)
     if not full.startswith(done):
-        raise ValueError(f"{where}: the chat template renders the whole conversation differently from its prefixes")
+        raise DataError(f"{where}: the chat template renders the whole conversation differently from its prefixes")
     segments.append((full[len(done):], 0))
     ids, mask = [], []
     for text, label in segments:
@@ -89,7 +90,7 @@ def _plain_example(row: dict, tokenizer, config: DataConfig, where: str) -> SFTE
     if config.system_prompt is not None:
         prompt = f"{config.system_prompt}\n\n{prompt}"
     if tokenizer.eos_token_id is None:
-        raise ValueError("SFT in plain mode appends EOS to each response, but the tokenizer has no eos token")
+        raise DataError("SFT in plain mode appends EOS to each response, but the tokenizer has no eos token")
     prompt_ids = encode_text(tokenizer, prompt, special=True)
     response_ids = encode_text(tokenizer, response) + [tokenizer.eos_token_id]
     return SFTExample(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
@@ -99,7 +100,7 @@ def sft_example(row: dict, tokenizer, config: DataConfig, chat: bool, where: str
     """One row -> ids + loss mask (see the module docstring)."""
     if not chat:
         if config.messages_key is not None:
-            raise ValueError(f"{where}: data.messages_key is set but no chat template is used")
+            raise DataError(f"{where}: data.messages_key is set but no chat template is used")
         return _plain_example(row, tokenizer, config, where)
     if config.messages_key is not None:
         messages = row_messages(row, config, where)
@@ -118,7 +119,7 @@ def build_sft_dataset(rows: list[dict], tokenizer, config: DataConfig, source: s
         logger.warning("%s: dropped %d of %d SFT examples longer than data.max_sequence_length=%d tokens",
                        source, dropped, len(examples), config.max_sequence_length)
     if not kept:
-        raise ValueError(f"{source}: no SFT example is left after filtering ({len(rows)} rows)")
+        raise DataError(f"{source}: no SFT example is left after filtering ({len(rows)} rows)")
     return SFTDataset(kept, dropped, source)
 
 

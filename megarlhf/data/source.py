@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megarlhf.errors import DataError
+
 
 @dataclass
 class DataConfig:
@@ -45,7 +47,7 @@ class DataConfig:
         for name in ("max_prompt_length", "max_sequence_length"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"DataConfig.{name} must be a positive int, got {value!r}")
+                raise DataError(f"DataConfig.{name} must be a positive int, got {value!r}")
 
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -68,9 +70,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: malformed JSON line ({exc.msg} at column {exc.colno})") from None
+                raise DataError(f"{path}:{number}: malformed JSON line ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
     return rows
 
@@ -89,7 +91,7 @@ def read_records(path: str, split: str | None = None) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return pq.read_table(p).to_pylist()
-    raise ValueError(f"data file {str(p)!r}: unsupported extension {suffix!r}; use .jsonl, .parquet "
+    raise DataError(f"data file {str(p)!r}: unsupported extension {suffix!r}; use .jsonl, .parquet "
                      f"or a datasets save_to_disk directory")
 
 
@@ -99,10 +101,10 @@ def _read_dataset_dir(path: Path, split: str | None) -> list[dict[str, Any]]:
     try:
         data = datasets.load_from_disk(str(path))
     except FileNotFoundError as exc:
-        raise ValueError(f"data directory {str(path)!r} is not a datasets save_to_disk directory: {exc}") from None
+        raise DataError(f"data directory {str(path)!r} is not a datasets save_to_disk directory: {exc}") from None
     if isinstance(data, datasets.DatasetDict):
         if split is None or split not in data:
-            raise ValueError(f"data directory {str(path)!r} holds splits {sorted(data)}; set data.split "
+            raise DataError(f"data directory {str(path)!r} holds splits {sorted(data)}; set data.split "
                              f"to one of them (got {split!r})")
         data = data[split]
     return data.to_list()

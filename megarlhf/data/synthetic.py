@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarlhf.errors import DataError
+
 NAMES = ("Tom", "Mia", "Ravi", "Lena", "Omar", "Sofia", "Jack", "Aiko", "Noah", "Zara", "Ivan", "Emma",
          "Kofi", "Lucia", "Ben", "Nadia")
 ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "stamps", "shells",
@@ -148,14 +150,14 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
     """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked) and
     work (the worked solution without its final-answer line); ``style``: see :func:`render`."""
     if style not in ("word", "bare"):
-        raise ValueError(f"style must be 'word' or 'bare', got {style!r}")
+        raise DataError(f"style must be 'word' or 'bare', got {style!r}")
     if answer_format not in ("answer_is", "hashes"):
-        raise ValueError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
+        raise DataError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
     if not 0.0 < heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        raise DataError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     unknown = set(ops) - set(SYMBOLS)
     if unknown or not ops or not 1 <= min_steps <= max_steps or max_value < 2:
-        raise ValueError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), min_steps={min_steps} and "
+        raise DataError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), min_steps={min_steps} and "
                          f"max_steps={max_steps} (1 <= min_steps <= max_steps), max_value={max_value} (>= 2)")
     rng = random.Random(f"{seed}-{'heldout' if heldout else 'train'}")
     rows, seen = [], set()
@@ -172,7 +174,7 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
                      "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}",
                      "work": work})
     if len(rows) < n:
-        raise ValueError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
+        raise DataError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
                          f"of {n} asked; raise max_value or max_steps")
     return rows
 
@@ -203,7 +205,7 @@ def mix_response_styles(rows: list[dict], seed: int, direct: float = 0.0, answer
     shares = {"sft_direct_fraction": direct, "sft_answer_first_fraction": answer_first,
               "sft_tool_call_fraction": tool_call}
     if not (all(0.0 <= v <= 1.0 for v in shares.values()) and sum(shares.values()) <= 1.0):
-        raise ValueError(f"{shares} must each be in [0, 1] and sum to at most 1")
+        raise DataError(f"{shares} must each be in [0, 1] and sum to at most 1")
     rng = random.Random(f"{seed}-direct")
     mixed = []
     for row in rows:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from megarlhf.errors import ConfigError
 from megarlhf.registry import Registry, is_dotted_path, load_object
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
@@ -141,7 +142,7 @@ def resolve_environment(name: str) -> EnvFactory:
         raise _unknown_environment(name)
     factory = load_object(name, "environment")
     if not callable(factory):
-        raise ValueError(f"environment {name!r} is a {type(factory).__name__}, not a class or function")
+        raise ConfigError(f"environment {name!r} is a {type(factory).__name__}, not a class or function")
     return factory
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec
+from megarlhf.errors import ConfigError, DataError
 
 
 def _normalize(key: str) -> str:
@@ -29,14 +30,14 @@ class LookupTable:
 
     def __init__(self, entries: Mapping[str, Any], source: str = "the lookup table"):
         if not isinstance(entries, Mapping):
-            raise ValueError(f"{source} must be a mapping of keys to values, got {type(entries).__name__}")
+            raise DataError(f"{source} must be a mapping of keys to values, got {type(entries).__name__}")
         self._entries: dict[str, tuple[str, str]] = {}
         for key, value in entries.items():
             if not isinstance(key, str) or not key.strip():
-                raise ValueError(f"{source}: keys must be non-empty strings, got {key!r}")
+                raise DataError(f"{source}: keys must be non-empty strings, got {key!r}")
             normalized = _normalize(key)
             if normalized in self._entries:
-                raise ValueError(f"{source}: keys {self._entries[normalized][0]!r} and {key!r} are the same "
+                raise DataError(f"{source}: keys {self._entries[normalized][0]!r} and {key!r} are the same "
                                  f"key (lookups ignore case and surrounding spaces)")
             self._entries[normalized] = (key, _as_text(value))
 
@@ -56,7 +57,7 @@ class LookupTable:
         """A table from ``path`` (parsed once per path and modification time)."""
         file = Path(path).expanduser().resolve()
         if not file.is_file():
-            raise ValueError(f"lookup table file {str(path)!r} does not exist")
+            raise DataError(f"lookup table file {str(path)!r} does not exist")
         return _load(str(file), file.stat().st_mtime_ns, key_field, value_field)
 
 
@@ -71,21 +72,21 @@ def _load(path: str, mtime_ns: int, key_field: str, value_field: str) -> LookupT
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+                raise DataError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
             if not isinstance(record, dict) or key_field not in record or value_field not in record:
-                raise ValueError(f"{path}:{number}: expected an object with fields {key_field!r} and "
+                raise DataError(f"{path}:{number}: expected an object with fields {key_field!r} and "
                                  f"{value_field!r}, got {line.strip()[:80]!r}")
             if record[key_field] in entries:
-                raise ValueError(f"{path}:{number}: key {record[key_field]!r} appears twice")
+                raise DataError(f"{path}:{number}: key {record[key_field]!r} appears twice")
             entries[record[key_field]] = record[value_field]
         return LookupTable(entries, source=path)
     if path.endswith(".json"):
         try:
             entries = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from None
+            raise DataError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from None
         return LookupTable(entries, source=path)
-    raise ValueError(f"lookup table file {path!r} must end in .json or .jsonl")
+    raise DataError(f"lookup table file {path!r} must end in .json or .jsonl")
 
 
 LOOKUP_TOOL = ToolSpec(
@@ -102,7 +103,7 @@ def lookup_env(metadata: dict, table: Mapping[str, Any] | None = None, path: str
                key_field: str = "key", value_field: str = "value") -> ToolEpisode:
     """A stateless episode with one tool, ``lookup(key)``, over ``table`` (a dict) or the file ``path``."""
     if (table is None) == (path is None):
-        raise ValueError("the lookup environment needs exactly one of kwargs 'table' (a mapping) or "
+        raise ConfigError("the lookup environment needs exactly one of kwargs 'table' (a mapping) or "
                          f"'path' (a .json/.jsonl file), got table={'set' if table is not None else None}, "
                          f"path={path!r}")
     lookup_table = LookupTable(table) if table is not None else LookupTable.from_file(path, key_field, value_field)

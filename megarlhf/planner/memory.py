@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from megarlhf.dtypes import dtype_bytes
 from megarlhf.config.schema import RunConfig
+from megarlhf.errors import ConfigError, UserError
 from megarlhf.planner.shapes import ModelShape, resolve_shape
 
 GIB = 2**30
@@ -67,11 +68,11 @@ class Launch:
 
     def __post_init__(self):
         if self.world_size < 1:
-            raise ValueError(f"--gpus must be >= 1, got {self.world_size}")
+            raise UserError(f"--gpus must be >= 1, got {self.world_size}")
         if self.device not in ("gpu", "cpu"):
-            raise ValueError(f"--device must be 'gpu' or 'cpu', got {self.device!r}")
+            raise UserError(f"--device must be 'gpu' or 'cpu', got {self.device!r}")
         if self.device_memory_gib <= 0 or self.reserve_gib < 0:
-            raise ValueError(f"--gpu-mem-gib must be > 0 and --reserve-gib >= 0, got "
+            raise UserError(f"--gpu-mem-gib must be > 0 and --reserve-gib >= 0, got "
                              f"{self.device_memory_gib}, {self.reserve_gib}")
 
 
@@ -236,12 +237,12 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     dp = par.data_parallel_size(launch.world_size)
     if config.train.global_batch_size % dp:
-        raise ValueError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
+        raise ConfigError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
                          f"data-parallel size {dp} ({launch.world_size} ranks / TP x PP x CP "
                          f"{par.model_parallel_size})")
     engine_tp = config.rollout.tensor_parallel_size
     if engine_tp not in (1, launch.world_size):
-        raise ValueError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
+        raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
                          f"world size {launch.world_size}")
     d = dtype_bytes(config.model.dtype)
     max_model_len = config.data.max_prompt_length + config.rollout.response_budget

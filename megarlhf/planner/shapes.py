@@ -23,6 +23,8 @@ from pathlib import Path
 
 from model_providers.base import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 
+from megarlhf.errors import ConfigError, UserError
+
 
 _QWEN25_COMMON = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768)
 PRESETS: dict[str, dict] = {
@@ -70,7 +72,7 @@ class ModelShape:
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size") if k not in config]
         if missing:
-            raise ValueError(f"{name}: the model config lacks {missing} (not a decoder-only LM config?)")
+            raise UserError(f"{name}: the model config lacks {missing} (not a decoder-only LM config?)")
         heads = config["num_attention_heads"]
         return cls(name=name, hidden_size=config["hidden_size"], ffn_size=config["intermediate_size"],
                    num_layers=config["num_hidden_layers"], num_heads=heads,
@@ -87,10 +89,10 @@ class ModelShape:
     def check_layout(self, tp: int, pp: int) -> None:
         # the same rule as model_providers.base.ModelProvider.check_parallel
         if self.num_heads % tp or self.num_kv_heads % tp or self.ffn_size % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "
+            raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "
                              f"heads, {self.num_kv_heads} KV heads and FFN size {self.ffn_size} of {self.name}")
         if self.num_layers % pp:
-            raise ValueError(f"pipeline_model_parallel_size={pp} does not divide the {self.num_layers} layers "
+            raise ConfigError(f"pipeline_model_parallel_size={pp} does not divide the {self.num_layers} layers "
                              f"of {self.name}")
 
     def layer_params(self, tp: int) -> int:
@@ -136,7 +138,7 @@ def _read_config(path: Path) -> dict:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        raise UserError(f"{file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
 
 
 def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape, str]:
@@ -147,7 +149,7 @@ def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape,
             return ModelShape.from_hf_config(preset, arch), f"preset {arch}"
         path = Path(arch)
         if not path.exists():
-            raise ValueError(f"--arch {arch!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+            raise UserError(f"--arch {arch!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                              f"config.json / model directory")
         return ModelShape.from_hf_config(_read_config(path), str(path)), f"{path}"
     path = Path(model_path)
@@ -157,5 +159,5 @@ def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape,
     if preset is not None:
         return (ModelShape.from_hf_config(preset, path.name),
                 f"preset {path.name} (no checkpoint at model.path={model_path!r}; public architecture values)")
-    raise ValueError(f"model.path={model_path!r} has no config.json and its name matches no preset "
+    raise UserError(f"model.path={model_path!r} has no config.json and its name matches no preset "
                      f"({', '.join(PRESETS)}): pass --arch PRESET or --arch path/to/config.json")

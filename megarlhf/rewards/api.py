@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from megarlhf.errors import ConfigError
 from megarlhf.registry import Registry, is_dotted_path, load_object
 
 
@@ -47,7 +48,7 @@ def load_function(path: str) -> Callable:
     """Imports the reward function ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
     fn = load_object(path, "reward function")
     if not callable(fn):
-        raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a callable")
+        raise ConfigError(f"reward function {path!r} is a {type(fn).__name__}, not a callable")
     return fn
 
 
@@ -57,7 +58,7 @@ def resolve_reward(name: str) -> RewardFn:
         return REWARDS.get(name)
     if is_dotted_path(name):
         return load_function(name)
-    raise ValueError(f"unknown reward function {name!r}; known: {', '.join(REWARDS.names())}, "
+    raise ConfigError(f"unknown reward function {name!r}; known: {', '.join(REWARDS.names())}, "
                      f"or a dotted path 'pkg.module:function'")
 
 
@@ -71,7 +72,7 @@ class RewardSpec:
 
     def __post_init__(self):
         if self.name not in REWARDS and not is_dotted_path(self.name):
-            raise ValueError(f"unknown reward function {self.name!r}; known: {', '.join(REWARDS.names())}, "
+            raise ConfigError(f"unknown reward function {self.name!r}; known: {', '.join(REWARDS.names())}, "
                              f"or a dotted path 'pkg.module:function'")
 
 

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from megarlhf.errors import ConfigError
 from megarlhf.rewards.api import RewardConfig, RewardInput
 
 STATS_FILE = "megarlhf_reward_stats.json"
@@ -35,7 +36,7 @@ def check_reward_model(path: str, policy_tokenizer) -> None:
     theirs, ours = AutoTokenizer.from_pretrained(path).get_vocab(), policy_tokenizer.get_vocab()
     if theirs != ours:
         differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
-        raise ValueError(f"reward.reward_model_path={path!r}: its vocabulary differs from the policy's "
+        raise ConfigError(f"reward.reward_model_path={path!r}: its vocabulary differs from the policy's "
                          f"({len(theirs)} vs {len(ours)} tokens; e.g. {differ}): it would score other tokens")
 
 

@@ -19,6 +19,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from megarlhf.errors import ConfigError
 from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward
 from megarlhf.timed_calls import TimedCall, TimedThreadPool
 
@@ -68,7 +69,7 @@ class CombinedReward:
 
     def __init__(self, config: RewardConfig, reward_model: RewardModel | None = None):
         if (reward_model is None) != (config.reward_model_path is None):
-            raise ValueError("reward.reward_model_path and the reward_model slot go together: "
+            raise ConfigError("reward.reward_model_path and the reward_model slot go together: "
                              f"reward_model_path={config.reward_model_path!r}, "
                              f"reward_model={'given' if reward_model is not None else 'None'}")
         self.config = config

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from megarlhf.errors import ConfigError
+
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="YAML recipe (a RunConfig; see examples/)")
@@ -66,9 +68,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     config = _config(args)
     if not config.data.eval_path:
-        raise ValueError("megarlhf eval needs data.eval_path (the held-out prompts)")
+        raise ConfigError("megarlhf eval needs data.eval_path (the held-out prompts)")
     if config.eval_reward is None:
-        raise ValueError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
+        raise ConfigError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
     run = start_run(config)
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)

@@ -26,6 +26,7 @@ import torch
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferenceDataset, load_preference_dataset
+from megarlhf.errors import DataError
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
 from megarlhf.trainers.run import start_run
@@ -42,7 +43,7 @@ from model_providers.value_head import export_reward_model
 def _load(run, path: str) -> PreferenceDataset:
     dataset = load_preference_dataset(path, run.tokenizer, run.config.data, run.config.preference.keys)
     if len(dataset) == 0:
-        raise ValueError(f"{path}: no preference pair is left after dropping {dataset.num_dropped} longer than "
+        raise DataError(f"{path}: no preference pair is left after dropping {dataset.num_dropped} longer than "
                          f"data.max_sequence_length={run.config.data.max_sequence_length}")
     return dataset
 

@@ -14,6 +14,7 @@ from megarlhf.config import save_config
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
+from megarlhf.errors import DataError
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
@@ -68,7 +69,7 @@ class RunContext:
     def load_prompts(self, path: str) -> PromptDataset:
         dataset = load_prompt_dataset(path, self.tokenizer, self.config.data)
         if len(dataset) == 0:
-            raise ValueError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
+            raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                              f"data.max_prompt_length={self.config.data.max_prompt_length}")
         if dataset.num_dropped:
             self.log(f"{path}: dropped {dataset.num_dropped} prompts longer than data.max_prompt_length")
