@@ -65,7 +65,7 @@ def load_object(path: str, what: str) -> Any:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code is reported with the path
         raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                          f"{type(exc).__name__}: {exc}") from exc
     if not hasattr(module, attr):
         raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

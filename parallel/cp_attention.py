@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -297,17 +298,11 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, .
         p_lo, p_hi = segments[prefix]
         keys = torch.cat([k4[:, :, p_lo:p_hi], k4[:, :, lo:hi]], dim=2)
         values = torch.cat([v4[:, :, p_lo:p_hi], v4[:, :, lo:hi]], dim=2)
-        parts.append(F.scaled_dot_product_attention(q4[:, :, lo:hi], keys, values, attn_mask=_prefix_mask(
-            p_hi - p_lo, hi - lo, q.device), scale=scale, enable_gqa=per_group > 1))
+        # [ones | causal] over [prefix keys | own keys] is the causal mask aligned to the lower right: SDPA
+        # takes it as a bias object (no mask tensor is built or cached)
+        parts.append(F.scaled_dot_product_attention(q4[:, :, lo:hi], keys, values, attn_mask=causal_lower_right(
+            hi - lo, p_hi - p_lo + hi - lo), scale=scale, enable_gqa=per_group > 1))
     return torch.cat(parts, dim=2).reshape(b, groups, per_group, s, d)
-
-
-@lru_cache(maxsize=256)
-def _prefix_mask(prefix: int, own: int, device: torch.device) -> Tensor:
-    """[own, prefix + own] bool: every prefix key, then the segment's own keys causally (cached: every
-    layer of a forward asks for the same masks; read-only)."""
-    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.ones(own, prefix, dtype=torch.bool, device=device), causal], dim=1)
 
 
 class ContextParallelAttention(MegatronModule):

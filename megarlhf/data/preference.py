@@ -59,7 +59,7 @@ class PreferenceDataConfig:
                 raise DataError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
         if len(set(keys)) != 3:
             raise DataError(f"PreferenceDataConfig: prompt_key, chosen_key and rejected_key must be three "
-                             f"different keys, got {keys}")
+                            f"different keys, got {keys}")
 
 
 @dataclass
@@ -97,15 +97,15 @@ def _check_type(value: Any, key: str, setting: str, where: str, chat: bool) -> N
         return
     if not isinstance(value, list):
         raise DataError(f"{where}: field {key!r} ({setting}) must be a string or a list of chat messages, "
-                         f"got {type(value).__name__}")
+                        f"got {type(value).__name__}")
     if not chat:
         raise DataError(f"{where}: field {key!r} ({setting}) is a list of chat messages, but no chat template "
-                         f"is used (data.chat_template or a tokenizer without one): give it as a string")
+                        f"is used (data.chat_template or a tokenizer without one): give it as a string")
     for i, message in enumerate(value):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise DataError(f"{where}: field {key!r} ({setting}): message {i} is not a "
-                             f"{{'role': str, 'content': str}} message: {message!r}")
+                            f"{{'role': str, 'content': str}} message: {message!r}")
 
 
 def _as_messages(value: str | list, role: str) -> list[dict[str, str]]:
@@ -122,13 +122,13 @@ def _response_messages(value: str | list, prompt: list[dict], key: str, setting:
     if messages and messages[0]["role"] != "assistant":
         if messages[:len(prompt)] != prompt:
             raise DataError(f"{where}: field {key!r} ({setting}) is a conversation that does not begin with the "
-                             f"prompt's messages; give the whole conversation or only the turns after the prompt")
+                            f"prompt's messages; give the whole conversation or only the turns after the prompt")
         messages = messages[len(prompt):]
     if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
         raise DataError(f"{where}: field {key!r} ({setting}) is an empty response")
     if messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: field {key!r} ({setting}): the response must start and end with an "
-                         f"assistant message, got roles {[m['role'] for m in messages]}")
+                        f"assistant message, got roles {[m['role'] for m in messages]}")
     return messages
 
 
@@ -183,7 +183,7 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
             text = f"{data.system_prompt}\n\n{text}"
         if tokenizer.eos_token_id is None:
             raise DataError("preference pairs in plain mode append EOS to each response, but the tokenizer "
-                             "has no eos token")
+                            "has no eos token")
         prompt_ids = encode_text(tokenizer, text, special=True)
         prompt_len = len(prompt_ids)
         for setting in ("chosen_key", "rejected_key"):
@@ -192,7 +192,7 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
     (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = sides["chosen_key"], sides["rejected_key"]
     if chosen_ids == rejected_ids:
         raise DataError(f"{where}: fields {keys.chosen_key!r} and {keys.rejected_key!r} give the same tokens; "
-                         f"a pair with identical responses carries no preference")
+                        f"a pair with identical responses carries no preference")
     return PreferencePair(index, prompt_len, chosen_ids, chosen_mask, rejected_ids, rejected_mask)
 
 
@@ -203,7 +203,7 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
     keys = PreferenceDataConfig() if keys is None else keys
     if data.messages_key is not None:
         raise DataError(f"data.messages_key is not read for preference pairs: a row's prompt "
-                         f"({keys.prompt_key!r}) may itself be a list of chat messages; unset data.messages_key")
+                        f"({keys.prompt_key!r}) may itself be a list of chat messages; unset data.messages_key")
     if locations is None:
         locations = [f"{source} row {i + 1}" for i in range(len(rows))]
     chat = uses_chat_template(tokenizer, data)
@@ -217,7 +217,7 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
                        "%d tokens", source, dropped, len(pairs), limit)
     if not kept:
         raise DataError(f"{source}: no preference pair is left after filtering ({len(rows)} rows, "
-                         f"data.max_sequence_length={limit})")
+                        f"data.max_sequence_length={limit})")
     return PreferenceDataset(kept, dropped, source)
 
 

@@ -61,7 +61,7 @@ def row_messages(row: dict, config: DataConfig, where: str) -> list[dict[str, st
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
             raise DataError(f"{where}: field {config.messages_key!r} must be a non-empty list of "
-                             f"{{'role': str, 'content': str}} messages")
+                            f"{{'role': str, 'content': str}} messages")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     else:
         messages = [{"role": "user", "content": text_field(row, config.prompt_key, "prompt_key", where)}]
@@ -90,8 +90,8 @@ def render_prompt(row: dict, tokenizer, config: DataConfig, chat: bool, where: s
                                              add_generation_prompt=True)
     if config.messages_key is not None:
         raise DataError(f"{where}: data.messages_key is set but prompts are plain text (data.chat_template="
-                         f"{config.chat_template!r}, tokenizer template: "
-                         f"{'yes' if getattr(tokenizer, 'chat_template', None) else 'none'})")
+                        f"{config.chat_template!r}, tokenizer template: "
+                        f"{'yes' if getattr(tokenizer, 'chat_template', None) else 'none'})")
     text = text_field(row, config.prompt_key, "prompt_key", where)
     return text if config.system_prompt is None else f"{config.system_prompt}\n\n{text}"
 
@@ -114,7 +114,7 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
                        source, dropped, len(rows), config.max_prompt_length)
     if not examples:
         raise DataError(f"{source}: no prompt is left after filtering ({len(rows)} rows, "
-                         f"data.max_prompt_length={config.max_prompt_length})")
+                        f"data.max_prompt_length={config.max_prompt_length})")
     if all(e.ground_truth is None for e in examples):
         logger.warning("%s: no row has the answer field %r (data.answer_key); ground truths are None",
                        source, config.answer_key)

@@ -26,7 +26,7 @@ class PromptSampler:
             raise DataError(f"PromptSampler: the dataset is empty (num_examples={num_examples})")
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise DataError(f"PromptSampler: global batch size {global_batch_size} must be a positive "
-                             f"multiple of the data-parallel size {dp_size}")
+                            f"multiple of the data-parallel size {dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"PromptSampler: dp_rank {dp_rank} is not in [0, {dp_size})")
         self.num_examples, self.global_batch_size, self.seed, self.shuffle = (
@@ -72,5 +72,5 @@ class PromptSampler:
         for key in ("seed", "num_examples", "shuffle"):
             if state[key] != getattr(self, key):
                 raise DataError(f"PromptSampler.load_state_dict: the saved {key} is {state[key]!r} but this "
-                                 f"sampler's is {getattr(self, key)!r}; resuming would draw another sequence")
+                                f"sampler's is {getattr(self, key)!r}; resuming would draw another sequence")
         self.consumed = int(state["consumed"])

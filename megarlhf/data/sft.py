@@ -68,8 +68,8 @@ def render_with_loss_mask(messages: list[dict], tokenizer, first: int, where: st
         after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (before.startswith(done) and after.startswith(before)):
             raise DataError(f"{where}: the chat template does not render message {i} as an extension of the "
-                             f"conversation before it, so response tokens cannot be masked exactly; "
-                             f"use plain-text rows with data.chat_template=never")
+                            f"conversation before it, so response tokens cannot be masked exactly; "
+                            f"use plain-text rows with data.chat_template=never")
         segments += [(before[len(done):], 0), (after[len(before):], 1)]
         done = after
     full = tokenizer.apply_chat_template(messages, tokenize=False)

@@ -92,7 +92,7 @@ def read_records(path: str, split: str | None = None) -> list[dict[str, Any]]:
 
         return pq.read_table(p).to_pylist()
     raise DataError(f"data file {str(p)!r}: unsupported extension {suffix!r}; use .jsonl, .parquet "
-                     f"or a datasets save_to_disk directory")
+                    f"or a datasets save_to_disk directory")
 
 
 def _read_dataset_dir(path: Path, split: str | None) -> list[dict[str, Any]]:
@@ -105,6 +105,6 @@ def _read_dataset_dir(path: Path, split: str | None) -> list[dict[str, Any]]:
     if isinstance(data, datasets.DatasetDict):
         if split is None or split not in data:
             raise DataError(f"data directory {str(path)!r} holds splits {sorted(data)}; set data.split "
-                             f"to one of them (got {split!r})")
+                            f"to one of them (got {split!r})")
         data = data[split]
     return data.to_list()

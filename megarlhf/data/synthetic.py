@@ -158,7 +158,7 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
     unknown = set(ops) - set(SYMBOLS)
     if unknown or not ops or not 1 <= min_steps <= max_steps or max_value < 2:
         raise DataError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), min_steps={min_steps} and "
-                         f"max_steps={max_steps} (1 <= min_steps <= max_steps), max_value={max_value} (>= 2)")
+                        f"max_steps={max_steps} (1 <= min_steps <= max_steps), max_value={max_value} (>= 2)")
     rng = random.Random(f"{seed}-{'heldout' if heldout else 'train'}")
     rows, seen = [], set()
     for _ in range(200 * n + 1000):
@@ -175,7 +175,7 @@ def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_val
                      "work": work})
     if len(rows) < n:
         raise DataError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
-                         f"of {n} asked; raise max_value or max_steps")
+                        f"of {n} asked; raise max_value or max_steps")
     return rows
 
 

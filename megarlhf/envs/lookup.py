@@ -38,7 +38,7 @@ class LookupTable:
             normalized = _normalize(key)
             if normalized in self._entries:
                 raise DataError(f"{source}: keys {self._entries[normalized][0]!r} and {key!r} are the same "
-                                 f"key (lookups ignore case and surrounding spaces)")
+                                f"key (lookups ignore case and surrounding spaces)")
             self._entries[normalized] = (key, _as_text(value))
 
     def __len__(self) -> int:
@@ -75,7 +75,7 @@ def _load(path: str, mtime_ns: int, key_field: str, value_field: str) -> LookupT
                 raise DataError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
             if not isinstance(record, dict) or key_field not in record or value_field not in record:
                 raise DataError(f"{path}:{number}: expected an object with fields {key_field!r} and "
-                                 f"{value_field!r}, got {line.strip()[:80]!r}")
+                                f"{value_field!r}, got {line.strip()[:80]!r}")
             if record[key_field] in entries:
                 raise DataError(f"{path}:{number}: key {record[key_field]!r} appears twice")
             entries[record[key_field]] = record[value_field]
@@ -104,7 +104,7 @@ def lookup_env(metadata: dict, table: Mapping[str, Any] | None = None, path: str
     """A stateless episode with one tool, ``lookup(key)``, over ``table`` (a dict) or the file ``path``."""
     if (table is None) == (path is None):
         raise ConfigError("the lookup environment needs exactly one of kwargs 'table' (a mapping) or "
-                         f"'path' (a .json/.jsonl file), got table={'set' if table is not None else None}, "
-                         f"path={path!r}")
+                          f"'path' (a .json/.jsonl file), got table={'set' if table is not None else None}, "
+                          f"path={path!r}")
     lookup_table = LookupTable(table) if table is not None else LookupTable.from_file(path, key_field, value_field)
     return ToolEpisode([LOOKUP_TOOL], {"lookup": lookup_table.lookup})

@@ -73,7 +73,7 @@ class Launch:
             raise UserError(f"--device must be 'gpu' or 'cpu', got {self.device!r}")
         if self.device_memory_gib <= 0 or self.reserve_gib < 0:
             raise UserError(f"--gpu-mem-gib must be > 0 and --reserve-gib >= 0, got "
-                             f"{self.device_memory_gib}, {self.reserve_gib}")
+                            f"{self.device_memory_gib}, {self.reserve_gib}")
 
 
 @dataclass
@@ -238,12 +238,12 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     dp = par.data_parallel_size(launch.world_size)
     if config.train.global_batch_size % dp:
         raise ConfigError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
-                         f"data-parallel size {dp} ({launch.world_size} ranks / TP x PP x CP "
-                         f"{par.model_parallel_size})")
+                          f"data-parallel size {dp} ({launch.world_size} ranks / TP x PP x CP "
+                          f"{par.model_parallel_size})")
     engine_tp = config.rollout.tensor_parallel_size
     if engine_tp not in (1, launch.world_size):
         raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
-                         f"world size {launch.world_size}")
+                          f"world size {launch.world_size}")
     d = dtype_bytes(config.model.dtype)
     max_model_len = config.data.max_prompt_length + config.rollout.response_budget
     engine = {"engine_weights": shape.total_params() * d // engine_tp,

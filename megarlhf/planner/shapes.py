@@ -90,10 +90,10 @@ class ModelShape:
         # the same rule as model_providers.base.ModelProvider.check_parallel
         if self.num_heads % tp or self.num_kv_heads % tp or self.ffn_size % tp:
             raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "
-                             f"heads, {self.num_kv_heads} KV heads and FFN size {self.ffn_size} of {self.name}")
+                              f"heads, {self.num_kv_heads} KV heads and FFN size {self.ffn_size} of {self.name}")
         if self.num_layers % pp:
             raise ConfigError(f"pipeline_model_parallel_size={pp} does not divide the {self.num_layers} layers "
-                             f"of {self.name}")
+                              f"of {self.name}")
 
     def layer_params(self, tp: int) -> int:
         """One transformer layer's parameters on one TP rank."""
@@ -150,7 +150,7 @@ def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape,
         path = Path(arch)
         if not path.exists():
             raise UserError(f"--arch {arch!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
-                             f"config.json / model directory")
+                            f"config.json / model directory")
         return ModelShape.from_hf_config(_read_config(path), str(path)), f"{path}"
     path = Path(model_path)
     if (path / "config.json").is_file():
@@ -160,4 +160,4 @@ def resolve_shape(model_path: str, arch: str | None = None) -> tuple[ModelShape,
         return (ModelShape.from_hf_config(preset, path.name),
                 f"preset {path.name} (no checkpoint at model.path={model_path!r}; public architecture values)")
     raise UserError(f"model.path={model_path!r} has no config.json and its name matches no preset "
-                     f"({', '.join(PRESETS)}): pass --arch PRESET or --arch path/to/config.json")
+                    f"({', '.join(PRESETS)}): pass --arch PRESET or --arch path/to/config.json")

@@ -59,7 +59,7 @@ def resolve_reward(name: str) -> RewardFn:
     if is_dotted_path(name):
         return load_function(name)
     raise ConfigError(f"unknown reward function {name!r}; known: {', '.join(REWARDS.names())}, "
-                     f"or a dotted path 'pkg.module:function'")
+                      f"or a dotted path 'pkg.module:function'")
 
 
 @dataclass
@@ -73,7 +73,7 @@ class RewardSpec:
     def __post_init__(self):
         if self.name not in REWARDS and not is_dotted_path(self.name):
             raise ConfigError(f"unknown reward function {self.name!r}; known: {', '.join(REWARDS.names())}, "
-                             f"or a dotted path 'pkg.module:function'")
+                              f"or a dotted path 'pkg.module:function'")
 
 
 @dataclass

@@ -37,7 +37,7 @@ def check_reward_model(path: str, policy_tokenizer) -> None:
     if theirs != ours:
         differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
         raise ConfigError(f"reward.reward_model_path={path!r}: its vocabulary differs from the policy's "
-                         f"({len(theirs)} vs {len(ours)} tokens; e.g. {differ}): it would score other tokens")
+                          f"({len(theirs)} vs {len(ours)} tokens; e.g. {differ}): it would score other tokens")
 
 
 class LearnedReward:

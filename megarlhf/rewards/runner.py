@@ -70,8 +70,8 @@ class CombinedReward:
     def __init__(self, config: RewardConfig, reward_model: RewardModel | None = None):
         if (reward_model is None) != (config.reward_model_path is None):
             raise ConfigError("reward.reward_model_path and the reward_model slot go together: "
-                             f"reward_model_path={config.reward_model_path!r}, "
-                             f"reward_model={'given' if reward_model is not None else 'None'}")
+                              f"reward_model_path={config.reward_model_path!r}, "
+                              f"reward_model={'given' if reward_model is not None else 'None'}")
         self.config = config
         self.terms = [(spec.name, spec.weight, resolve_reward(spec.name), dict(spec.kwargs))
                       for spec in config.functions]

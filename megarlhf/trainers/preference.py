@@ -44,7 +44,7 @@ def _load(run, path: str) -> PreferenceDataset:
     dataset = load_preference_dataset(path, run.tokenizer, run.config.data, run.config.preference.keys)
     if len(dataset) == 0:
         raise DataError(f"{path}: no preference pair is left after dropping {dataset.num_dropped} longer than "
-                         f"data.max_sequence_length={run.config.data.max_sequence_length}")
+                        f"data.max_sequence_length={run.config.data.max_sequence_length}")
     return dataset
 
 

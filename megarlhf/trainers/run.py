@@ -15,6 +15,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.errors import DataError
+from megarlhf.training.step import prefix_sharing_notice
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
@@ -70,7 +71,7 @@ class RunContext:
         dataset = load_prompt_dataset(path, self.tokenizer, self.config.data)
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
-                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
+                            f"data.max_prompt_length={self.config.data.max_prompt_length}")
         if dataset.num_dropped:
             self.log(f"{path}: dropped {dataset.num_dropped} prompts longer than data.max_prompt_length")
         return dataset
@@ -103,4 +104,8 @@ def start_run(config: RunConfig) -> RunContext:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)
+    run = RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)
+    notice = None if runtime.is_engine_rank else prefix_sharing_notice(config, runtime)
+    if notice:
+        run.log(notice)
+    return run

@@ -167,13 +167,42 @@ def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | N
     return dataclasses.replace(normaliser, grad_average_factor=runtime.dp_cp.size)
 
 
+def prefix_sharing_off_reason(config, runtime: Runtime) -> str | None:
+    """Why shared prompt prefixes are off although ``train.share_prompt_prefix`` asks for them (None: they
+    are on, or not asked for)."""
+    if not config.train.share_prompt_prefix:
+        return None
+    if not config.train.packing:
+        return "train.packing=false (shared prefixes live in packed rows)"
+    if runtime.cp.size != 1:
+        return f"context_parallel_size={runtime.cp.size} (shared prefixes need 1)"
+    if not shared_prefix_supported():
+        return "Transformer Engine's attention is in use and cannot take a prefix mask"
+    return None
+
+
+def prefix_sharing_notice(config, runtime: Runtime) -> str | None:
+    """The start-up line of a run whose shared prompt prefixes are off against the config (None: nothing
+    to say), so that nobody reads whole-sequence numbers as shared-prefix ones."""
+    reason = prefix_sharing_off_reason(config, runtime)
+    if reason is None:
+        return None
+    return (f"train.share_prompt_prefix=true, but prompts are computed once per sample, not once per group: "
+            f"{reason}; train/shared_prefix_tokens_saved stays 0")
+
+
+def tokens_saved_by_sharing(micro_batches: list[MicroBatch]) -> int:
+    """Tokens the shared prefixes of ``micro_batches`` spare the model (host integers: no device read)."""
+    return sum(sum(mb.host_lengths) - mb.num_tokens for mb in micro_batches)
+
+
 def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime,
                       groups=None) -> list[MicroBatch]:
     """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing
     (``groups`` of rows kept in one micro-batch, e.g. preference pairs), with shared prompt prefixes where
-    ``train.share_prompt_prefix`` asks and the layout allows (packed, CP = 1, megarlhf's attention)."""
-    share = (config.train.share_prompt_prefix and config.train.packing and runtime.cp.size == 1
-             and shared_prefix_supported())
+    ``train.share_prompt_prefix`` asks and the layout allows (packed, CP = 1, megarlhf's attention:
+    :func:`prefix_sharing_off_reason`)."""
+    share = config.train.share_prompt_prefix and prefix_sharing_off_reason(config, runtime) is None
     return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
                                packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
                                cp_group=runtime.cp.group, groups=groups, share_prefixes=share)

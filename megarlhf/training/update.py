@@ -26,7 +26,9 @@ Metrics (means over the optimizer steps of the call; token-level ones are global
 ``actor/pg_loss`` (the aggregated policy loss), ``actor/loss`` (everything), ``actor/kl_loss``,
 ``actor/ppo_kl``, ``actor/clip_fraction``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` (of
 the last step), ``actor/skipped_steps``, and the ``mismatch/*`` metrics; ``critic/value_loss``,
-``critic/value_clip_fraction``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped_steps``.
+``critic/value_clip_fraction``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped_steps``;
+``train/shared_prefix_tokens_saved``: the tokens shared prompt prefixes spared the actor's training
+forwards of the call (all optimizer steps, all DP ranks; 0 when sharing is off).
 
 Hand-written because it is the project's composition of the registered numerics and Megatron's step.
 """
@@ -45,10 +47,10 @@ from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
 from megarlhf.training.step import (StepResult, loss_normaliser, micro_batches_for, optimizer_step,
-                                    skipped_step)
+                                    skipped_step, tokens_saved_by_sharing)
 from parallel.runtime import Runtime
 
-ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy"]
+ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy", "prefix_tokens_saved"]
 # every response token of the mini-batch is masked out (e.g. DAPO groups with equal rewards, or gap masking)
 NOTHING_TO_TRAIN = "no response token to train on in this mini-batch on any rank"
 CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
@@ -135,6 +137,7 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
                 "clip_fraction": result.metrics["policy/clip_fraction"] * tokens,
                 "ppo_kl": result.metrics["policy/ppo_kl"] * tokens,
                 "entropy": torch.where(m, out["entropy"], 0.0).sum(),
+                "prefix_tokens_saved": float(tokens_saved_by_sharing([mb])),  # host integers
             }
         return share, metrics
 
@@ -212,6 +215,7 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         metrics.update(_global_mismatch_metrics(corrected.metrics, mask, runtime))
     metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
                                   ("loss", "pg_loss", "kl_loss")))
+    metrics["train/shared_prefix_tokens_saved"] = sum(r.metrics["prefix_tokens_saved"] for r in results)
     return metrics
 
 

@@ -56,6 +56,7 @@ def test_shared_prompt_prefix_gives_the_whole_sequences_log_probs(runtime, tiny_
     import torch
 
     from megarlhf.training import ExperienceBatch, build_actor, compute_logprobs
+    from megarlhf.training.step import micro_batches_for, prefix_sharing_off_reason, tokens_saved_by_sharing
 
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []
@@ -73,6 +74,11 @@ def test_shared_prompt_prefix_gives_the_whole_sequences_log_probs(runtime, tiny_
         actor = build_actor(config, runtime)
         for share in (True, False):
             config.train.share_prompt_prefix = share
+            if share:  # else this would compare whole sequences with whole sequences
+                assert prefix_sharing_off_reason(config, runtime) is None, prefix_sharing_off_reason(config, runtime)
+                saved = tokens_saved_by_sharing(micro_batches_for(batch.input_ids, batch.lengths, mask, config,
+                                                                  runtime))
+                assert saved > 0, "shared prefixes were asked for but nothing was shared"
             results[(dtype, share)] = compute_logprobs(actor, batch, config).float()
     reference = results[("float32", False)]
     fp32_gap = float((results[("float32", True)] - reference)[mask].abs().max())

@@ -41,6 +41,7 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     for record in records[:2]:
         missing = [k for k in ALWAYS + (["critic/value_loss"] if estimator == "gae" else []) if record.get(k) is None]
         assert not missing, f"step {record['step']} lacks {missing}"
+        assert record["train/shared_prefix_tokens_saved"] > 0  # 4 samples per prompt share it
     step0 = records[0]
     assert abs(step0["actor/ppo_kl"]) < 1e-6
     gates = FLOORS[dtype]  # the tiny model calibrates below the floors

@@ -56,3 +56,44 @@ def test_non_finite_check_reads_the_device_once(monkeypatch):
     params, grads = _nonfinite(model)
     assert (params, grads) == (["1.bias"], ["3.weight", "4.weight"])
     assert reads == ["tolist"]
+
+
+def test_shared_prefixes_off_against_the_config_are_announced(monkeypatch):
+    """Where the layout or the attention backend turns sharing off, the reason is named at start-up and
+    nothing is shared (the metric then stays 0), instead of silently comparing whole with whole."""
+    from types import SimpleNamespace
+
+    from megarlhf.config.schema import TrainConfig
+    from megarlhf.training import step
+
+    def runtime(cp):
+        return SimpleNamespace(cp=SimpleNamespace(size=cp))
+
+    config = SimpleNamespace(train=TrainConfig())
+    assert step.prefix_sharing_off_reason(config, runtime(1)) is None
+    assert step.prefix_sharing_notice(config, runtime(1)) is None
+    assert "context_parallel_size=2" in step.prefix_sharing_notice(config, runtime(2))
+    monkeypatch.setattr(step, "shared_prefix_supported", lambda: False)  # a GPU with Transformer Engine
+    notice = step.prefix_sharing_notice(config, runtime(1))
+    assert "Transformer Engine" in notice and "train/shared_prefix_tokens_saved stays 0" in notice
+    config.train.share_prompt_prefix = False  # not asked for: nothing to say
+    assert step.prefix_sharing_notice(config, runtime(1)) is None
+    config = SimpleNamespace(train=TrainConfig(packing=False))
+    monkeypatch.setattr(step, "shared_prefix_supported", lambda: True)
+    assert "train.packing=false" in step.prefix_sharing_notice(config, runtime(1))
+
+
+def test_tokens_saved_by_sharing_counts_the_prefix_once_per_tree():
+    import torch
+
+    from megarlhf.training import ExperienceBatch
+    from megarlhf.training.packing import build_micro_batches
+    from megarlhf.training.step import tokens_saved_by_sharing
+
+    prompt = [5, 6, 7, 8, 9]
+    batch = ExperienceBatch.from_sequences([prompt] * 3 + [[1, 2]], [[10, 11], [12], [13, 14, 15], [16, 17]],
+                                           device=torch.device("cpu"))
+    shared = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 64, share_prefixes=True)
+    whole = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 64, share_prefixes=False)
+    # the three rows with the 5-token prompt hold its first 4 tokens once: 2 x 4 tokens spared
+    assert tokens_saved_by_sharing(shared) == 8 and tokens_saved_by_sharing(whole) == 0
