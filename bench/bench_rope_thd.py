@@ -1,4 +1,4 @@
-"""RoPE on packed (thd) sequences: Megatron's per-sequence loop vs cpu_compat's vectorised patch (patch 5).
+"""RoPE on packed (thd) sequences: Megatron's per-sequence loop vs parallel.megatron_fallbacks' vectorised one.
 
 Both variants run forward + backward of RoPE on the same packed query tensor, as attention does (twice
 per layer: query and key). The shape is an RL/SFT micro-batch of the demo: many short sequences.
@@ -46,9 +46,9 @@ def main() -> None:
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    from parallel import cpu_compat
+    from parallel import megatron_fallbacks
 
-    cpu_compat.activate()
+    megatron_fallbacks.install()
     patched = rope_utils._apply_rotary_pos_emb_thd
     megatron = patched.__wrapped__
     g = torch.Generator().manual_seed(0)

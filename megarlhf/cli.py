@@ -26,6 +26,7 @@ from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.checkpoint import fetch as fetch_command
 from megarlhf.errors import UserError
+from parallel.config import LayoutError
 from megarlhf.planner import command as plan_command
 from megarlhf.registry import Registry
 from megarlhf.trainers import commands as trainer_commands
@@ -98,8 +99,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 # Problems with what the user gave, whose message is the whole story (megarlhf.errors), and paths the user
 # named that cannot be read or written. Any other exception is megarlhf's own and keeps its traceback.
-USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-               PermissionError)
+USER_ERRORS = (UserError, LayoutError, FileNotFoundError, FileExistsError, IsADirectoryError,
+               NotADirectoryError, PermissionError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

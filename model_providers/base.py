@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megarlhf.errors import UserError
 from model_providers.mapping import REPLICATED, VOCAB, ShardContext, WeightMapping
 from parallel import cpu_compat
-from parallel.config import ParallelConfig
+from parallel.config import LayoutError, ParallelConfig
 
 # Megatron-Core's usual padding unit: the padded vocab is a multiple of this times the TP size.
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -133,17 +133,17 @@ class ModelProvider:
     def check_parallel(self, parallel: ParallelConfig) -> None:
         c, tp, pp = self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         if c.num_attention_heads % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} does not divide num_attention_heads="
-                             f"{c.num_attention_heads} of this {self.model_type} model")
+            raise LayoutError(f"tensor_model_parallel_size={tp} does not divide num_attention_heads="
+                              f"{c.num_attention_heads} of this {self.model_type} model")
         if self.num_query_groups % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} does not divide num_key_value_heads="
-                             f"{self.num_query_groups} (query groups) of this {self.model_type} model")
+            raise LayoutError(f"tensor_model_parallel_size={tp} does not divide num_key_value_heads="
+                              f"{self.num_query_groups} (query groups) of this {self.model_type} model")
         if c.intermediate_size % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} does not divide intermediate_size="
-                             f"{c.intermediate_size} of this {self.model_type} model")
+            raise LayoutError(f"tensor_model_parallel_size={tp} does not divide intermediate_size="
+                              f"{c.intermediate_size} of this {self.model_type} model")
         if c.num_hidden_layers % pp:
-            raise ValueError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
-                             f"{c.num_hidden_layers} of this {self.model_type} model")
+            raise LayoutError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
+                              f"{c.num_hidden_layers} of this {self.model_type} model")
 
     def transformer_config(self, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
                            **overrides):

@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class LayoutError(ValueError):
+    """A parallel layout that the job's ranks or the model cannot take (the message names the sizes). A
+    problem with the user's config: the command line prints it as one line."""
+
+
 @dataclass
 class ParallelConfig:
     """How one model is split over the ranks of a job.
@@ -29,12 +34,12 @@ class ParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+                raise LayoutError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
 
     def validate(self, world_size: int) -> None:
         """Raises unless the layout divides ``world_size`` ranks."""
         if world_size % self.model_parallel_size:
-            raise ValueError(
+            raise LayoutError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size "
                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
                 f"({self.pipeline_model_parallel_size}) x context_parallel_size ({self.context_parallel_size}) "

@@ -31,15 +31,9 @@ Patches (every one of them, and why):
    ``use_cpu_initialization`` (no CUDA init path), every fused kernel off (they are CUDA/TE/apex
    kernels), ``persist_layer_norm=False`` and ``batch_p2p_comm=False`` (gloo has no batched P2P).
    Code that builds a TransformerConfig merges it in; on GPU it is empty.
-5. RoPE on packed (``thd``) sequences: with the fused kernel off (patch 4), Megatron's
-   ``_apply_rotary_pos_emb_thd`` applies RoPE one packed sequence at a time in a Python loop, twice
-   per layer; RL and SFT micro-batches pack dozens of short sequences (bench/bench_rope_thd.py: 5.5x
-   faster on 64 sequences; the demo's SFT step ~5% faster). :func:`_rope_thd_vectorised` gathers each token's frequencies by its position
-   within its sequence and applies Megatron's own bshd formula once to the whole packed tensor (the
-   same arithmetic, bitwise equal); a whole-row table (one row per token, Megatron's "packed freqs",
-   which every packed row at CP = 1 uses: :class:`parallel.shared_prefix.TokenPositionGPTModel`) is
-   applied the same way without its per-sequence slicing loop and without reading ``cu_seqlens`` back.
-   Calls with context parallelism (CP > 1) go to Megatron's function unchanged.
+
+(Packed-sequence RoPE without Megatron's per-sequence loop is not a CPU matter: it lives in
+:mod:`parallel.megatron_fallbacks`, on every device.)
 
 Not patched, because it cannot work here: context parallelism in Megatron's local attention (megarlhf
 has its own CP attention in :mod:`parallel.context_parallel`) and sequence parallelism.
@@ -160,41 +154,6 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_RngMessageFilter())
 
 
-def _rope_thd_vectorised(original):
-    """Patch 5: Megatron's ``_apply_rotary_pos_emb_thd`` without the per-sequence loop (CP = 1)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
-              cp_group=None, multi_latent_attention=None):
-        if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None:
-            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
-                            multi_latent_attention=multi_latent_attention)
-        total = t.size(0)
-        if freqs.size(0) == total:  # Megatron's "packed freqs": already one row per token (no device read)
-            per_token = freqs
-        elif int(cu_seqlens[-1].item()) != total:
-            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
-                            multi_latent_attention=multi_latent_attention)
-        else:
-            starts = cu_seqlens[:-1].long()
-            lengths = cu_seqlens[1:].long() - starts
-            per_token = freqs[torch.arange(total, device=t.device) - torch.repeat_interleave(starts, lengths)]
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), per_token, rotary_interleaved=rotary_interleaved,
-            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
-
-    apply.__wrapped__ = original
-    return apply
-
-
-def _patch_megatron_rope() -> None:
-    from megatron.core.models.common.embeddings import rope_utils
-
-    rope_utils._apply_rotary_pos_emb_thd = _rope_thd_vectorised(rope_utils._apply_rotary_pos_emb_thd)
-
-
 def is_active() -> bool:
     return _MODE is not None
 
@@ -210,7 +169,6 @@ def activate() -> bool:
     if _MODE is None:
         _patch_torch_cuda()
         _patch_megatron_rng()
-        _patch_megatron_rope()
         _MODE = _CudaToCpu()
         _MODE.__enter__()
     return True

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import cpu_compat, megatron_fallbacks
-from parallel.config import ParallelConfig
+from parallel.config import LayoutError, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -309,8 +309,8 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     """
     world_size = read_launch_env().world_size
     if not 1 <= num_trainer_ranks < world_size:
-        raise ValueError(f"init_disaggregated: num_trainer_ranks={num_trainer_ranks} must leave at least one of "
-                         f"the {world_size} ranks for rollout engines and keep at least one trainer")
+        raise LayoutError(f"init_disaggregated: num_trainer_ranks={num_trainer_ranks} must leave at least one of "
+                          f"the {world_size} ranks for rollout engines and keep at least one trainer")
     config.validate(num_trainer_ranks)
     launch = init_distributed(backend)
     _initialize_megatron(config, local_world_size=num_trainer_ranks)

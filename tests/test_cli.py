@@ -112,9 +112,14 @@ def _command_raising(monkeypatch, error: BaseException) -> None:
 
 def test_user_errors_are_one_line_naming_the_file(monkeypatch, capsys):
     from megarlhf.errors import ConfigError, DataError
+    from parallel.config import LayoutError, ParallelConfig
 
+    try:
+        ParallelConfig(tensor_model_parallel_size=3).validate(4)
+    except LayoutError as err:
+        layout = err
     for error in (DataError("prompts.jsonl:7: malformed JSON line (Expecting value at column 1)"),
-                  ConfigError("optim.lr: 'fast' is not a valid float"),
+                  ConfigError("optim.lr: 'fast' is not a valid float"), layout,
                   FileNotFoundError(2, "No such file or directory", "runs/x/config.yaml")):
         _command_raising(monkeypatch, error)
         assert cli.main(["plan", "recipe.yaml"]) == 1

@@ -102,10 +102,10 @@ class PreferenceLossInputs:
             tensor = getattr(self, name)
             if tensor is not None and not tensor.is_floating_point():
                 raise ValueError(f"{where}: {name} must be a floating tensor, got {tensor.dtype}")
-        for name in ("chosen_lengths", "rejected_lengths"):
-            short = (getattr(self, name) < 1).nonzero().flatten().tolist()
-            if short:
-                raise ValueError(f"{where}: {name} must be >= 1 (response tokens); pairs {short} are not")
+        # Checked on the device without reading it back (the trainer builds these per micro-batch; a read
+        # would stall a GPU's queue): on CPU a violation raises here, on a GPU the assertion fails the device.
+        torch._assert_async(((self.chosen_lengths >= 1) & (self.rejected_lengths >= 1)).all(),
+                            f"{where}: chosen_lengths and rejected_lengths must be >= 1 (response tokens)")
 
 
 @dataclass

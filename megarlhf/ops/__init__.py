@@ -17,9 +17,11 @@ _BACKENDS = ("auto", "torch", "triton")
 
 def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     mask: torch.Tensor | None = None, *, tp_group=None, temperature: float = 1.0,
-                    chunk_size: int = 4096, compute_entropy: bool = True, backend: str = "auto"):
+                    chunk_size: int = 4096, compute_entropy: bool = True, backend: str = "auto",
+                    check_targets: bool = True):
     """(logprobs [N], entropy [N] or None), fp32; see ``fused_logprob.fused_logprob_entropy``.
 
+    check_targets=False skips the targets' range check (one device read) for a caller that made it.
     backend: "auto" (Triton for CUDA inputs when importable, else torch), "torch" or "triton"
     ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the torch
     backend's vocab chunk; the Triton backend tiles by its own block sizes.
@@ -33,10 +35,11 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         # imported lazily: Triton decides at import time whether kernels run interpreted
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
         return triton_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
-                                      temperature=temperature, compute_entropy=compute_entropy)
+                                      temperature=temperature, compute_entropy=compute_entropy,
+                                      check_targets=check_targets)
     return fused_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
                                  temperature=temperature, chunk_size=chunk_size,
-                                 compute_entropy=compute_entropy)
+                                 compute_entropy=compute_entropy, check_targets=check_targets)
 
 
 __all__ = ["logprob_entropy", "fused_logprob_entropy"]

@@ -76,7 +76,7 @@ def tp_rank_and_size(tp_group) -> tuple[int, int]:
 
 
 def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
-                 vocab_start: int, vocab_local: int, vocab_total: int):
+                 vocab_start: int, vocab_local: int, vocab_total: int, check_targets: bool = True):
     """Picks the unmasked rows; returns (rows index or None, hidden rows, local targets, in-shard).
 
     Local targets are ``target - vocab_start``, set to 0 where the target lives on another rank;
@@ -86,11 +86,11 @@ def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     if mask is not None:
         idx = mask.nonzero().squeeze(1)
         hidden, targets = hidden[idx], targets[idx]
-    # Checked on the device, without reading it back (a read per micro-batch would stall a GPU's queue):
-    # on CPU a bad target raises here; on a GPU the assertion fails the device.
-    torch._assert_async(((targets >= 0) & (targets < vocab_total)).all(),
-                        f"logprob op: targets of unmasked tokens must lie in [0, {vocab_total}) "
-                        f"(the padded vocab over all TP ranks)")
+    # a host read: a caller that checked its targets already (the trainer, once per pass) turns it off
+    if check_targets and targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_total):
+        raise ValueError(f"logprob op: targets of unmasked tokens must lie in [0, {vocab_total}) "
+                         f"(the padded vocab over all TP ranks); got range "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
     local = targets.long() - vocab_start
     in_shard = (local >= 0) & (local < vocab_local)
     return idx, hidden, torch.where(in_shard, local, 0).contiguous(), in_shard
@@ -103,7 +103,8 @@ def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n: int) -> tor
     return values.new_zeros(n).index_put((idx,), values)
 
 
-def apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy: bool):
+def apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy: bool,
+                           check_targets: bool = True):
     """Runs ``apply(x, local_t, in_shard, tp_size) -> (logprob, entropy)`` on the unmasked rows only.
 
     Shared by the torch and Triton backends: row selection, target localisation to this rank's
@@ -112,7 +113,7 @@ def apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compu
     rank, tp_size = tp_rank_and_size(tp_group)
     v_local = weight.shape[0]
     idx, x, local_t, in_shard = _select_rows(hidden, targets, mask, rank * v_local, v_local,
-                                             v_local * tp_size)
+                                             v_local * tp_size, check_targets)
     n = hidden.shape[0]
     if x.shape[0] == 0:   # nothing selected (identical on all TP ranks): no work, no collectives
         # zeros that still hang off the graph, so a loss built only from them can backward (to 0)
@@ -235,11 +236,12 @@ class _FusedLogprobEntropy(torch.autograd.Function):
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           mask: torch.Tensor | None = None, *, tp_group=None,
                           temperature: float = 1.0, chunk_size: int = 4096,
-                          compute_entropy: bool = True):
+                          compute_entropy: bool = True, check_targets: bool = True):
     """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
 
     hidden [N, H]; weight [V_local, H] (this rank's vocab shard, Megatron layout); targets [N] global
     vocab ids; mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
+    ``check_targets=False`` skips the targets' range check (a device read) for callers that made it.
     Returns (logprobs, entropy or None). fp32/bf16/fp16 inputs; statistics are accumulated in fp32.
     Under TP the hidden gradient is all-reduced inside the op (see module docstring).
     """
@@ -249,4 +251,4 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         return _FusedLogprobEntropy.apply(x, weight, local_t, in_shard, tp_group, tp_size,
                                           float(temperature), int(chunk_size),
                                           bool(compute_entropy))
-    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy)
+    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy, check_targets)

@@ -190,7 +190,7 @@ def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            mask: torch.Tensor | None = None, *, tp_group=None,
                            temperature: float = 1.0, compute_entropy: bool = True,
                            block_n: int = 64, block_v: int = 128, block_h: int = 64,
-                           target_programs: int = 1024):
+                           target_programs: int = 1024, check_targets: bool = True):
     """Triton version of ``fused_logprob_entropy`` (same arguments, outputs and TP contract).
 
     block_* are the tile sizes (each >= 16, powers of two, as ``tl.dot`` needs); target_programs is
@@ -205,4 +205,4 @@ def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         return _TritonLogprobEntropy.apply(x, weight, local_t, in_shard, tp_group, tp_size,
                                            float(temperature), bool(compute_entropy),
                                            (block_n, block_v, block_h, target_programs))
-    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy)
+    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy, check_targets)

@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 
 from megarlhf.dtypes import check_dtype_name
 from megarlhf.envs.api import EnvConfig
+from megarlhf.errors import ConfigError
 
 ROLLOUT_BACKENDS = ("vllm", "hf")
 
@@ -50,13 +51,13 @@ class RolloutPlacementConfig:
 
     def validate(self, world_size: int) -> None:
         if self.mode not in ("colocate", "disaggregated"):
-            raise ValueError(f"RolloutPlacementConfig.mode={self.mode!r}: must be 'colocate' or 'disaggregated'")
+            raise ConfigError(f"RolloutPlacementConfig.mode={self.mode!r}: must be 'colocate' or 'disaggregated'")
         if self.mode == "colocate" and self.num_engine_ranks != 0:
-            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: only the "
-                             f"disaggregated mode has separate engine ranks (colocate needs 0)")
+            raise ConfigError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: only the "
+                              f"disaggregated mode has separate engine ranks (colocate needs 0)")
         if self.mode == "disaggregated" and not 1 <= self.num_engine_ranks < world_size:
-            raise ValueError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: the disaggregated "
-                             f"mode needs at least 1 engine rank and 1 trainer rank out of {world_size} ranks")
+            raise ConfigError(f"RolloutPlacementConfig.num_engine_ranks={self.num_engine_ranks}: the disaggregated "
+                              f"mode needs at least 1 engine rank and 1 trainer rank out of {world_size} ranks")
 
     def num_trainer_ranks(self, world_size: int) -> int:
         self.validate(world_size)

@@ -14,7 +14,7 @@ from megarlhf.config import save_config
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
-from megarlhf.errors import DataError
+from megarlhf.errors import CheckpointError, DataError
 from megarlhf.training.step import prefix_sharing_notice
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
@@ -83,7 +83,11 @@ def load_tokenizer(model_path: str):
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={model_path!r} is not an HF model directory (no config.json there)")
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:  # e.g. no tokenizer files: transformers' message, one line
+        raise CheckpointError(f"model.path={model_path!r}: cannot load its tokenizer "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
 
 
 def start_run(config: RunConfig) -> RunContext:

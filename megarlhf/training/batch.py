@@ -38,9 +38,9 @@ class ExperienceBatch:
     advantages: Tensor | None = None  # [B, L]
     returns: Tensor | None = None  # [B, L] critic targets
     group_ids: Tensor | None = None  # [B] prompt ids (samples of one prompt share an id)
-    # ``lengths`` on the host. Given by the constructors that know them (from_sequences, select, replace):
-    # sizes are then read from here, and the value checks below, done when the batch was first built,
-    # are not repeated (each would read the device). Computed in one read when not given.
+    # ``lengths`` on the host. Given by the constructors that know them (from_sequences and sft_batch, whose
+    # masks are right by construction; select and replace, whose source batch was checked): sizes are then
+    # read from here and the response mask is not checked again (a device read). Read once when not given.
     host_lengths: tuple[int, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -65,10 +65,8 @@ class ExperienceBatch:
             raise ValueError(f"{where}: response_mask has shape {tuple(self.response_mask.shape)}, "
                              f"expected {(batch, width)}")
         self.response_mask = self.response_mask.bool()
-        beyond = torch.arange(width, device=self.input_ids.device)[None, :] >= self.lengths[:, None]
-        if not checked and bool((self.response_mask[:, 0].any()) | (self.response_mask & beyond).any()):
-            raise ValueError(f"{where}: response_mask marks column 0 or a position past a sequence's length "
-                             f"(column 0 is always prompt; padding is never response)")
+        if not checked:
+            self._check_response_mask()
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (batch, width):
@@ -80,6 +78,14 @@ class ExperienceBatch:
                      if isinstance(getattr(self, f.name), Tensor) and getattr(self, f.name).device != device]
         if elsewhere:
             raise ValueError(f"{where}: {', '.join(elsewhere)} not on the batch's device {device}")
+
+    def _check_response_mask(self) -> None:
+        """Raises if ``response_mask`` marks column 0 or padding (one device read)."""
+        width = self.input_ids.shape[1]
+        beyond = torch.arange(width, device=self.input_ids.device)[None, :] >= self.lengths[:, None]
+        if bool(self.response_mask[:, 0].any() | (self.response_mask & beyond).any()):
+            raise ValueError("ExperienceBatch: response_mask marks column 0 or a position past a sequence's length "
+                             "(column 0 is always prompt; padding is never response)")
 
     @property
     def batch_size(self) -> int:
@@ -150,10 +156,15 @@ class ExperienceBatch:
 
     def replace(self, **fields) -> "ExperienceBatch":
         """A copy with some fields replaced (e.g. ``batch.replace(old_logprobs=lp)``). Replacing the tokens or
-        lengths checks the new batch in full; other fields are checked by shape."""
+        lengths checks the new batch in full, a new response mask is checked against the lengths (one
+        device read), other fields by shape."""
         if "input_ids" in fields or "lengths" in fields:
             fields.setdefault("host_lengths", None)
-        return dataclasses.replace(self, **fields)
+            return dataclasses.replace(self, **fields)
+        batch = dataclasses.replace(self, **fields)
+        if "response_mask" in fields:
+            batch._check_response_mask()
+        return batch
 
     def require(self, where: str, *names: str) -> None:
         """Raises naming the per-token fields ``where`` needs that are missing."""

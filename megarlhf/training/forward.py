@@ -61,7 +61,8 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
         if weight.shape[0] * tp.size > vocab_size:
             hidden, weight = mask_padded_vocab(hidden, weight, vocab_size, tp.rank)
         lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, tp_group=tp.group,
-                                  temperature=temperature, compute_entropy=entropy)
+                                  temperature=temperature, compute_entropy=entropy,
+                                  check_targets=False)  # run_schedule checked every micro-batch at once
         out = {"logprobs": lp.view(b, s)}
         if entropy:
             out["entropy"] = ent.view(b, s)
@@ -75,6 +76,21 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
         return {"scores": output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()}  # [b, S]
 
     return {"logprobs": logprobs, "values": values, "scores": scores}[kind]
+
+
+def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int) -> None:
+    """Raises unless every token whose log-prob is wanted lies in the model's vocabulary ``[0, vocab_size)``
+    (a tokenizer with more tokens than the model, or an engine that sampled a padded-vocab row). One
+    device read for all the micro-batches of a pass, instead of one per micro-batch in the log-prob op."""
+    bad = torch.stack([(((mb.labels < 0) | (mb.labels >= vocab_size)) & mb.label_mask).any()
+                       for mb in micro_batches])
+    if not bool(bad.any()):  # host: the one read
+        return
+    labels = torch.cat([mb.labels[mb.label_mask] for mb in micro_batches])
+    outside = labels[(labels < 0) | (labels >= vocab_size)]
+    raise ValueError(f"token ids {sorted(set(outside.tolist()))[:8]} lie outside the model's vocabulary "
+                     f"[0, {vocab_size}): the tokenizer or the rollout engine produced tokens the model has "
+                     f"no embedding for")
 
 
 LossFn = Callable[[MicroBatch, dict], tuple[Tensor, dict]]
@@ -98,6 +114,8 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
         raise ValueError(f"run_schedule: kind must be one of {OUTPUT_KINDS}, got {kind!r}")
     if not micro_batches:
         raise ValueError("run_schedule: no micro-batches")
+    if kind == "logprobs":
+        check_token_ids(micro_batches, vocab_size)
     count = len(micro_batches)
 
     def step(data_iterator, chunk):

@@ -30,6 +30,7 @@ import torch
 
 from megarlhf.dtypes import torch_dtype
 from megarlhf.config.schema import RunConfig
+from megarlhf.errors import ConfigError
 from parallel.runtime import Runtime
 
 
@@ -157,8 +158,8 @@ def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_ste
     from model_providers.value_head import HF_SCORE, load_value_model
 
     if not trainable and HF_SCORE not in HFCheckpoint(path):
-        raise ValueError(f"reward model {path}: no {HF_SCORE} (a causal LM without a reward head); train one "
-                         f"with `megarlhf rm` or give an HF ...ForSequenceClassification directory")
+        raise ConfigError(f"reward model {path}: no {HF_SCORE} (a causal LM without a reward head); train one "
+                          f"with `megarlhf rm` or give an HF ...ForSequenceClassification directory")
     provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config, trainable))
     _variable_lengths(model)
     if trainable:

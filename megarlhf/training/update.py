@@ -40,8 +40,9 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, entropy_bonus,
-                                 kl_loss, rollout_correction, value_loss)
+                                 kl_loss, rollout_correction, truncated_is_weights, value_loss)
 from megarlhf.config.schema import RunConfig
+from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import scoring_temperature
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
@@ -89,13 +90,15 @@ def _normaliser(mask: Tensor, config: RunConfig, runtime: Runtime):
 
 
 def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor, runtime: Runtime) -> dict[str, float]:
-    """The per-rank mismatch metrics made global: token-weighted means, max of the max."""
-    count = float(mask.sum())
+    """The per-rank mismatch metrics made global: token-weighted means, max of the max (reduced on the
+    device, read once)."""
+    count = mask.sum().double()
     names = sorted(k for k in metrics if not k.endswith("_max"))
-    sums = runtime.all_reduce([float(metrics[k]) * count for k in names] + [count])
-    peak = runtime.all_reduce([float(metrics["mismatch/logprob_abs_diff_max"])], op="max")[0]
-    total = max(sums[-1], 1.0)
-    return {**{k: sums[i] / total for i, k in enumerate(names)}, "mismatch/logprob_abs_diff_max": peak}
+    sums = runtime.all_reduce_on_device(torch.stack([metrics[k].double() * count for k in names] + [count]))
+    peak = runtime.all_reduce_on_device(metrics["mismatch/logprob_abs_diff_max"].double().reshape(1), op="max")
+    values = torch.cat([sums, peak]).tolist()  # host: the one read
+    total = max(values[len(names)], 1.0)
+    return {**{k: values[i] / total for i, k in enumerate(names)}, "mismatch/logprob_abs_diff_max": values[-1]}
 
 
 def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig,
@@ -114,8 +117,10 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
         if mini.old_logprobs is None:
             old = lp.detach()
             seen_logprobs[rows, :width] = old
-            if mini.rollout_logprobs is not None:  # TIS weights are per token or per row: local to the micro-batch
-                weights = rollout_correction(old, mini.rollout_logprobs[rows, :width], m, algo.mismatch).is_weights
+            if mini.rollout_logprobs is not None and algo.mismatch.tis_level is not None:
+                # TIS weights are per token or per row: local to the micro-batch
+                weights = truncated_is_weights(old, mini.rollout_logprobs[rows, :width], m, algo.mismatch.tis_level,
+                                               algo.mismatch.tis_cap)
         else:
             old = mini.old_logprobs[rows, :width]
         result = policy_loss(PolicyLossInputs(lp, old, mini.advantages[rows, :width], m, weights), algo.policy)
@@ -169,8 +174,8 @@ def _mini_batch_rows(batch: ExperienceBatch, config: RunConfig, where: str):
     batch, repeated for ``train.epochs_per_step`` epochs."""
     splits = [list(rows) for rows in _split(range(batch.batch_size), config.train.mini_batches)]
     if any(not rows for rows in splits):
-        raise ValueError(f"{where}: {batch.batch_size} sequences on this rank cannot fill "
-                         f"train.mini_batches={config.train.mini_batches} mini-batches")
+        raise ConfigError(f"{where}: {batch.batch_size} sequences on this rank cannot fill "
+                          f"train.mini_batches={config.train.mini_batches} mini-batches")
     for _ in range(config.train.epochs_per_step):
         yield from splits
 

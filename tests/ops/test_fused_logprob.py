@@ -159,7 +159,7 @@ def test_dispatch_and_bad_inputs():
         logprob_entropy(hidden, weight, targets, backend="cuda")
     with pytest.raises(ValueError, match="hidden size mismatch"):
         fused_logprob_entropy(hidden, weight[:, :-1], targets)
-    with pytest.raises(RuntimeError, match=r"targets of unmasked tokens must lie in \[0, 202\)"):
+    with pytest.raises(ValueError, match=r"targets of unmasked tokens must lie in \[0, 202\)"):
         fused_logprob_entropy(hidden, weight, torch.full_like(targets, 202))
     with pytest.raises(ValueError, match="mask must be a bool"):
         fused_logprob_entropy(hidden, weight, targets, mask.float())

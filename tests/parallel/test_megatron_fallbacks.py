@@ -1,7 +1,8 @@
-"""parallel.megatron_fallbacks: the device-resident gradient l2 norm equals Megatron's fallback bit for bit,
-and replaces it only where the fallback is in use."""
+"""parallel.megatron_fallbacks: the device-resident gradient l2 norm and the vectorised packed RoPE equal
+Megatron's fallbacks bit for bit; the l2 norm replaces Megatron's only where the fallback is in use."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from parallel import megatron_fallbacks
@@ -31,12 +32,49 @@ def test_install_replaces_only_the_fallback_and_is_idempotent(monkeypatch):
     from megatron.core.optimizer import clip_grads
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
-    assert megatron_fallbacks.install() and megatron_fallbacks.install()
+    assert megatron_fallbacks.install()["l2_norm"] and megatron_fallbacks.install()["l2_norm"]
     assert clip_grads.l2_norm_impl is megatron_fallbacks.l2_norm
 
     def fused(*args):  # stands in for TE's / apex's kernel
         raise AssertionError("not called")
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", fused)
-    assert not megatron_fallbacks.install()
+    assert not megatron_fallbacks.install()["l2_norm"]
     assert clip_grads.l2_norm_impl is fused
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_rope_patch_equals_megatron_loop(interleaved):
+    """The vectorised thd RoPE against Megatron's per-sequence loop, with a per-sequence table and with a
+    per-token one (Megatron's "packed freqs"): outputs and input gradients bitwise equal."""
+    import torch.distributed as dist
+    from megatron.core.models.common.embeddings import rope_utils
+
+    assert megatron_fallbacks.install()["rope_thd"] and megatron_fallbacks.install()["rope_thd"]
+    patched = rope_utils._apply_rotary_pos_emb_thd
+    assert patched.__wrapped__ is not patched
+    lengths = [5, 1, 17, 9, 3]
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.rand(32, 1, 1, 16, generator=g) * 6  # [max_s, 1, 1, rot_dim]: rot_dim < head dim 20
+    t = torch.randn(sum(lengths), 4, 20, generator=g, requires_grad=True)
+
+    class OneRank:  # a CP group of size 1, as Megatron passes it
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    starts = cu_seqlens[:-1].long().repeat_interleave(torch.tensor(lengths))
+    per_token = freqs[torch.arange(sum(lengths)) - starts]  # each token's position within its sequence
+    for table in (freqs, per_token):
+        outs, grads = [], []
+        for fn in (patched, patched.__wrapped__):
+            out = fn(t, cu_seqlens, table, rotary_interleaved=interleaved, cp_group=OneRank())
+            (grad,) = torch.autograd.grad((out * out.detach().sin()).sum(), t)
+            outs.append(out.detach())
+            grads.append(grad)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+        assert not torch.equal(outs[0], t.detach())
+    assert not dist.is_initialized()

@@ -1,4 +1,7 @@
 """Counts the host synchronisations of the trainer's part of one RL step (single rank, CPU).
+
+Also counts, apart, a GRPO actor update whose old log-probs come from its own forward and are corrected
+for the rollout's log-probs (truncated IS weights per micro-batch), the default GRPO path.
 Usage: _worker_host_syncs.py WORK_DIR OUT_DIR
 
 Every device-to-host read torch offers (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
@@ -92,10 +95,16 @@ def one_step(model_dir: Path, budget: int, runtime) -> dict:
         batch = batch.replace(old_logprobs=old, ref_logprobs=ref, values=values)
         actor_update(actor, batch, config)
         critic_update(critic, batch, config)
+    # GRPO's default path: the old log-probs come from the update's own forward, which corrects each
+    # micro-batch for the rollout engine's log-probs (token-level TIS)
+    grpo = batch.replace(old_logprobs=None, values=None, rollout_logprobs=old + 0.01 * torch.randn_like(old))
+    with HostReadCounter() as grpo_counter:
+        actor_update(actor, grpo, config)
     from megarlhf.training.step import micro_batches_for
 
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, runtime)
     return {"count": counter.count, "where": dict(counter.where), "host_steps": sum(counter.host_steps.values()),
+            "grpo_count": grpo_counter.count, "grpo_where": dict(grpo_counter.where),
             "host_step_sites": sorted(counter.host_steps), "micro_batches": len(mbs),
             "segments": sum(len(mb.packed_seq_params.cu_seqlens_q) - 1 for mb in mbs)}
 

@@ -29,6 +29,7 @@ def test_select():
     assert picked.input_ids.tolist() == [[3, 10, 11, 0], [4, 5, 6, 12]]  # trimmed to the longest
     assert picked.rollout_logprobs.shape == (2, 4) and picked.group_ids.tolist() == [0, 1]
     assert picked.device == b.device
+    assert picked.host_lengths == tuple(picked.lengths.tolist()) == (3, 4)
 
 
 def test_every_field_lives_on_the_batch_device():
@@ -43,6 +44,11 @@ def test_validation_messages():
     b = small()
     with pytest.raises(ValueError, match="response_mask marks column 0"):
         ExperienceBatch(b.input_ids, b.lengths, torch.ones_like(b.response_mask))
+    with pytest.raises(ValueError, match="response_mask marks column 0"):  # a replaced mask is checked too
+        b.replace(response_mask=torch.ones_like(b.response_mask))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[2, 5\]"):  # new lengths: checked in full
+        b.replace(lengths=torch.tensor([5, 1, 4]))
+    assert b.replace(lengths=b.lengths + 0).host_lengths == b.host_lengths
     with pytest.raises(ValueError, match="advantages has shape"):
         b.replace(advantages=torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"lengths must lie in \[2, 5\]"):

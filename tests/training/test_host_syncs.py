@@ -33,7 +33,9 @@ def test_host_reads_per_step_do_not_grow_with_layers_parameters_micro_batches_or
     per_run = {name: run["count"] for name, run in counts.items()}
     assert len(set(per_run.values())) == 1, (per_run, {name: run["where"] for name, run in counts.items()})
     # a handful per optimizer step and per scoring pass (metrics, non-finite verdict, normaliser, plan)
-    assert per_run["small/one_micro_batch"] <= 20, counts["small/one_micro_batch"]["where"]
+    assert per_run["small/one_micro_batch"] <= 25, counts["small/one_micro_batch"]["where"]
+    grpo = {name: run["grpo_count"] for name, run in counts.items()}
+    assert len(set(grpo.values())) == 1, (grpo, {name: run["grpo_where"] for name, run in counts.items()})
 
 
 def test_only_the_optimizers_host_step_counters_scale_with_parameters(counts):

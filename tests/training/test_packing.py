@@ -123,3 +123,17 @@ def test_shared_prefix_groups_share_only_when_all_rows_agree():
     mbs = build_micro_batches(ids, lengths, wanted, 100, share_prefixes=True, groups=[[0, 1], [2, 3], [4]])
     params = mbs[0].packed_seq_params
     assert params.prefix_of == (-1, 0, 0, -1, -1, -1)  # [0, 1] share; [2, 3] and [4] are whole rows
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_once_per_pass():
+    from megarlhf.training import ExperienceBatch
+    from megarlhf.training.forward import check_token_ids
+    from megarlhf.training.packing import build_micro_batches
+
+    batch = ExperienceBatch.from_sequences([[1, 2], [3]], [[4, 5], [6, 7]], device=torch.device("cpu"))
+    mbs = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 3, packed=True)
+    assert len(mbs) == 2
+    check_token_ids(mbs, vocab_size=8)
+    with pytest.raises(ValueError, match=r"token ids \[7\] lie outside the model's vocabulary \[0, 7\)"):
+        check_token_ids(mbs, vocab_size=7)
+    check_token_ids(mbs[:1], vocab_size=6)  # the prompt's tokens are never a wanted label
