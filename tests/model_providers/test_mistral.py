@@ -6,7 +6,7 @@ from model_providers import UnsupportedModelError, get_provider
 from model_providers.tiny_models import tiny_config
 
 
-@pytest.mark.parametrize("layout,tp", [("tp1", 1), ("tp2", 2), ("pp2", 1)])
+@pytest.mark.parametrize("layout,tp", [("tp1", 1), ("tp2", 2), pytest.param("pp2", 1, marks=pytest.mark.slow)])
 def test_mistral_matches_hf(parity, layout, tp):
     assert_parity(parity(layout), "mistral", tp)
 

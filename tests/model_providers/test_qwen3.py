@@ -7,7 +7,7 @@ from model_providers.tiny_models import tiny_config
 from parallel.config import ParallelConfig
 
 
-@pytest.mark.parametrize("layout,tp", [("tp1", 1), ("tp2", 2), ("pp2", 1)])
+@pytest.mark.parametrize("layout,tp", [("tp1", 1), ("tp2", 2), pytest.param("pp2", 1, marks=pytest.mark.slow)])
 def test_qwen3_matches_hf(parity, layout, tp):
     assert_parity(parity(layout), "qwen3", tp)
 

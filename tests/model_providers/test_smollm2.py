@@ -147,7 +147,7 @@ def test_tp2_refused_naming_head_counts(smollm2_run, smollm2_dir):
     # Loading (build_model -> ModelProvider.check_parallel) refuses before any weight is read; both ranks
     # report the same message. It names the first count that fails, the 9 attention heads.
     for rank in smollm2_run(2, 1):
-        assert rank.get("refused", "").startswith("ValueError: tensor_model_parallel_size=2 does not divide "
+        assert rank.get("refused", "").startswith("LayoutError: tensor_model_parallel_size=2 does not divide "
                                                   "num_attention_heads=9 of this llama model"), rank
     # The planner (which the CLI consults before launching) states the same rule with every count.
     from megarlhf.planner.shapes import resolve_shape

@@ -7,7 +7,7 @@ from _parity_checks import arch_results
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", pytest.param("pp2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_value_head_matches_hf_scores(parity, layout, arch):
     first, last = arch_results(parity(layout), arch)

@@ -15,7 +15,8 @@ from parallel import cpu_compat
 WORKER = Path(__file__).with_name("_worker_cpu_compat.py")
 
 
-@pytest.mark.parametrize("tp,pp,dist_opt", [(2, 1, False), (2, 1, True), (1, 2, False)])
+@pytest.mark.parametrize("tp,pp,dist_opt", [pytest.param(2, 1, False, marks=pytest.mark.slow), (2, 1, True),
+                                             pytest.param(1, 2, False, marks=pytest.mark.slow)])
 def test_sharded_model_matches_unsharded(tmp_path, tp, pp, dist_opt):
     args = [str(tmp_path), "--tp", str(tp), "--pp", str(pp)] + (["--distributed-optimizer"] if dist_opt else [])
     run_torchrun(WORKER, 2, args)

@@ -48,6 +48,7 @@ def test_resolve_shape_sources(tmp_path):
         shape.check_layout(3, 1)
 
 
+@pytest.mark.slow  # builds Megatron models at several layouts (~13 s)
 def test_per_rank_params_match_megatron(tmp_path):
     tied = make_tiny_model("qwen2", tmp_path / "tied", seed=0, tie_word_embeddings=True)
     untied = make_tiny_model("qwen2", tmp_path / "untied", seed=0, tie_word_embeddings=False, num_hidden_layers=4)

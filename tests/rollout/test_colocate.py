@@ -234,7 +234,8 @@ def test_round_trip_with_the_trainers_megatron_actor(trainer_runs, nproc, case):
         assert r["second_metrics"] == r["second_metrics_twin"] and r["second_state_diff"] == []
 
 
-@pytest.mark.parametrize("layout", ["tp1", pytest.param("tp2", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~40 s per layout; the RL driver tests run colocated vLLM engines by default
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
 def test_round_trip_with_megatron_and_vllm(rollout_run, layout):
     for rank in rollout_run(layout):
         c = rank["colocate"]

@@ -51,6 +51,7 @@ def test_engine_rejects_a_tp_size_that_is_neither_1_nor_the_world(tmp_path):
 
 
 
+@pytest.mark.slow  # a second vLLM engine (~16 s)
 def test_seeded_batch_larger_than_one_scheduler_step(tiny_qwen2, tmp_path):
     """More prompt tokens than vLLM schedules in one step: on CPU prompts must not be split across steps
     (vLLM would rewind a seeded CPU generator and fail); samples stay reproducible."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,6 +22,7 @@ TOOL = ROOT / "tools" / "convert_checkpoint.py"
 MODULE_MAIN = Path(megarlhf.__file__).with_name("__main__.py")
 
 
+@pytest.mark.slow  # ~30 s of 2-rank conversions; the converters' round trips run by default in tests/model_providers
 def test_hf_to_megatron_to_hf_is_bit_identical(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
