@@ -38,17 +38,18 @@ def _rope_thd_vectorised(original):
 
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
               cp_group=None, multi_latent_attention=None):
-        if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None:
+        def megatrons():
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
                             multi_latent_attention=multi_latent_attention)
+
+        if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None:
+            return megatrons()
         total = t.size(0)
         if freqs.size(0) == total:  # Megatron's "packed freqs": already one row per token (no device read)
             per_token = freqs
         elif int(cu_seqlens[-1].item()) != total:
-            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
-                            multi_latent_attention=multi_latent_attention)
+            return megatrons()
         else:
             starts = cu_seqlens[:-1].long()
             lengths = cu_seqlens[1:].long() - starts

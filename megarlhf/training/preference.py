@@ -35,7 +35,7 @@ from megarlhf.data.preference import PreferencePair
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import micro_batches_for, optimizer_step, tokens_saved_by_sharing
+from megarlhf.training.step import PREFIX_TOKENS_SAVED, micro_batches_for, optimizer_step
 
 PREFERENCE_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
                       "logps/chosen", "logps/rejected"]
@@ -91,7 +91,7 @@ def _step_metrics(prefix: str, result, names: list[str], pairs: float) -> dict[s
                f"{prefix}/grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
                f"{prefix}/lr": result.lr, f"{prefix}/skipped_steps": float(result.skipped)}
     metrics.update({name: result.metrics[name] / pairs for name in names})
-    metrics["train/shared_prefix_tokens_saved"] = result.metrics["prefix_tokens_saved"]
+    metrics["train/shared_prefix_tokens_saved"] = result.metrics[PREFIX_TOKENS_SAVED]
     return metrics
 
 
@@ -121,13 +121,11 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
         share = result.loss.sum() * (factor / pairs)
         n = float(result.loss.numel())  # device tensors: reduce_metric_sums reads them once per step
         metrics = {"loss": result.loss.detach().sum(), "pairs": n,
-                   "prefix_tokens_saved": float(tokens_saved_by_sharing([mb])),
                    **{name: result.metrics[name].detach() * n for name in PREFERENCE_METRICS}}
         return share, metrics
 
     result = optimizer_step(actor, _pair_micro_batches(batch, config, runtime), loss_fn,
-                            ["loss", "pairs", "prefix_tokens_saved", *PREFERENCE_METRICS], loss_name="loss",
-                            on_nonfinite=on_nonfinite)
+                            ["loss", "pairs", *PREFERENCE_METRICS], loss_name="loss", on_nonfinite=on_nonfinite)
     return _step_metrics("dpo", result, PREFERENCE_METRICS, pairs)
 
 
@@ -146,12 +144,10 @@ def reward_model_step(model: TrainModel, batch: ExperienceBatch, config: RunConf
         share = loss.sum() * (factor / pairs)
         n = float(loss.numel())  # device tensors: reduce_metric_sums reads them once per step
         return share, {"loss": loss.detach().sum(), "pairs": n,
-                       "prefix_tokens_saved": float(tokens_saved_by_sharing([mb])),
                        **{name: stats[name].detach() * n for name in RM_METRICS}}
 
     result = optimizer_step(model, _pair_micro_batches(batch, config, runtime), loss_fn,
-                            ["loss", "pairs", "prefix_tokens_saved", *RM_METRICS], loss_name="loss",
-                            on_nonfinite=on_nonfinite)
+                            ["loss", "pairs", *RM_METRICS], loss_name="loss", on_nonfinite=on_nonfinite)
     return _step_metrics("rm", result, RM_METRICS, pairs)
 
 

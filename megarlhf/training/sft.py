@@ -19,7 +19,7 @@ from megarlhf.algorithms import aggregate_loss
 from megarlhf.config.schema import RunConfig
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import loss_normaliser, micro_batches_for, optimizer_step, tokens_saved_by_sharing
+from megarlhf.training.step import PREFIX_TOKENS_SAVED, loss_normaliser, micro_batches_for, optimizer_step
 
 
 def sft_batch(examples: Sequence, device: torch.device, pad_id: int = 0) -> ExperienceBatch:
@@ -56,13 +56,11 @@ def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_non
     def loss_fn(mb, out):
         mask = batch.response_mask[mb.rows, :mb.width]
         share = aggregate_loss(-out["logprobs"], mask, "token_mean", normaliser)
-        return share, {"loss": share.detach() / factor, "tokens": mask.sum(),  # read once per step
-                       "prefix_tokens_saved": float(tokens_saved_by_sharing([mb]))}
+        return share, {"loss": share.detach() / factor, "tokens": mask.sum()}  # read once per step
 
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, runtime)
-    result = optimizer_step(actor, mbs, loss_fn, ["loss", "tokens", "prefix_tokens_saved"], loss_name="loss",
-                            on_nonfinite=on_nonfinite)
+    result = optimizer_step(actor, mbs, loss_fn, ["loss", "tokens"], loss_name="loss", on_nonfinite=on_nonfinite)
     return {"sft/loss": result.metrics["loss"], "sft/tokens": result.metrics["tokens"],
             "sft/grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
             "sft/lr": result.lr, "sft/skipped_steps": float(result.skipped),
-            "train/shared_prefix_tokens_saved": result.metrics["prefix_tokens_saved"]}
+            "train/shared_prefix_tokens_saved": result.metrics[PREFIX_TOKENS_SAVED]}

@@ -41,6 +41,8 @@ from parallel.shared_prefix import shared_prefix_supported
 from parallel.runtime import Runtime
 
 NONFINITE_MODES = ("abort", "skip")
+# every StepResult's metrics also hold this: the tokens shared prompt prefixes spared the step's forwards
+PREFIX_TOKENS_SAVED = "prefix_tokens_saved"
 
 
 class NonFiniteError(FloatingPointError):
@@ -49,7 +51,7 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass
 class StepResult:
-    metrics: dict[str, float]  # the loss_fn metrics, summed over micro-batches and DP ranks
+    metrics: dict[str, float]  # the loss_fn metrics (and PREFIX_TOKENS_SAVED), summed over micro-batches, DP ranks
     grad_norm: float | None  # global gradient norm before clipping (None when skipped)
     lr: float  # the learning rate of this step
     skipped: bool
@@ -133,9 +135,14 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     _zero_grads(trainable)
     trainable.model.train()
     runtime = trainable.runtime
+
+    def counted(mb, outputs):  # host integers, summed and reduced with the loss_fn's metrics
+        share, metrics = loss_fn(mb, outputs)
+        return share, {**metrics, PREFIX_TOKENS_SAVED: float(tokens_saved_by_sharing([mb]))}
+
     per_mb = run_schedule(trainable.model, micro_batches, runtime, kind=trainable.kind,
-                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=loss_fn)
-    metrics = reduce_metric_sums(per_mb, metric_names, runtime)
+                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=counted)
+    metrics = reduce_metric_sums(per_mb, [*metric_names, PREFIX_TOKENS_SAVED], runtime)
     lr = float(trainable.optimizer.param_groups[0]["lr"])
     bad_params, bad_grads = _nonfinite(trainable.model)
     loss = metrics[loss_name]
@@ -155,8 +162,8 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
 
 def skipped_step(trainable: TrainModel, metric_names: list[str], reason: str) -> StepResult:
     """A step that is not taken (nothing to train on): no forward, no optimizer or scheduler step."""
-    return StepResult({name: 0.0 for name in metric_names}, None, float(trainable.optimizer.param_groups[0]["lr"]),
-                      skipped=True, reason=reason)
+    return StepResult({name: 0.0 for name in [*metric_names, PREFIX_TOKENS_SAVED]}, None,
+                      float(trainable.optimizer.param_groups[0]["lr"]), skipped=True, reason=reason)
 
 
 def loss_normaliser(mask: Tensor, runtime: Runtime, max_response_length: int | None = None) -> LossNormaliser:

@@ -47,11 +47,11 @@ from megarlhf.rollout.config import scoring_temperature
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import (StepResult, loss_normaliser, micro_batches_for, optimizer_step,
-                                    skipped_step, tokens_saved_by_sharing)
+from megarlhf.training.step import (PREFIX_TOKENS_SAVED, StepResult, loss_normaliser, micro_batches_for,
+                                    optimizer_step, skipped_step)
 from parallel.runtime import Runtime
 
-ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy", "prefix_tokens_saved"]
+ACTOR_SUMS = ["loss", "pg_loss", "kl_loss", "tokens", "clip_fraction", "ppo_kl", "entropy"]
 # every response token of the mini-batch is masked out (e.g. DAPO groups with equal rewards, or gap masking)
 NOTHING_TO_TRAIN = "no response token to train on in this mini-batch on any rank"
 CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
@@ -142,7 +142,6 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
                 "clip_fraction": result.metrics["policy/clip_fraction"] * tokens,
                 "ppo_kl": result.metrics["policy/ppo_kl"] * tokens,
                 "entropy": torch.where(m, out["entropy"], 0.0).sum(),
-                "prefix_tokens_saved": float(tokens_saved_by_sharing([mb])),  # host integers
             }
         return share, metrics
 
@@ -220,7 +219,7 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         metrics.update(_global_mismatch_metrics(corrected.metrics, mask, runtime))
     metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
                                   ("loss", "pg_loss", "kl_loss")))
-    metrics["train/shared_prefix_tokens_saved"] = sum(r.metrics["prefix_tokens_saved"] for r in results)
+    metrics["train/shared_prefix_tokens_saved"] = sum(r.metrics[PREFIX_TOKENS_SAVED] for r in results)
     return metrics
 
 
