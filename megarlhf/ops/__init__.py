@@ -1,8 +1,9 @@
 """Fused ops. ``logprob_entropy`` is the entry point: token log-probs and entropies straight from
 hidden states and the (vocab-parallel) output weight, never materialising tokens x vocab logits.
 
-It dispatches to the Triton kernels for CUDA tensors when Triton is importable and to the chunked
-torch implementation otherwise; both share one contract (see ``fused_logprob``'s docstring).
+It dispatches to the Triton forward for bf16/fp16 CUDA tensors when Triton is importable and to the
+chunked torch implementation otherwise (fp32 included: there cuBLAS's IEEE products beat Triton's, see
+``triton_logprob``); both share one contract (see ``fused_logprob``'s docstring).
 """
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """(logprobs [N], entropy [N] or None), fp32; see ``fused_logprob.fused_logprob_entropy``.
 
     check_targets=False skips the targets' range check (one device read) for a caller that made it.
-    backend: "auto" (Triton for CUDA inputs when importable, else torch), "torch" or "triton"
+    backend: "auto" (Triton for bf16/fp16 CUDA inputs when importable, else torch), "torch" or "triton"
     ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the torch
     backend's vocab chunk; the Triton backend tiles by its own block sizes.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"logprob_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        use_triton = hidden.is_cuda and importlib.util.find_spec("triton") is not None
+        use_triton = (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+                      and importlib.util.find_spec("triton") is not None)
         backend = "triton" if use_triton else "torch"
     if backend == "triton":
         # imported lazily: Triton decides at import time whether kernels run interpreted

@@ -189,6 +189,40 @@ def _grad_logits_(logits, logz, g_lp, g_ent, ent):
     return log_p.mul_(-g_ent[:, None]).sub_(bias[:, None]).mul_(p)
 
 
+def chunked_grads(xs, weight, local_t, in_shard, logz, ent, g_lp, g_ent, needs: tuple[bool, bool],
+                  chunk_size: int, tp_group, tp_size: int, temperature: float):
+    """(grad_x or None, grad_w or None) of the selected rows, recomputing logits one vocab chunk at a time.
+
+    Each chunk is two matrix products on the device's BLAS (dL/dlogits @ W and its transpose @ X) after
+    the elementwise gradient; shared by the torch and Triton backends. ``needs`` says which gradients
+    autograd wants; under TP the hidden gradient is all-reduced here (see the module docstring).
+    """
+    if g_ent is not None and g_ent.numel() == 0:
+        g_ent = None
+    need_x, need_w = needs
+    grad_x = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    rows = torch.arange(xs.shape[0], device=xs.device)
+    g_lp32 = None if g_lp is None else g_lp.float()
+    g_ent32 = None if g_ent is None else g_ent.float()
+    for lo in range(0, weight.shape[0], chunk_size):
+        hi = min(lo + chunk_size, weight.shape[0])
+        grad = _grad_logits_(_chunk_logits(xs, weight, lo, hi), logz, g_lp32, g_ent32, ent)
+        if g_lp32 is not None:
+            hit = in_shard & (local_t >= lo) & (local_t < hi)
+            grad[rows[hit], local_t[hit] - lo] += g_lp32[hit]
+        grad = grad.to(weight.dtype)
+        if need_x:
+            grad_x += torch.mm(grad, weight[lo:hi]).float()
+        if need_w:
+            torch.mm(grad.t(), xs, out=grad_w[lo:hi])
+    if need_x:
+        if tp_size > 1:   # the copy_to_tensor_model_parallel_region backward, done here
+            dist.all_reduce(grad_x, group=tp_group)
+        grad_x = (grad_x / temperature).to(xs.dtype)
+    return grad_x, grad_w
+
+
 class _FusedLogprobEntropy(torch.autograd.Function):
     """Chunked forward/backward over selected rows; see the module docstring for the math."""
 
@@ -207,29 +241,8 @@ class _FusedLogprobEntropy(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         xs, weight, local_t, in_shard, logz, ent = ctx.saved_tensors
         tp_group, tp_size, temperature, chunk_size = ctx.cfg
-        if g_ent is not None and g_ent.numel() == 0:
-            g_ent = None
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        rows = torch.arange(xs.shape[0], device=xs.device)
-        g_lp32 = None if g_lp is None else g_lp.float()
-        g_ent32 = None if g_ent is None else g_ent.float()
-        for lo in range(0, weight.shape[0], chunk_size):
-            hi = min(lo + chunk_size, weight.shape[0])
-            grad = _grad_logits_(_chunk_logits(xs, weight, lo, hi), logz, g_lp32, g_ent32, ent)
-            if g_lp32 is not None:
-                hit = in_shard & (local_t >= lo) & (local_t < hi)
-                grad[rows[hit], local_t[hit] - lo] += g_lp32[hit]
-            grad = grad.to(weight.dtype)
-            if need_x:
-                grad_x += torch.mm(grad, weight[lo:hi]).float()
-            if need_w:
-                torch.mm(grad.t(), xs, out=grad_w[lo:hi])
-        if need_x:
-            if tp_size > 1:   # the copy_to_tensor_model_parallel_region backward, done here
-                dist.all_reduce(grad_x, group=tp_group)
-            grad_x = (grad_x / temperature).to(xs.dtype)
+        grad_x, grad_w = chunked_grads(xs, weight, local_t, in_shard, logz, ent, g_lp, g_ent,
+                                       ctx.needs_input_grad[:2], chunk_size, tp_group, tp_size, temperature)
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
