@@ -29,6 +29,9 @@ The all-gather is therefore the default: one collective per K and V per layer in
 layouts where K/V per rank are large against compute (GPUs, large cp) or the gathered K/V's memory
 matters.
 
+At cp=1 packed rows run one SDPA call per sequence (:func:`per_sequence_attention`); rows with shared
+prompt prefixes run one FlexAttention call per row on a GPU (:mod:`parallel.flex_packed_attention`).
+
 Why hand-written: no library here provides a CPU context-parallel attention with a causal, packed,
 load-balanced mask and a memory-bounded backward; torch's SDPA needs a materialised mask for this
 pattern, which it saves for backward (O(tokens^2)).
@@ -54,6 +57,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from parallel.cp_sharding import all_gather_along, rank_token_index
+from parallel.flex_packed_attention import block_mask_for, flex_packed_attention, flex_usable
 
 CP_COMM_TYPES = ("all_gather", "p2p")
 DEFAULT_CP_COMM_TYPE = "all_gather"
@@ -382,7 +386,12 @@ class ContextParallelAttention(MegatronModule):
         q5 = q.permute(1, 2, 0, 3).reshape(b, self.kv_heads, self.heads // self.kv_heads, s, self.head_dim)
         k5 = k.permute(1, 2, 0, 3).unsqueeze(2)
         v5 = v.permute(1, 2, 0, 3).unsqueeze(2)
-        out = self._attend(q5, k5, v5, bounds, cp_size, prefix_of)
+        sharing = prefix_of is not None and any(p >= 0 for p in prefix_of)
+        if cp_size == 1 and sharing and flex_usable(q5, self.head_dim):  # shared-prefix row on a GPU
+            block_mask = block_mask_for(packed_seq_params, bounds, prefix_of, q5.device)
+            out = flex_packed_attention(q5, k5, v5, block_mask, self.softmax_scale)
+        else:
+            out = self._attend(q5, k5, v5, bounds, cp_size, prefix_of)
         out = out.reshape(b, self.heads, s, self.head_dim).permute(2, 0, 1, 3).reshape(s, b, -1)
         return out.squeeze(1) if thd else out
 

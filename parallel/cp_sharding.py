@@ -26,7 +26,7 @@ device of the plan or of their input.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -235,10 +235,13 @@ class HostBoundsSeqParams(PackedSeqParams):
     """Megatron's ``PackedSeqParams`` (``thd``) plus what the model would otherwise read back from the
     device in every layer: ``padded_bounds`` (``cu_seqlens_q_padded`` as host integers, for attention) and,
     at context parallel size 1, ``token_positions`` (each packed token's logical position, so the rotary
-    table is indexed once per micro-batch: :class:`parallel.shared_prefix.TokenPositionGPTModel`)."""
+    table is indexed once per micro-batch: :class:`parallel.shared_prefix.TokenPositionGPTModel`).
+    ``attention_cache`` holds what attention builds once per micro-batch for all its layers (FlexAttention's
+    block mask, :mod:`parallel.flex_packed_attention`); it lives as long as the micro-batch's params."""
 
     padded_bounds: tuple[int, ...] = ()
     token_positions: Tensor | None = None
+    attention_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def packed_seq_params_for(plan: CPShardPlan, group: Optional[dist.ProcessGroup] = None,

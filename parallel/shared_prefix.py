@@ -13,8 +13,9 @@ Two pieces make a Megatron ``GPTModel`` run such a row:
 * :class:`SharedPrefixSeqParams`, :class:`parallel.cp_sharding.HostBoundsSeqParams` (Megatron's
   ``PackedSeqParams`` with host boundaries and ``token_positions``, each packed token's logical position)
   plus ``prefix_of`` (for each segment of ``cu_seqlens``, the index of the segment it also sees, or -1).
-  The attention that honours ``prefix_of`` is :func:`parallel.cp_attention.per_sequence_attention`
-  (context parallel size 1);
+  The attention that honours ``prefix_of`` (context parallel size 1) is one FlexAttention call per row on
+  a GPU (:mod:`parallel.flex_packed_attention`) and :func:`parallel.cp_attention.per_sequence_attention`
+  elsewhere;
 * :class:`TokenPositionGPTModel`, a ``GPTModel`` whose rotary table, for params with ``token_positions``,
   is indexed by them: one row per packed token, which Megatron's unfused ``thd`` RoPE applies as is (its
   "packed freqs" case). Megatron's own GPTModel always numbers positions from each segment's start. Plain

@@ -165,3 +165,35 @@ def test_with_cp_attention_swaps_only_when_needed():
 def test_shard_plan_errors_explain_the_constraint(cu, cp, padding, message):
     with pytest.raises(ValueError, match=message):
         make_shard_plan(cu, cp, 0, allow_padding=padding)
+
+
+def test_flex_block_mask_gives_the_per_segment_attention(monkeypatch):
+    """The FlexAttention path's block mask (plain segments, and branches seeing their prefix whole) gives
+    the outputs of the per-segment SDPA loop. Forward only, eager: FlexAttention has no backward on CPU;
+    the GPU check compares gradients through the model."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from parallel import flex_packed_attention as flex
+
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: flex_attention)
+    torch.manual_seed(0)
+    bounds, prefix_of = (0, 5, 9, 16, 20, 150, 161, 300), (-1, 0, 0, -1, -1, 4, 4)
+    groups, per_group, dim, scale = 2, 2, 16, 0.3
+    q = torch.randn(1, groups, per_group, 300, dim)
+    k, v = torch.randn(1, groups, 1, 300, dim), torch.randn(1, groups, 1, 300, dim)
+    for prefixes in (prefix_of, None):
+        mask = flex.segment_block_mask(bounds, prefixes, q.device)
+        with torch.no_grad():
+            out = flex.flex_packed_attention(q, k, v, mask, scale)
+        expected = per_sequence_attention(q, k, v, bounds, scale, prefix_of=prefixes)
+        assert (out - expected).abs().max() < 1e-5
+
+
+def test_flex_block_mask_is_built_once_per_micro_batch():
+    from parallel.cp_sharding import HostBoundsSeqParams
+    from parallel.flex_packed_attention import block_mask_for
+
+    params = HostBoundsSeqParams(qkv_format="thd", padded_bounds=(0, 3, 7))
+    first = block_mask_for(params, (0, 3, 7), None, torch.device("cpu"))
+    assert block_mask_for(params, (0, 3, 7), None, torch.device("cpu")) is first
+    assert block_mask_for(params, (0, 3, 7), (-1, 0), torch.device("cpu")) is not first
