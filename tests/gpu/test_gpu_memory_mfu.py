@@ -79,3 +79,73 @@ def test_planner_and_mfu(runtime, mid_model, report):
         report("planner train phase / measured", planned / measured, "ratio",
                f"planned {planned / 2**30:.2f} GiB, max_memory_allocated {measured / 2**30:.2f} GiB")
         assert 0.6 < planned / measured < 1.6
+
+
+def _grpo_batch(runtime, vocab: int, groups: int, samples: int, prompt_len: int, response_lens: tuple[int, int]):
+    """``groups`` prompts x ``samples`` responses of random length, with advantages and old log-probs."""
+    from megarlhf.training import ExperienceBatch
+
+    gen = torch.Generator().manual_seed(1)
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        for _ in range(samples):
+            n = int(torch.randint(response_lens[0], response_lens[1] + 1, (1,), generator=gen))
+            prompts.append(prompt)
+            responses.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=runtime.device,
+                                           group_ids=[i // samples for i in range(len(prompts))])
+    shape = batch.input_ids.shape
+    return batch.replace(old_logprobs=torch.full(shape, -10.0, device=runtime.device),
+                         advantages=torch.randn(shape, generator=gen).to(runtime.device) * batch.response_mask)
+
+
+def _timed_update(actor, batch, config, runtime, share: bool):
+    """(seconds, peak bytes above the state before it, tokens sharing saved) of one actor update."""
+    from megarlhf.training import actor_update
+    from megarlhf.training.step import micro_batches_for, tokens_saved_by_sharing
+
+    config.train.share_prompt_prefix = share
+    saved = tokens_saved_by_sharing(micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask,
+                                                      config, runtime))
+    if ON_GPU:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    actor_update(actor, batch, config)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) if ON_GPU else 0, saved
+
+
+@pytest.mark.gpu
+def test_shared_prefix_update_memory_and_time(runtime, mid_model, report, monkeypatch):
+    """One actor update (forward, backward, optimizer step) of a GRPO batch packed whole and with the groups'
+    prompts shared, the latter with one FlexAttention call per micro-batch (the GPU default) and with the
+    per-segment SDPA loop: peak device memory above the model's state, and wall time (best of 2), bf16."""
+    from megarlhf.training import actor_update, build_actor
+    from parallel import cp_attention
+
+    shape_dict = SMALL if DRY_RUN else SHAPE
+    config = run_config(mid_model, "bfloat16", f"train.micro_batch_tokens={SEQ * SEQUENCES}",
+                        "data.max_prompt_length=512", "rollout.max_new_tokens=512", "optim.clip_grad=1.0")
+    actor = build_actor(config, runtime)
+    batch = _grpo_batch(runtime, shape_dict["vocab_size"], *((2, 4, 32, (8, 32)) if DRY_RUN else (16, 8, 512, (64, 512))))
+    flex_usable = cp_attention.flex_usable
+    variants = {"whole": (False, flex_usable), "shared, per-segment loop": (True, lambda *a: False),
+                "shared, FlexAttention": (True, flex_usable)}
+    results = {}
+    for name, (share, usable) in variants.items():
+        monkeypatch.setattr(cp_attention, "flex_usable", usable)
+        config.train.share_prompt_prefix = share
+        actor_update(actor, batch, config)  # warm-up (Adam state, compilation)
+        results[name] = min((_timed_update(actor, batch, config, runtime, share) for _ in range(2)),
+                            key=lambda r: r[0])
+    whole = results["whole"]
+    for name, (seconds, peak, saved) in results.items():
+        report(f"update {name}: time / whole", seconds / whole[0], "ratio",
+               f"{seconds * 1e3:.0f} ms; {saved} of {int(batch.lengths.sum())} tokens saved")
+        if ON_GPU:
+            report(f"update {name}: peak memory", peak / 2**20, "MiB", "above the model's state")
+    assert results["shared, FlexAttention"][2] > 0

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from _gpu_common import DRY_RUN, run_config, run_rl
+from _gpu_common import DRY_RUN, ON_GPU, run_config, run_rl
 
 
 @pytest.mark.gpu
@@ -87,3 +87,36 @@ def test_shared_prompt_prefix_gives_the_whole_sequences_log_probs(runtime, tiny_
     report("shared prefix bf16: mean |lp - fp32|", bf16_err[True], "", f"whole: {bf16_err[False]:.2e}")
     assert fp32_gap <= 1e-4
     assert bf16_err[True] <= 1.5 * bf16_err[False] + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,bounds,prefix_of", [
+    ("float32", (0, 300, 420, 700, 1000, 1900, 2048), (-1, 0, 0, -1, -1, 4)),
+    ("bfloat16", (0, 300, 420, 700, 1000, 1900, 2048), (-1, 0, 0, -1, -1, 4)),
+    ("bfloat16", (0, 30, 50, 90, 100), (-1, 0, 0, -1)),  # under 128 tokens: flex's decoding kernel is not used
+])
+def test_flex_packed_attention_matches_the_per_segment_loop(dtype, bounds, prefix_of, report):
+    """One FlexAttention call per packed row against the per-segment SDPA loop: values and gradients, plain
+    segments and shared-prefix branches, grouped-query heads."""
+    import torch
+
+    from parallel import flex_packed_attention as flex
+    from parallel.cp_attention import per_sequence_attention
+
+    if not ON_GPU:
+        pytest.skip("FlexAttention's backward runs on CUDA only")
+    assert flex.flex_usable(torch.empty(0, device="cuda"), 64)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape, n = dict(dtype=getattr(torch, dtype), device="cuda"), bounds[-1]
+    q = torch.randn(1, 4, 4, n, 64, generator=gen, **shape).requires_grad_()
+    k = torch.randn(1, 4, 1, n, 64, generator=gen, **shape).requires_grad_()
+    v = torch.randn(1, 4, 1, n, 64, generator=gen, **shape).requires_grad_()
+    grad = torch.randn(1, 4, 4, n, 64, generator=gen, **shape)
+    outs = {}
+    for name in ("flex", "loop"):
+        out = (flex.flex_packed_attention(q, k, v, flex.segment_block_mask(bounds, prefix_of, q.device), 0.125)
+               if name == "flex" else per_sequence_attention(q, k, v, bounds, 0.125, prefix_of))
+        outs[name] = (out.float(), *(g.float() for g in torch.autograd.grad((out * grad).sum(), (q, k, v))))
+    diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(outs["flex"], outs["loop"])]
+    report(f"flex vs loop attention {dtype}, {n} tokens: rel. max |d| out/dq/dk/dv", "/".join(f"{d:.1e}" for d in diffs))
+    assert max(diffs) < (1e-5 if dtype == "float32" else 2e-2)
