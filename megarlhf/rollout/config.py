@@ -72,6 +72,9 @@ class WeightSyncConfig:
     bucket_mb: float = 256.0  # full HF tensors travel in buckets of at most this size (a larger tensor alone)
     probe_sequences: int = 4  # random sequences scored by engine and trainer after each sync (0: no probe)
     probe_length: int = 64
+    # and one more as long as the run's longest sequence (prompt + response budget), so that the probe
+    # reaches every position the run uses: past a RoPE scaling boundary or a sliding window
+    probe_longest: bool = True
 
     def __post_init__(self):
         _check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
@@ -79,6 +82,8 @@ class WeightSyncConfig:
                f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")
         _check(isinstance(self.probe_length, int) and self.probe_length >= 2,
                f"WeightSyncConfig.probe_length must be an int >= 2, got {self.probe_length!r}")
+        _check(isinstance(self.probe_longest, bool),
+               f"WeightSyncConfig.probe_longest must be true or false, got {self.probe_longest!r}")
 
 
 @dataclass

@@ -55,8 +55,8 @@ from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, calibration_metrics, compare_fingerprints,
                                           engine_placement, layout_problems, probe_floor, probe_problems,
-                                          probe_sequences, sync_metrics, trainer_probe_logprobs, verdict_error,
-                                          weight_buckets)
+                                          probe_sequences, longest_probe_length, sync_metrics,
+                                          trainer_probe_logprobs, verdict_error, weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
 
@@ -151,7 +151,8 @@ class DisaggregatedRollout:
             self.expected = set(self.hf_shapes)
             self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
             self.placement = None  # the engines' layout, asked for at the first sync
-            self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
+            self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
+                                         longest_probe_length(config))
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def _require(self, engine_side: bool, what: str) -> None:
@@ -189,8 +190,7 @@ class DisaggregatedRollout:
             elif command[0] == "layout":
                 self._from_engines(self.engine.run_in_worker(_worker_fused))
             elif command[0] == "calibrate":
-                self._from_engines(probe_floor(command[2], torch.tensor(  # host: compared there
-                    self.engine.prompt_logprobs(command[1]), dtype=torch.float32)))
+                self._from_engines(probe_floor(command[2], self.engine.prompt_logprobs(command[1])))
             elif command[0] == "generate":
                 self._serve_generate(*command[1:])
             else:
@@ -224,8 +224,7 @@ class DisaggregatedRollout:
         probe, gaps, problems = self._channel_bcast(), (float("nan"), float("nan")), []
         if probe is not None:
             ids, trainer, tolerances = probe
-            engine = torch.tensor(self.engine.prompt_logprobs(ids), dtype=torch.float32)  # host: compared there
-            worst, mean, problems = probe_problems(trainer, engine, tolerances)
+            worst, mean, problems = probe_problems(trainer, self.engine.prompt_logprobs(ids), tolerances)
             gaps = (worst, mean)
         self._verdict(problems, "probe forward", metric=gaps)
 
@@ -278,7 +277,7 @@ class DisaggregatedRollout:
         trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
         floor = None
         if self.rank == SOURCE_RANK:
-            self._channel_bcast(("calibrate", self.probe.tolist(), trainer))
+            self._channel_bcast(("calibrate", self.probe, trainer))
             floors = self._from_engines()
             floor = (max(f[0] for f in floors), max(f[1] for f in floors))
         floor = self._trainer_bcast(floor)
@@ -321,7 +320,7 @@ class DisaggregatedRollout:
         start, probe = time.perf_counter(), None
         if self.sync_config.probe_sequences:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
-            probe = (self.probe.tolist(), trainer, self.tolerances)
+            probe = (self.probe, trainer, self.tolerances)
         if source:
             self._channel_bcast(probe)
         gaps = self._trainer_verdict([], "probe forward")

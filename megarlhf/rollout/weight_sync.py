@@ -16,7 +16,8 @@
    parameter (a dropped bucket, post-load processing that did not run) stops the run with a
    :class:`WeightSyncError` naming it.
 4. A probe forward, the second line of defence: the engine's prompt log-probs of fixed random
-   sequences vs the trainer's, through
+   sequences (a few short ones and one as long as the run's longest, so that every position the run uses
+   is scored: past RoPE scaling boundaries and sliding windows) vs the trainer's, through
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
    training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
@@ -163,40 +164,65 @@ def verdict_error(lines: list[str], what: str) -> WeightSyncError:
     return WeightSyncError(f"weight sync verification failed ({what}):\n  {shown}")
 
 
-def probe_sequences(vocab_size: int, config: WeightSyncConfig) -> torch.Tensor:
-    """The probe's fixed random sequences [probe_sequences, probe_length] (host; token ids)."""
+def probe_sequences(vocab_size: int, config: WeightSyncConfig, longest: int) -> list[list[int]]:
+    """The probe's fixed random sequences (token ids): ``probe_sequences`` of ``probe_length`` tokens and,
+    with ``probe_longest``, one of ``longest`` tokens (the run's longest sequence), so that the probe
+    reaches every position the run uses. Empty without ``probe_sequences``."""
+    if not config.probe_sequences:
+        return []
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=gen)  # host: ids
+    shape = (config.probe_sequences, config.probe_length)
+    sequences = torch.randint(0, vocab_size, shape, generator=gen).tolist()  # host: ids
+    if config.probe_longest and longest > config.probe_length:
+        sequences.append(torch.randint(0, vocab_size, (longest,), generator=gen).tolist())  # host: ids
+    return sequences
 
 
-def trainer_probe_logprobs(actor, probe: torch.Tensor, config) -> torch.Tensor:
-    """The trainer's teacher-forced log-probs [S, L-1] (host, fp32, temperature 1) of the probe
-    sequences, through the training forward (collective over the actor's model-parallel group)."""
+def longest_probe_length(config) -> int:
+    """The length of the probe's long sequence: the run's longest (prompt plus response budget, the engines'
+    max_model_len) less the one token an engine must be left to generate when it scores a prompt."""
+    return config.data.max_prompt_length + config.rollout.response_budget - 1
+
+
+def trainer_probe_logprobs(actor, probe: list[list[int]], config) -> torch.Tensor:
+    """The trainer's teacher-forced log-probs [S, L_max - 1] (host, fp32, temperature 1, zero past each
+    sequence's end) of the probe sequences, through the training forward (collective over the actor's
+    model-parallel group)."""
     from megarlhf.training import ExperienceBatch, compute_logprobs
 
-    sequences = probe.tolist()
-    batch = ExperienceBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
+    batch = ExperienceBatch.from_sequences([s[:1] for s in probe], [s[1:] for s in probe],
                                            device=actor.runtime.device)
     return compute_logprobs(actor, batch, config, temperature=1.0)[:, 1:].cpu()
 
 
-def probe_problems(trainer: torch.Tensor, engine: torch.Tensor, tolerances: Tolerances
+def probe_diffs(trainer: torch.Tensor, engine: list[list[float]]) -> list[torch.Tensor]:
+    """|trainer - engine| of each probe sequence's scored tokens (``engine``: the engine's prompt log-probs,
+    one list per sequence; ``trainer``: :func:`trainer_probe_logprobs`)."""
+    if len(engine) != trainer.shape[0]:
+        raise ValueError(f"probe: the engine scored {len(engine)} sequences, the trainer {trainer.shape[0]}")
+    return [(trainer[i, :len(row)].float() - torch.tensor(row, dtype=torch.float32)).abs()  # host
+            for i, row in enumerate(engine)]
+
+
+def probe_floor(trainer: torch.Tensor, engine: list[list[float]]) -> tuple[float, float]:
+    """(max, mean) |trainer - engine| over every scored token of a calibration probe."""
+    diff = torch.cat(probe_diffs(trainer, engine))
+    return float(diff.max()), float(diff.mean())
+
+
+def probe_problems(trainer: torch.Tensor, engine: list[list[float]], tolerances: Tolerances
                    ) -> tuple[float, float, list[str]]:
-    """(max gap, mean gap, problems) of the probe's trainer vs engine log-probs [S, L-1]."""
-    diff = (trainer.float() - engine.float()).abs()
-    worst, mean = float(diff.max()), float(diff.mean())
+    """(max gap, mean gap, problems) of the probe's trainer vs engine log-probs."""
+    diffs = probe_diffs(trainer, engine)
+    worst, mean = probe_floor(trainer, engine)
     problems = gap_problems("probe forward", worst, mean, tolerances.probe_max, tolerances.probe_mean,
                             ("probe_max", "probe_mean"))
-    if problems and diff.numel():
-        seq, pos = divmod(int(diff.view(-1).nan_to_num(float("inf")).argmax()), diff.shape[1])
-        problems[0] += f" (largest at probe sequence {seq}, token {pos + 1})"
+    if problems:
+        peaks = [float(d.nan_to_num(float("inf")).max()) for d in diffs]
+        seq = max(range(len(peaks)), key=peaks.__getitem__)
+        pos = int(diffs[seq].nan_to_num(float("inf")).argmax())
+        problems[0] += f" (largest at probe sequence {seq} of {len(diffs[seq]) + 1} tokens, token {pos + 1})"
     return worst, mean, problems
-
-
-def probe_floor(trainer: torch.Tensor, engine: torch.Tensor) -> tuple[float, float]:
-    """(max, mean) |trainer - engine| of a calibration probe."""
-    diff = (trainer.float() - engine.float()).abs()
-    return float(diff.max()), float(diff.mean())
 
 
 def calibration_metrics(floor: tuple[float, float], tolerances: Tolerances) -> dict[str, float]:
@@ -218,7 +244,8 @@ class WeightSync:
         self.expected = set(hf_shapes)
         self.placement = engine_placement(hf_shapes, engine.fused_parameters())
         self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
-        self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config)
+        self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
+                                     longest_probe_length(config))
 
     def _agree(self, problems: list[str], what: str) -> None:
         """Raises WeightSyncError on every trainer rank if any rank found a problem."""
@@ -234,8 +261,7 @@ class WeightSync:
         if not self.sync_config.probe_sequences:
             return {}
         trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
-        engine_lp = self.engine.prompt_logprobs(self.probe.tolist())
-        engine = torch.tensor(engine_lp, dtype=torch.float32)  # host: compared there
+        engine = self.engine.prompt_logprobs(self.probe)
         floors = self.runtime.all_gather_objects(probe_floor(trainer, engine), over="trainers")
         floor = (max(f[0] for f in floors), max(f[1] for f in floors))
         self._agree(calibration_problems(self.config, floor[1]), "calibration before the first sync")
@@ -270,8 +296,7 @@ class WeightSync:
         if self.sync_config.probe_sequences:
             start = time.perf_counter()
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
-            engine_lp = self.engine.prompt_logprobs(self.probe.tolist())
-            engine = torch.tensor(engine_lp, dtype=torch.float32)  # host: compared there
+            engine = self.engine.prompt_logprobs(self.probe)
             worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
             self._agree(problems, "probe forward")
             metrics.update({"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,

@@ -110,3 +110,36 @@ def test_sync_streams_in_bounded_buckets(rollout_run, layout):
         m = rank["sync1"]
         assert m["weight_sync/buckets"] >= 5
         assert m["weight_sync/max_bucket_bytes"] <= limit
+
+
+def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tmp_path):
+    """An engine whose attention goes wrong only past position 100 (a sliding window of 100 tokens that the
+    trainer does not have: the kind of fault a RoPE scaling boundary or window makes) passes a probe of
+    64-token sequences and fails one that also scores a sequence as long as the run's longest (159 tokens
+    where the engines hold 160: one is left for the token an engine generates)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarlhf.gates import FLOORS
+    from megarlhf.rollout.hf_engine import HFRolloutEngine
+    from megarlhf.rollout.weight_sync import probe_problems, probe_sequences
+    from model_providers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model("mistral", tmp_path / "mistral", seed=0)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # the trainer's stand-in
+    engine = HFRolloutEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=160)
+    engine.model.config.sliding_window = 100  # wrong from token 101 on
+
+    def verdict(config):
+        probe = probe_sequences(reference.config.vocab_size, config, longest=159)
+        ids = torch.tensor([s + [0] * (159 - len(s)) for s in probe])
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(input_ids=ids).logits.float(), -1)
+        trainer = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return [len(s) for s in probe], probe_problems(trainer, engine.prompt_logprobs(probe), FLOORS["float32"])
+
+    lengths, (_, _, problems) = verdict(WeightSyncConfig(probe_longest=False))
+    assert lengths == [64] * 4 and problems == []
+    lengths, (worst, _, problems) = verdict(WeightSyncConfig())
+    assert lengths == [64] * 4 + [159]
+    assert problems and "(gates.probe_max)" in problems[0] and "probe sequence 4 of 159 tokens" in problems[0]
