@@ -4,6 +4,7 @@ Every entry of :data:`PARSERS` has one signature, a factory bound to the episode
 
     make_parser(tools: Sequence[ToolSpec], tokenizer=None) -> ToolCallParser
     parser(text: str) -> ParsedCall | None | ParseError     # None: the turn calls no tool
+    parser.stop_token_ids, parser.special_marker_ids        # token ids: where a turn may stop; what it keeps
 
 A malformed call (bad JSON, unknown tool, missing or unexpected arguments, a second call in the same turn,
 an unclosed tag) is a :class:`ParseError` whose message is meant for the model; parsing never raises.
@@ -57,22 +58,38 @@ def _quote(text: str) -> str:
     return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
 
 
+def _decode_json(text: str, what: str, whole: bool = True) -> Any:
+    """The JSON value ``text`` holds (``whole=False``: the one it starts with, anything after it ignored),
+    or a ParseError saying why not, whose subject is ``what`` ("the tool call is"). Model output is
+    hostile: besides malformed JSON, nesting thousands deep (``RecursionError`` in the decoder) and
+    integers past Python's digit limit (``ValueError``) are reported, never raised."""
+    try:
+        return json.loads(text) if whole else json.JSONDecoder().raw_decode(text)[0]
+    except json.JSONDecodeError as exc:
+        return ParseError(f"{what} not valid JSON ({exc.msg} at character {exc.pos}): {_quote(text)}")
+    except RecursionError:
+        return ParseError(f"{what} nested too deeply to decode: {_quote(text)}")
+    except ValueError as exc:  # e.g. an integer literal past sys.get_int_max_str_digits() (4300 digits)
+        return ParseError(f"{what} not decodable ({exc}): {_quote(text)}")
+
+
 class ToolCallParser:
     """Parses one format against a fixed set of tools; ``__call__`` is the parse signature above.
 
     ``stop_token_ids``: the end marker's token id when the tokenizer has it as one token (a rollout may
-    stop the turn there). ``needs_special_tokens``: the markers are special tokens, so the turn must be
-    decoded with ``skip_special_tokens=False`` or the parser never sees them."""
+    stop the turn there). ``special_marker_ids``: the markers that are special tokens (then
+    ``needs_special_tokens``): a turn must be decoded with them kept or the parser never sees them."""
 
     def __init__(self, tools: Sequence[ToolSpec], fmt: CallFormat = HERMES, tokenizer: Any = None):
         self.tools = {spec.name: spec for spec in tools}
         if len(self.tools) != len(tools):
             raise ValueError(f"tool names must be unique, got {[spec.name for spec in tools]}")
         self.format = fmt
-        added = _added_tokens(tokenizer)
+        added = added_tokens(tokenizer)
         markers = [m for m in (fmt.start, fmt.end) if m is not None] + ([_MISTRAL_ARGS] if fmt is MISTRAL else [])
         self.stop_token_ids: tuple[int, ...] = ((added[fmt.end][0],) if fmt.end in added else ())
-        self.needs_special_tokens = any(m in added and added[m][1] for m in markers)
+        self.special_marker_ids = tuple(added[m][0] for m in markers if m in added and added[m][1])
+        self.needs_special_tokens = bool(self.special_marker_ids)
 
     def __call__(self, text: str) -> ParsedCall | None | ParseError:
         fmt = self.format
@@ -88,27 +105,20 @@ class ToolCallParser:
             return self._parse_mistral(after)
         if fmt.end not in after:
             return ParseError(f"the tool call is not closed: {fmt.start} needs a matching {fmt.end}")
-        payload = after[:after.index(fmt.end)].strip()
-        try:
-            value = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            return ParseError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos}): "
-                              f"{_quote(payload)}")
-        return self._check(value)
+        value = _decode_json(after[:after.index(fmt.end)].strip(), "the tool call is")
+        return value if isinstance(value, ParseError) else self._check(value)
 
     def _parse_mistral(self, after: str) -> ParsedCall | ParseError:
         body = after.lstrip()
         if _MISTRAL_ARGS in body and not body.startswith("["):  # name[ARGS]{...}
             name, _, args = body.partition(_MISTRAL_ARGS)
-            try:
-                arguments, _ = json.JSONDecoder().raw_decode(args.lstrip())
-            except json.JSONDecodeError as exc:
-                return ParseError(f"the arguments of the tool call are not valid JSON ({exc.msg}): {_quote(args)}")
+            arguments = _decode_json(args.lstrip(), "the arguments of the tool call are", whole=False)
+            if isinstance(arguments, ParseError):
+                return arguments
             return self._check({"name": name.strip(), "arguments": arguments})
-        try:
-            value, _ = json.JSONDecoder().raw_decode(body)  # text after the list (an EOS token) is ignored
-        except json.JSONDecodeError as exc:
-            return ParseError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos}): {_quote(body)}")
+        value = _decode_json(body, "the tool call is", whole=False)  # text after the list (an EOS token) is ignored
+        if isinstance(value, ParseError):
+            return value
         if not isinstance(value, list):
             return ParseError(f"{MISTRAL.start} must be followed by a JSON list of calls, got {_quote(body)}")
         if len(value) != 1:
@@ -158,7 +168,7 @@ class ToolCallParser:
                 + "The result comes back in the next message.")
 
 
-def _added_tokens(tokenizer: Any) -> dict[str, tuple[int, bool]]:
+def added_tokens(tokenizer: Any) -> dict[str, tuple[int, bool]]:
     """The tokenizer's added tokens: content -> (id, special). Empty without a tokenizer."""
     if tokenizer is None:
         return {}
@@ -177,7 +187,7 @@ def _chat_templates(tokenizer: Any) -> str:
 def detect_format(tokenizer: Any) -> CallFormat:
     """The tool-call format a tokenizer carries: by its added tokens, then by its chat template's text,
     else ``hermes`` (which needs no special tokens)."""
-    added = _added_tokens(tokenizer)
+    added = added_tokens(tokenizer)
     for fmt in FORMATS:
         if fmt.start in added and (fmt.end is None or fmt.end in added):
             return fmt

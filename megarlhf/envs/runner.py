@@ -21,8 +21,11 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
   concurrently on the same state.
 
 Every observation is cut to ``max_observation_chars`` (a marker saying so included), and an episode is
-done after its ``max_turns``-th turn whatever the environment says. Metrics of one ``step`` (counts, to
-be summed over the turns of a rollout): ``tools/calls`` (well-formed calls), ``tools/errors`` (raised,
+done after its ``max_turns``-th turn whatever the environment says. A call in that last turn is not run
+(the model has no turn left to read its result, so its side effects and reward would count for nothing it
+did): its outcome is done, without observation or reward, ``info={"not_run": "max_turns"}``. Metrics of
+one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls`` (well-formed calls run),
+``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
 invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
 with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; and ``tools/abandoned_threads``
 (threads stuck right now).
@@ -153,6 +156,8 @@ class ToolRunner:
                 outcomes[slot] = TurnOutcome(None, True)
             elif isinstance(parsed, ParseError):
                 outcomes[slot] = TurnOutcome(self._fit(f"error: {parsed.message}"), False, call=parsed)
+            elif handle.turns >= self.config.max_turns:  # no turn left to read the result: not run
+                outcomes[slot] = TurnOutcome(None, True, info={"not_run": "max_turns"}, call=parsed)
             elif handle.running is not None and not handle.running.done:
                 message = "the previous tool call of this episode is still running"
                 failures.append(ToolFailure(handle.index, parsed.name, "busy", message, _truncate(turn)))
@@ -215,7 +220,8 @@ class ToolRunner:
 
     def _metrics(self, outcomes: list[TurnOutcome], failures: list[ToolFailure]) -> dict[str, float]:
         return {
-            "tools/calls": float(sum(isinstance(o.call, ParsedCall) for o in outcomes)),
+            "tools/calls": float(sum(isinstance(o.call, ParsedCall) and "not_run" not in o.info for o in outcomes)),
+            "tools/not_run": float(sum("not_run" in o.info for o in outcomes)),
             "tools/errors": float(sum(f.kind != "timeout" for f in failures)),
             "tools/timeouts": float(sum(f.kind == "timeout" for f in failures)),
             "tools/parse_errors": float(sum(isinstance(o.call, ParseError) for o in outcomes)),

@@ -28,7 +28,7 @@ Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn
 uses that seed + ``t * TURN_SEED_STRIDE``, so every episode's samples depend on the run seed, the step
 and its position only, not on which other episodes are still running or where it is generated.
 
-Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and join the
+Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training, join the
 sample's reward. Metrics (counts, summed over turns): the runner's ``tools/*``, ``tools/samples``,
 ``tools/samples_calling`` (samples that called a tool at least once) and ``tools/turns``.
 
@@ -42,13 +42,13 @@ from typing import Callable, Sequence
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
-from megarlhf.envs.parsers import PARSERS
+from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.runner import ToolRunner
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
 
-RUNNER_METRICS = ("tools/calls", "tools/errors", "tools/timeouts", "tools/parse_errors", "tools/refused",
-                  "tools/truncated", "tools/abandoned_threads")
+RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
+                  "tools/refused", "tools/truncated", "tools/abandoned_threads")
 TURN_SEED_STRIDE = 7_919_993  # a prime above any batch x samples: turn seeds never meet turn-1 seeds
 TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
 
@@ -75,9 +75,15 @@ class MultiTurnRollout:
         self.config, self.tokenizer, self.chat = config, tokenizer, chat
         self.max_new_tokens, self.budget = max_new_tokens, budget
         self.runner = ToolRunner(config, tokenizer)
+        parser = PARSERS.get(config.parser)([], tokenizer)
         # a turn also ends on the format's end-of-call token, where the tokenizer has one (e.g. Qwen2.5's
         # </tool_call>): the observation then follows the call directly
-        self.call_end_ids = PARSERS.get(config.parser)([], tokenizer).stop_token_ids
+        self.call_end_ids = parser.stop_token_ids
+        # special tokens a turn's text drops (the end of turn) and those it keeps for the parser (Mistral's
+        # [TOOL_CALLS]): a call behind a special marker is invisible in a plain decode
+        self.kept_special_ids = set(parser.special_marker_ids)
+        special = {i for i, is_special in added_tokens(tokenizer).values() if is_special}
+        self.dropped_special_ids = (special | set(tokenizer.all_special_ids)) - self.kept_special_ids
 
     def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
             keep_going: Callable[[bool], bool] = lambda running: running) -> tuple[RolloutBatch, dict[str, float]]:
@@ -106,9 +112,14 @@ class MultiTurnRollout:
         seeds = None
         if sampling.seed is not None or sampling.prompt_seeds is not None:
             seeds = tuple(e.seed + e.turns * TURN_SEED_STRIDE for e in running)
-        room = min((self.budget - len(e.response) for e in running), default=self.max_new_tokens)
-        return replace(sampling, n=1, seed=None, prompt_seeds=seeds,
-                       max_new_tokens=max(1, min(self.max_new_tokens, room)))
+        # the largest room of any episode: each turn is then cut at its own episode's room (_take_turns),
+        # so that an episode's tokens do not depend on which others are running
+        room = max((self._room(e) for e in running), default=self.max_new_tokens)
+        return replace(sampling, n=1, seed=None, prompt_seeds=seeds, max_new_tokens=max(1, room))
+
+    def _room(self, episode: _Episode) -> int:
+        """New tokens the episode's next turn may have: the per-turn limit, within its response budget."""
+        return min(self.max_new_tokens, self.budget - len(episode.response))
 
     # ---- one turn ------------------------------------------------------------------------------------
     def _start_messages(self, prompt: PromptExample) -> list[dict[str, str]]:
@@ -121,11 +132,14 @@ class MultiTurnRollout:
             raise RuntimeError(f"multi-turn rollout: the engine returned {len(batch.response_ids)} turns for "
                                f"{len(episodes)} running episodes")
         for episode, turn, lps, finish in zip(episodes, batch.response_ids, batch.logprobs, batch.finish_reasons):
+            room = self._room(episode)
+            if len(turn) > room:  # generated for a neighbour's larger room: the same tokens, cut at this one's
+                turn, lps, finish = turn[:room], lps[:room], "length"
             episode.response += list(turn)
             episode.logprobs += list(lps)
             episode.mask += [1] * len(turn)
             episode.finish, episode.turns = finish, episode.turns + 1
-            episode.messages.append({"role": "assistant", "content": self._decode(turn, special=False)})
+            episode.messages.append({"role": "assistant", "content": self._turn_text(turn)})
             episode.turn_ids = list(turn)
 
     def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float]) -> list[int]:
@@ -146,7 +160,7 @@ class MultiTurnRollout:
         going = []
         for i, outcome in zip(live, step.outcomes):
             episode = episodes[i]
-            episode.calls += isinstance(outcome.call, ParsedCall)
+            episode.calls += isinstance(outcome.call, ParsedCall) and "not_run" not in outcome.info
             episode.reward += outcome.reward or 0.0
             if outcome.done or outcome.observation is None:
                 continue
@@ -163,6 +177,13 @@ class MultiTurnRollout:
 
     def _decode(self, ids: list[int], special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+    def _turn_text(self, ids: list[int]) -> str:
+        """The model turn's text as the parser and the chat template see it: special tokens dropped except
+        the tool-call markers that are special tokens."""
+        if not self.kept_special_ids:
+            return self._decode(ids, special=False)
+        return self._decode([t for t in ids if t not in self.dropped_special_ids], special=True)
 
     def _observation_ids(self, episode: _Episode, observation: str) -> list[int]:
         if not self.chat:

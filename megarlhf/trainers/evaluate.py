@@ -53,7 +53,7 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     seed = sample_seed(config.seed + EVAL_SEED_OFFSET, step, share[0] if share else 0, n)
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
     rollout, tools = phase.generate(mine, eval_sampling(config, stop_token_ids), seed)
-    rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, shape_length=False) if mine else ([], {})
+    rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, training=False) if mine else ([], {})
     if samples is not None:  # collective over data-parallel ranks, so called with an empty share too
         samples.write(step, "eval", mine, rollout, rewards)
     correct = [0.0] * len(mine)

@@ -36,24 +36,43 @@ def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[Combin
     return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model
 
 
+def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) -> str:
+    """What the model wrote in a response: with a multi-turn ``loss_mask``, its own turns (each decoded
+    alone, joined by newlines) without the observations between them, which are not its answer."""
+    if not loss_mask:
+        return tokenizer.decode(response_ids, skip_special_tokens=True)
+    turns, current = [], []
+    for token, own in zip(response_ids, loss_mask):
+        if own:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    turns += [current] if current else []
+    return "\n".join(tokenizer.decode(turn, skip_special_tokens=True).strip() for turn in turns)
+
+
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
-                  config: RunConfig, shape_length: bool = True) -> tuple[list[float], dict[str, float]]:
-    """Rewards (one per sample of the rollout) and metrics; with ``shape_length``, DAPO's overlong
-    penalty is added when configured (evaluation scores answers only)."""
-    samples = [RewardInput(prompt=examples[p].prompt, response=tokenizer.decode(r, skip_special_tokens=True),
+                  config: RunConfig, training: bool = True) -> tuple[list[float], dict[str, float]]:
+    """Rewards (one per sample of the rollout) and metrics. Reward functions read the model's own text
+    (:func:`model_text`); a reward model scores the whole token sequence. In ``training`` the environment's
+    rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join; evaluation scores
+    the answer only."""
+    masks = rollout.loss_masks or [None] * len(rollout.response_ids)
+    samples = [RewardInput(prompt=examples[p].prompt, response=model_text(tokenizer, r, m),
                            ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
                            prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r))
-               for p, r in zip(rollout.prompt_index, rollout.response_ids)]
+               for p, r, m in zip(rollout.prompt_index, rollout.response_ids, masks)]
     result = reward(samples)
     for failure in result.failures:
         print(f"[reward] sample {failure}", flush=True)
     rewards = list(result.rewards)
     metrics = dict(result.metrics)
-    if rollout.env_rewards:  # multi-turn episodes: the environment's own rewards join the sample's
+    if rollout.env_rewards and training:  # multi-turn episodes: the environment's own rewards join the sample's
         rewards = [r + e for r, e in zip(rewards, rollout.env_rewards)]
         metrics["reward/env/mean"] = sum(rollout.env_rewards) / max(len(rollout.env_rewards), 1)
     overlong = config.algorithm.overlong
-    if overlong is not None and shape_length:
+    if overlong is not None and training:
         lengths = torch.tensor([len(r) for r in rollout.response_ids])  # host: reward bookkeeping
         penalty = overlong_penalty(lengths, config.rollout.response_budget, overlong)
         rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above

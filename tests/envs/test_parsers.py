@@ -180,3 +180,15 @@ def test_tokenizer_format_from_chat_template_text(base_tokenizer_dir):
 def test_tokenizer_parser_rejects_non_tokenizers():
     with pytest.raises(ValueError, match="tokenizer dict has no added_tokens_decoder"):
         PARSERS.get("tokenizer")(TOOLS, {})
+
+
+@pytest.mark.parametrize("payload, message", [
+    ('{"name": "note", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}", "nested too deeply"),
+    ('{"name": "add", "arguments": {"a": ' + "7" * 5000 + ', "b": 1}}', "4300 digits"),
+])
+def test_hostile_json_is_a_parse_error_not_a_crash(hermes, mistral, payload, message):
+    """Model output is hostile input: JSON nested thousands deep (RecursionError in json) or an integer
+    literal past Python's 4300-digit conversion limit (ValueError) is a parse error shown to the model."""
+    for parser, text in ((hermes, f"<tool_call>{payload}</tool_call>"), (mistral, f"[TOOL_CALLS][{payload}]")):
+        result = parser(text)
+        assert isinstance(result, ParseError) and message in result.message, result

@@ -80,7 +80,8 @@ def test_a_batch_of_every_kind(runner):
     assert [(f.index, f.tool, f.kind) for f in batch.failures] == [(1, "boom", "error"), (2, "number", "invalid")]
     assert batch.failures[0].turn == conversations[1][-1]["content"]
     assert batch.metrics == {"tools/calls": 4.0, "tools/errors": 2.0, "tools/timeouts": 0.0, "tools/parse_errors": 1.0,
-                             "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0}
+                             "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0,
+                             "tools/not_run": 0.0}
     assert [h.done for h in handles] == [False] * 5 + [True]
     with pytest.raises(ValueError, match="the episode of sample 5 is done"):
         runner.step(handles[5:], [_call("echo", '{"text": "again"}')])
@@ -110,12 +111,22 @@ def test_a_hanging_tool_times_out_and_the_rest_carries_on(runner):
     assert batch.metrics["tools/errors"] == 1.0 and batch.metrics["tools/calls"] == 3.0
 
 
-def test_max_turns_ends_the_episode(runner):
+def test_max_turns_ends_the_episode_without_running_the_last_turns_call(runner):
+    """The model has no turn left to read the last turn's result: that call is not run (no side effect, no
+    reward), reported as not run."""
     (handle,) = runner.start([{}])
     for turn in range(1, 4):
-        outcome = runner.step([handle], [_call("echo", f'{{"text": "{turn}"}}')]).outcomes[0]
-        assert outcome.observation == str(turn) and outcome.done == (turn == 3)
+        batch = runner.step([handle], [_call("echo", f'{{"text": "{turn}"}}')])
+        outcome = batch.outcomes[0]
+        assert outcome.done == (turn == 3)
+        assert outcome.observation == (None if turn == 3 else str(turn))
+        assert batch.metrics["tools/calls"] == float(turn < 3) and batch.metrics["tools/not_run"] == float(turn == 3)
+    assert outcome.call == ParsedCall("echo", {"text": "3"}) and outcome.info == {"not_run": "max_turns"}
     assert handle.turns == 3 and handle.done
+    finisher = ToolRunner(EnvConfig(f"{HERE}:Finisher", parser="hermes", max_turns=1))
+    outcome = finisher.step(finisher.start([{"reward": 1.5}]), [_call("finish")]).outcomes[0]
+    assert (outcome.observation, outcome.done, outcome.reward) == (None, True, None)  # its reward does not count
+    finisher.close()
 
 
 def test_an_environment_that_finishes_with_a_reward():

@@ -89,7 +89,7 @@ def test_multi_turn_rollouts_bf16(runtime, tiny_llama, task, tmp_path, report):
     from megarlhf.envs.parsers import PARSERS
 
     class EveryTurn:
-        stop_token_ids, needs_special_tokens = (), False
+        stop_token_ids, special_marker_ids = (), ()
 
         def __init__(self, tools, tokenizer=None):
             pass

@@ -120,7 +120,7 @@ def test_turn_limit_budget_and_failures_end_or_continue_episodes(tokenizer):
     prompts = _prompts(tokenizer, 4)
     batch, metrics = _rollout(tokenizer, max_turns=3).run(
         script, prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=128, prompt_seeds=(0, 1, 2, 3)))
-    assert batch.tool_calls == [3, 0, 1, 1]
+    assert batch.tool_calls == [2, 0, 1, 1]  # the third call, in the last turn, is not run
     text = [tokenizer.decode(r) for r in batch.response_ids]
     assert text[0].count("<tool_call>") == 3 and text[0].count("tool\n5") == 2  # no observation after the last turn
     assert "error: the tool call is not valid JSON" in text[1] and text[1].endswith("The answer is 5.<|im_end|>")
@@ -164,3 +164,36 @@ def test_turn_stops_on_the_call_end_token_and_the_template_closes_it(tmp_path):
                 {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5."}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False).removesuffix("\n")
     assert tokenizer.decode(batch.prompt_ids[0] + batch.response_ids[0]) == rendered
+
+
+def test_each_episode_keeps_its_own_turn_budget(tokenizer):
+    """An episode near the end of its budget cuts its own next turn, not its neighbours': sample 0 wrote a
+    long first turn and has 3 tokens of room left, sample 1 a short one and plenty of room."""
+    padding = "words " * 40
+    turns = {(0, 0): padding + CALL, (1, 0): CALL}
+    probe, _ = _rollout(tokenizer, budget=2000, max_new_tokens=512).run(
+        Script(tokenizer, 0, turns), _prompts(tokenizer, 1), SamplingConfig(n=2, temperature=1.0, max_new_tokens=512, seed=0))
+    after_first = [mask.index(1, mask.index(0)) for mask in probe.loss_masks]  # response tokens before turn 2
+    budget = after_first[0] + 3
+    batch, _ = _rollout(tokenizer, budget=budget, max_new_tokens=512).run(
+        Script(tokenizer, 0, turns), _prompts(tokenizer, 1), SamplingConfig(n=2, temperature=1.0, max_new_tokens=512, seed=0))
+    answer = tokenizer.encode("The answer is 5.", add_special_tokens=False)
+    assert batch.response_ids[0][after_first[0]:] == answer[:3] and batch.finish_reasons[0] == "length"
+    assert tokenizer.decode(batch.response_ids[1][after_first[1]:]) == "The answer is 5.<|im_end|>"
+    assert batch.finish_reasons[1] == "stop"
+
+
+def test_a_mistral_call_behind_a_special_token_is_seen(tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token: the turn is decoded with it kept (other special tokens,
+    the end of turn, dropped), so the call runs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path / "m", seed=0))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    call = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]'
+    batch, metrics = _rollout(tokenizer, parser="mistral").run(
+        Script(tokenizer, 0, {(0, 0): call}), _prompts(tokenizer, 1),
+        SamplingConfig(n=1, temperature=1.0, max_new_tokens=128, seed=0))
+    assert metrics["tools/calls"] == 1 and batch.tool_calls == [1] and batch.env_rewards == [0.25]
+    observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
+    assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"

@@ -11,7 +11,7 @@ from megarlhf.trainers.rl import train_rl
 
 class EveryTurnParser:
     stop_token_ids = ()
-    needs_special_tokens = False
+    special_marker_ids = ()
 
     def __init__(self, tools, tokenizer=None):
         pass

@@ -83,7 +83,8 @@ def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets):
 @pytest.mark.parametrize("placement", ["colocate", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, placement):
     """Every turn of the random model 'calls' a scripted tool (tests/trainers/_worker_multi_turn.py), so
-    samples are 3 model turns with 2 observations between them: the observation tokens carry log-prob 0
+    samples are 3 model turns with 2 observations between them (the third turn's call is not run: no turn
+    is left to read it): the observation tokens carry log-prob 0
     in the rollout, and the step-0 gate (trainer vs vLLM on response tokens) holds to fp32 accuracy only
     because they are masked out of the response."""
     from pathlib import Path
@@ -96,7 +97,8 @@ def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, placement):
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     step0 = records[0]
     assert step0["tools/call_rate"] == 1.0 and step0["tools/turns_mean"] == 3.0
-    assert step0["tools/calls"] == 3 * step0["tools/samples"] and step0["tools/errors"] == 0
+    assert step0["tools/calls"] == 2 * step0["tools/samples"] and step0["tools/errors"] == 0
+    assert step0["tools/not_run"] == step0["tools/samples"]
     assert step0["response_len/mean"] > 3 * 8  # three turns of 8 tokens plus the observations
     assert step0["mismatch/step0_logprob_gap_max"] < 1e-4
     assert step0["eval/tools/call_rate"] == 1.0 and records[-1]["step"] == 2
