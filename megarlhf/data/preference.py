@@ -15,8 +15,10 @@ Chat mode (``prompts.uses_chat_template``): the conversation is the prompt's mes
 ``data.system_prompt``, as for RL prompts) followed by the response's. As in ``sft.py``, the template is
 rendered for growing prefixes and every segment is tokenized on its own, so the mask is exact at the
 boundaries; here only the assistant messages of the response carry loss (their content and
-end-of-turn marker), not assistant turns inside a multi-turn prompt. The prompt's tokens (the template
-of the prompt with a generation prompt) are the same on both sides: ``prompt_len``.
+end-of-turn marker), not assistant turns inside a multi-turn prompt. Where the tokenizer's EOS token
+closes the last assistant message, the side ends there (what a rollout ends with; see ``_chat_side``).
+The prompt's tokens (the template of the prompt with a generation prompt) are the same on both sides:
+``prompt_len``.
 
 Plain mode: the prompt (after ``data.system_prompt`` and a blank line) with the tokenizer's special
 tokens, then the response plus EOS, which carry the loss (``sft.py``'s plain mode).
@@ -135,8 +137,14 @@ def _response_messages(value: str | list, prompt: list[dict], key: str, setting:
 def _chat_side(prompt: list[dict], response: list[dict], tokenizer, key: str,
                where: str) -> tuple[list[int], list[int]]:
     """(ids, mask) of ``prompt + response`` rendered with the chat template; only the response's
-    assistant messages carry loss (see the module docstring)."""
-    return render_with_loss_mask(prompt + response, tokenizer, len(prompt), f"{where}: field {key!r}")
+    assistant messages carry loss (see the module docstring). The side ends at the EOS token that closes
+    its last assistant message, where the template writes one there (ChatML's ``<|im_end|>`` in instruct
+    tokenizers): a rollout stops on that token, so a reward model trained on these pairs is read in RL
+    at the token it was trained at, not at the newline the template writes after it."""
+    ids, mask = render_with_loss_mask(prompt + response, tokenizer, len(prompt), f"{where}: field {key!r}")
+    eos = tokenizer.eos_token_id
+    ends = [i for i, (token, loss) in enumerate(zip(ids, mask)) if loss and token == eos]
+    return (ids[:ends[-1] + 1], mask[:ends[-1] + 1]) if ends else (ids, mask)
 
 
 def _prompt_messages(value: str | list, data: DataConfig, key: str, where: str) -> tuple[list, list]:

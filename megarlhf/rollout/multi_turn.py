@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
+from megarlhf.errors import ConfigError
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.runner import ToolRunner
 from megarlhf.rollout.config import SamplingConfig
@@ -84,6 +85,8 @@ class MultiTurnRollout:
         self.kept_special_ids = set(parser.special_marker_ids)
         special = {i for i, is_special in added_tokens(tokenizer).values() if is_special}
         self.dropped_special_ids = (special | set(tokenizer.all_special_ids)) - self.kept_special_ids
+        if chat:
+            self._check_template()
 
     def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
             keep_going: Callable[[bool], bool] = lambda running: running) -> tuple[RolloutBatch, dict[str, float]]:
@@ -120,6 +123,20 @@ class MultiTurnRollout:
     def _room(self, episode: _Episode) -> int:
         """New tokens the episode's next turn may have: the per-turn limit, within its response budget."""
         return min(self.max_new_tokens, self.budget - len(episode.response))
+
+    def _check_template(self) -> None:
+        """Renders a probe conversation (a model turn that ends in a newline, then a tool message) the way
+        every turn will be, so that a template that rewrites the model's text (trims it, adds or strips
+        reasoning tags) stops the run at start-up rather than in the middle of a rollout."""
+        turn = "Let me use a tool.\n"
+        probe = _Episode(prompt=0, seed=None, messages=[{"role": "user", "content": "probe"},
+                                                         {"role": "assistant", "content": turn}],
+                         turn_ids=self.tokenizer.encode(turn, add_special_tokens=False))
+        try:
+            self._observation_ids(probe, "probe observation")
+        except ValueError as exc:
+            raise ConfigError(f"rollout.env: the tokenizer's chat template cannot run multi-turn episodes: {exc} "
+                              f"(checked at start-up on a probe conversation)") from None
 
     # ---- one turn ------------------------------------------------------------------------------------
     def _start_messages(self, prompt: PromptExample) -> list[dict[str, str]]:

@@ -187,3 +187,16 @@ def test_other_errors(tok, plain_tok, tmp_path):
     path.write_text(json.dumps(GOOD) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"broken\.jsonl:2: malformed JSON line"):
         load_preference_dataset(str(path), tok, DataConfig(train_path=str(path)))
+
+
+def test_chat_sides_end_at_the_eos_a_rollout_stops_on(tok):
+    """With an instruct tokenizer whose EOS closes the assistant turn (ChatML's <|im_end|>, as SmolLM2's and
+    Qwen2.5-Instruct's), each side ends on that token, as a rollout does, so that a reward model trained on
+    the pairs scores the token it will be read at in RL, not the newline the template writes after it."""
+    instruct = copy.deepcopy(tok)
+    instruct.eos_token = "<|im_end|>"
+    row = {"prompt": "What is 2 + 3?", "chosen": "2 + 3 = 5.", "rejected": "It is 6."}
+    pair = _one([row], instruct)
+    for ids, mask in ((pair.chosen_ids, pair.chosen_mask), (pair.rejected_ids, pair.rejected_mask)):
+        assert ids[-1] == instruct.convert_tokens_to_ids("<|im_end|>") and mask[-1] == 1
+        assert instruct.decode(ids).endswith("<|im_end|>")

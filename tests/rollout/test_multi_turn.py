@@ -197,3 +197,21 @@ def test_a_mistral_call_behind_a_special_token_is_seen(tmp_path):
     assert metrics["tools/calls"] == 1 and batch.tool_calls == [1] and batch.env_rewards == [0.25]
     observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
     assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_rewrites_the_models_turn_is_refused_at_start_up(tmp_path):
+    """A template that trims message content (as Llama-3's does) re-renders a model turn ending in a newline
+    differently from the tokens the model wrote: the run stops when the rollout is built, naming it."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from megarlhf.errors import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path / "m", seed=0))
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
+    assert trimming.chat_template != tokenizer.chat_template
+    _rollout(tokenizer)  # the plain ChatML template passes
+    with pytest.raises(ConfigError, match="rollout.env: the tokenizer's chat template cannot run multi-turn"):
+        _rollout(trimming)
