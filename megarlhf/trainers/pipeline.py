@@ -21,9 +21,9 @@ Metrics: ``rollout/staleness`` (updates between the sampling policy and the trai
 Resume. The batch in flight when a checkpoint is written is taken from the engines first and saved in
 the checkpoint (every replica's samples and metrics, with the prompt indices and the weight version they
 were sampled with), so a resumed run trains on exactly the batch the uninterrupted run trained on. When the
-data-parallel size changed, or the checkpoint has no such batch, the step's batch is generated again
-with the checkpoint's weights (deterministic, one update fresher than the uninterrupted run's), and
-the run says so.
+data-parallel size changed, the step's prompts (the saved batch's, split over the new replicas) are
+generated again with the checkpoint's weights (deterministic, one update fresher than the uninterrupted
+run's), and the run says so; a checkpoint without a batch in flight draws the step's prompts as usual.
 
 Hand-written because the pipelining is the driver's own schedule around the rollout phase.
 """
@@ -68,11 +68,14 @@ class OffPolicyBatches:
         self.launched: tuple[int, int, list[int]] | None = None  # (step, weight version, prompt indices)
         self.taken = None  # (RolloutBatch, metrics) received before its step (checkpoint, resume)
         self.last_version: int | None = None  # the weight version the engines hold (None: not synced yet)
+        self.regenerate: tuple[int, list[int]] | None = None  # (step, prompt indices) to generate again
 
     def next(self, step: int) -> Collected:
         metrics = {}
-        if self.launched is None or self.launched[0] != step:
-            metrics = self._launch(step, version=step)  # step 0, or a resume without the batch in flight
+        if self.launched is None or self.launched[0] != step:  # step 0, or a resume without the batch in flight
+            again = self.regenerate[1] if self.regenerate is not None and self.regenerate[0] == step else None
+            self.regenerate = None
+            metrics = self._launch(step, version=step, indices=again)
         (_, version, indices), self.launched = self.launched, None
         rollout, timing = self.taken if self.taken is not None else self.phase.receive()
         self.taken = None
@@ -84,11 +87,12 @@ class OffPolicyBatches:
         examples = [self.prompts[i] for i in indices]
         return score_round(examples, rollout, metrics, self.reward, self.tokenizer, self.config, self.runtime)
 
-    def _launch(self, step: int, version: int) -> dict[str, float]:
-        """Starts batch ``step`` with the weights after ``version`` updates (synced unless the engines
-        already hold them: the batch before was launched with the same version); the sync's metrics."""
+    def _launch(self, step: int, version: int, indices: list[int] | None = None) -> dict[str, float]:
+        """Starts batch ``step`` (``indices``: its prompts, else the sampler's next batch) with the weights
+        after ``version`` updates (synced unless the engines already hold them: the batch before was
+        launched with the same version); the sync's metrics."""
         sync = self.last_version != version
-        indices = self.sampler.next_batch()
+        indices = self.sampler.next_batch() if indices is None else indices
         offset, n = replica_offset(self.config, self.runtime), self.config.rollout.n_samples
         metrics = self.phase.launch([self.prompts[i] for i in indices], rollout_sampling(self.config.rollout, self.stop),
                                     sample_seed(self.config.seed, step, offset, n), sync_weights=sync)
@@ -111,9 +115,14 @@ class OffPolicyBatches:
         if saved is None or saved["step"] != step:
             return
         if len(saved["replicas"]) != self.runtime.dp.size:
+            # the sampler's saved state has drawn this batch already: its prompts (the replicas' shares in
+            # order, i.e. the global batch) are split over this run's replicas as the sampler splits
+            everyone = [i for indices, _, _ in saved["replicas"] for i in indices]
+            share = len(everyone) // self.runtime.dp.size
+            self.regenerate = (step, everyone[self.runtime.dp.rank * share:(self.runtime.dp.rank + 1) * share])
             logger.warning("the batch in flight for step %d was saved by %d data-parallel replicas, this run has "
-                           "%d: generating it again with the checkpoint's weights", step, len(saved["replicas"]),
-                           self.runtime.dp.size)
+                           "%d: generating its prompts again with the checkpoint's weights", step,
+                           len(saved["replicas"]), self.runtime.dp.size)
             return
         indices, rollout, metrics = saved["replicas"][self.runtime.dp.rank]
         self.launched, self.last_version = (step, saved["version"], list(indices)), None
