@@ -33,8 +33,9 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
   parallel replica go to the source, are split round-robin over the engines (``launch`` returns as soon
   as they are sent, so the trainers can work while the engines generate: one-step off-policy training),
   and ``receive`` gives each trainer rank the :class:`RolloutBatch` of its
-  replica's prompts. Each prompt keeps the seeds of its position in the whole request
-  (``SamplingConfig.for_prompts``), so the samples do not depend on the number of engine ranks.
+  replica's prompts. Each prompt keeps the seeds its own replica gave it (:func:`merged_sampling`,
+  ``SamplingConfig.for_prompts``), so the samples depend neither on the number of engine ranks nor on
+  the other replicas.
 
 Hand-written because the rank layout, the wire protocol and the command loop are megarlhf's own; vLLM
 generates and loads weights, torch.distributed moves the bytes.
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,27 @@ class InFlight:
 
     order: list[tuple[int, int]]  # (data-parallel replica, prompt) of every prompt sent, in sending order
     replicas: dict[int, list[list[int]]]  # each replica's prompts
+    max_new_tokens: dict[int, int]  # each replica's own limit (the engines generate for the largest)
+
+
+def merged_sampling(samplings: dict[int, SamplingConfig], order: list[tuple[int, int]]) -> SamplingConfig:
+    """One request's sampling for every replica's prompts (``order``: (replica, prompt) in sending order):
+    each prompt keeps its own replica's seed; the engines generate up to the largest ``max_new_tokens``
+    (:meth:`DisaggregatedRollout.receive` cuts each replica's samples at its own). Everything else must
+    agree across replicas."""
+    first = samplings[min(samplings)]
+    plain = replace(first, seed=None, prompt_seeds=None, max_new_tokens=1)
+    for dp, sampling in samplings.items():
+        if replace(sampling, seed=None, prompt_seeds=None, max_new_tokens=1) != plain:
+            raise ValueError(f"DisaggregatedRollout.generate: data-parallel replica {dp} samples with {sampling}, "
+                             f"replica {min(samplings)} with {first}: only seeds and max_new_tokens may differ")
+    seeds = None
+    if any(s.seed is not None or s.prompt_seeds is not None for s in samplings.values()):
+        seeds = tuple(samplings[dp].prompt_seed(i) for dp, i in order)
+        if None in seeds:
+            raise ValueError("DisaggregatedRollout.generate: some data-parallel replicas sample seeded, some not")
+    return replace(first, seed=None, prompt_seeds=seeds,
+                   max_new_tokens=max(s.max_new_tokens for s in samplings.values()))
 
 
 # ---- the engine core's side (runs in vLLM's worker, i.e. the engine's child process) ---------------------
@@ -333,8 +355,9 @@ class DisaggregatedRollout:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Trainer ranks (all together): samples for this rank's data-parallel replica's ``prompts``.
 
-        Ranks of one replica (its TP/PP/CP peers) must pass the same prompts; the source's ``sampling``
-        is used for everyone. ``prompt_index`` in the result indexes this rank's ``prompts``.
+        Ranks of one replica (its TP/PP/CP peers) must pass the same prompts and ``sampling``; each
+        replica's prompts keep their own seeds (:func:`merged_sampling`). ``prompt_index`` in the result
+        indexes this rank's ``prompts``.
         """
         return self.receive(self.launch(prompts, sampling))[0]
 
@@ -343,19 +366,22 @@ class DisaggregatedRollout:
         at once; the engines generate while the trainers go on. Nothing else may use the engines until
         :meth:`receive` took the batch."""
         self._require(False, "launch")
-        sampling.validate()
+        sampling.validate(len(prompts))
         dp_rank = self.runtime.dp.rank
         everyone = [None] * self.num_trainers
-        dist.all_gather_object(everyone, (dp_rank, [list(map(int, p)) for p in prompts]), group=self.trainers)
+        dist.all_gather_object(everyone, (dp_rank, [list(map(int, p)) for p in prompts], sampling),
+                               group=self.trainers)
         replicas: dict[int, list[list[int]]] = {}
-        for rank, (dp, theirs) in enumerate(everyone):
-            if replicas.setdefault(dp, theirs) != theirs:
-                raise ValueError(f"DisaggregatedRollout.generate: trainer rank {rank} passed prompts that differ "
-                                 f"from its data-parallel replica {dp}'s (its model-parallel peers must agree)")
+        samplings: dict[int, SamplingConfig] = {}
+        for rank, (dp, theirs, their_sampling) in enumerate(everyone):
+            if (replicas.setdefault(dp, theirs), samplings.setdefault(dp, their_sampling)) != (theirs, their_sampling):
+                raise ValueError(f"DisaggregatedRollout.generate: trainer rank {rank} passed prompts or sampling "
+                                 f"that differ from its data-parallel replica {dp}'s (its model-parallel peers "
+                                 f"must agree)")
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
         if self.rank == SOURCE_RANK:
-            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], sampling))
-        return InFlight(order, replicas)
+            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], merged_sampling(samplings, order)))
+        return InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()})
 
     def receive(self, request: "InFlight") -> tuple[RolloutBatch, dict[str, float]]:
         """Trainer ranks (all together): waits for the batch :meth:`launch` asked for; returns this rank's
@@ -369,9 +395,12 @@ class DisaggregatedRollout:
             samples = (sorted((s for part, _ in parts for s in part), key=lambda s: s[0]), generate_s)
         samples, generate_s = self._trainer_bcast(samples)
         dp_rank, batch = self.runtime.dp.rank, RolloutBatch()
+        limit = request.max_new_tokens.get(dp_rank)
         for item, response, logprobs, finish in samples:  # stable sort keeps each prompt's sample order
             dp, i = request.order[item]
             if dp == dp_rank:
+                if len(response) > limit:  # generated for another replica's larger limit: the same tokens, cut
+                    response, logprobs, finish = response[:limit], logprobs[:limit], "length"
                 batch.prompt_index.append(i)
                 batch.prompt_ids.append(request.replicas[dp][i])
                 batch.response_ids.append(list(response))

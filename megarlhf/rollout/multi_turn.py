@@ -44,7 +44,7 @@ from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
 from megarlhf.errors import ConfigError
 from megarlhf.envs.parsers import PARSERS, added_tokens
-from megarlhf.envs.runner import ToolRunner
+from megarlhf.envs.runner import StepBatch, ToolRunner
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
 
@@ -89,10 +89,15 @@ class MultiTurnRollout:
             self._check_template()
 
     def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
-            keep_going: Callable[[bool], bool] = lambda running: running) -> tuple[RolloutBatch, dict[str, float]]:
+            keep_going: Callable[[bool], bool] = lambda running: running,
+            run_once: Callable[[Callable[[], StepBatch]], StepBatch] = lambda step: step()
+            ) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of whole episodes (prompt-major, ``loss_masks`` and ``env_rewards`` filled) and the
         tool metrics. ``keep_going(any episode of mine running)``: whether to generate another turn; ranks
-        whose generator is collective pass an all-ranks "any", and then generate with no prompt."""
+        whose generator is collective pass an all-ranks "any", and then generate with no prompt.
+        ``run_once(step)``: how a turn's tool calls run; ranks that run the same episodes (the
+        model-parallel peers of a replica, in the disaggregated placement) run them on one rank and share
+        its outcomes, so that a tool runs once per call and every peer sees the same observations."""
         sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + tuple(self.call_end_ids))
         turn = generate([p.prompt_ids for p in prompts], sampling)
         episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
@@ -103,7 +108,7 @@ class MultiTurnRollout:
         running = list(range(len(episodes)))
         while True:
             self._take_turns([episodes[i] for i in running], turn)
-            running = self._run_tools(episodes, handles, running, sums)
+            running = self._run_tools(episodes, handles, running, sums, run_once)
             if not keep_going(bool(running)):
                 break
             turn = generate([prompts[episodes[i].prompt].prompt_ids + episodes[i].response for i in running],
@@ -159,7 +164,8 @@ class MultiTurnRollout:
             episode.messages.append({"role": "assistant", "content": self._turn_text(turn)})
             episode.turn_ids = list(turn)
 
-    def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float]) -> list[int]:
+    def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float],
+                   run_once: Callable[[Callable[[], StepBatch]], StepBatch]) -> list[int]:
         """Runs the tools of the turns just taken; returns the episodes that go on. A turn cut by the
         per-turn limit is still parsed (a complete call in it runs); an episode whose response filled the
         budget ends there, truncated."""
@@ -171,7 +177,7 @@ class MultiTurnRollout:
                 live.append(i)
         if not live:
             return []
-        step = self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live])
+        step = run_once(lambda: self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live]))
         for name, value in step.metrics.items():
             sums[name] = value if name == "tools/abandoned_threads" else sums.get(name, 0.0) + value
         going = []

@@ -136,10 +136,17 @@ class DisaggregatedPhase:
         sampling = dataclasses.replace(sampling, seed=seed)
         if self.multi_turn is None:
             return self.rollout.generate([p.prompt_ids for p in prompts], sampling), metrics
-        # every turn is collective over the trainer ranks: they go on while any rank has a running episode
+        # every turn is collective over the trainer ranks: they go on while any rank has a running episode;
+        # a replica's model-parallel peers run the same episodes, whose tools run on its first rank only
         batch, tools = self.multi_turn.run(self.rollout.generate, prompts, sampling,
-                                           keep_going=lambda running: self.runtime.any_rank(running))
+                                           keep_going=lambda running: self.runtime.any_rank(running),
+                                           run_once=self._on_replica_leader)
         return batch, {**metrics, **tools}
+
+    def _on_replica_leader(self, step):
+        """``step()`` run by the replica's first rank; its result on every rank of the replica."""
+        leader = self.runtime.replica.rank == 0
+        return self.runtime.all_gather_objects(step() if leader else None, over="replica")[0]
 
     def launch(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                sync_weights: bool) -> dict[str, float]:

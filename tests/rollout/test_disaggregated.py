@@ -118,3 +118,24 @@ def test_init_disaggregated_rejects_a_layout_without_engines():
     # a single process (no launcher) has no rank left for engines; checked before any group exists
     with pytest.raises(ValueError, match="num_trainer_ranks=1 must leave at least one of the 1 ranks"):
         init_disaggregated(ParallelConfig(), num_trainer_ranks=1)
+
+
+def test_each_replicas_prompts_keep_their_own_seeds_and_limit():
+    """The request sent to the engines: replica 0's two running episodes and replica 1's three keep the
+    seeds their replicas gave them (rank 0's sampling used to be applied to all five, an IndexError past
+    its two seeds); the engines generate up to the largest max_new_tokens; anything else must agree."""
+    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.disaggregated import merged_sampling
+
+    samplings = {0: SamplingConfig(n=1, temperature=1.0, max_new_tokens=8, prompt_seeds=(11, 12)),
+                 1: SamplingConfig(n=1, temperature=1.0, max_new_tokens=5, prompt_seeds=(21, 22, 23))}
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    merged = merged_sampling(samplings, order)
+    assert merged.prompt_seeds == (11, 12, 21, 22, 23) and merged.max_new_tokens == 8
+    assert [merged.for_prompts([i]).prompt_seed(0) for i in range(5)] == [11, 12, 21, 22, 23]
+    turn_one = {0: SamplingConfig(n=4, temperature=1.0, max_new_tokens=8, seed=100),
+                1: SamplingConfig(n=4, temperature=1.0, max_new_tokens=8, seed=108)}
+    assert merged_sampling(turn_one, [(0, 0), (0, 1), (1, 0)]).prompt_seeds == (100, 104, 108)
+    with pytest.raises(ValueError, match="replica 1 samples with"):
+        merged_sampling({0: samplings[0], 1: SamplingConfig(n=1, temperature=0.5, max_new_tokens=8,
+                                                            prompt_seeds=(21, 22, 23))}, order)

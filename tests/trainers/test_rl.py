@@ -80,20 +80,30 @@ def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets):
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
 
 
-@pytest.mark.parametrize("placement", ["colocate", pytest.param("disaggregated", marks=pytest.mark.slow)])
-def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, placement):
+DISAGGREGATED = "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"
+
+
+@pytest.mark.parametrize("layout, ranks, overrides", [
+    ("colocate DP2", 2, []),
+    pytest.param("disaggregated 1 trainer", 2, [DISAGGREGATED], marks=pytest.mark.slow),
+    # a tool whose answers differ call by call: replicas keep their own seeds (DP2) and a replica's
+    # model-parallel peers run each call once and share its answer (TP2)
+    pytest.param("disaggregated DP2", 3, [DISAGGREGATED, "rollout.env.kwargs={random: true}"], marks=pytest.mark.slow),
+    pytest.param("disaggregated TP2", 3, [DISAGGREGATED, "rollout.env.kwargs={random: true}",
+                                          "parallel.tensor_model_parallel_size=2"], marks=pytest.mark.slow),
+])
+def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, layout, ranks, overrides):
     """Every turn of the random model 'calls' a scripted tool (tests/trainers/_worker_multi_turn.py), so
     samples are 3 model turns with 2 observations between them (the third turn's call is not run: no turn
-    is left to read it): the observation tokens carry log-prob 0
-    in the rollout, and the step-0 gate (trainer vs vLLM on response tokens) holds to fp32 accuracy only
-    because they are masked out of the response."""
+    is left to read it): the observation tokens carry log-prob 0 in the rollout, and the step-0 gate
+    (trainer vs vLLM on response tokens) holds to fp32 accuracy only because they are masked out of the
+    response."""
     from pathlib import Path
 
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
-    placed = ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}"] if placement == "disaggregated" else []
-    run_torchrun(Path(__file__).with_name("_worker_multi_turn.py"), 2,
+    run_torchrun(Path(__file__).with_name("_worker_multi_turn.py"), ranks,
                  [str(recipe), "rollout.env={name: scripted, parser: every_turn, max_turns: 3}",
-                  "rollout.max_new_tokens=8", "rollout.max_response_tokens=160", *placed], timeout_s=900)
+                  "rollout.max_new_tokens=8", "rollout.max_response_tokens=160", *overrides], timeout_s=1200)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     step0 = records[0]
     assert step0["tools/call_rate"] == 1.0 and step0["tools/turns_mean"] == 3.0
