@@ -18,6 +18,15 @@ import time
 from queue import SimpleQueue
 from typing import Any, Callable, Sequence
 
+MAX_TIMEOUT_S = 3600.0  # the longest per-call limit a config may set (threading refuses past TIMEOUT_MAX)
+
+
+def check_timeout(value: Any, key: str) -> None:
+    """Raises ValueError naming ``key`` unless ``value`` is a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 < value <= MAX_TIMEOUT_S):
+        raise ValueError(f"{key} must be a finite number in (0, {MAX_TIMEOUT_S:g}] seconds, got {value!r}")
+
 
 class TimedCall:
     """One call ``fn(item, **kwargs)``; its fields are written under the pool's lock."""

@@ -71,6 +71,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{number}: malformed JSON line ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{number}: the JSON line is nested too deeply to decode") from None
+            except ValueError as exc:  # e.g. an integer literal past sys.get_int_max_str_digits() (4300 digits)
+                raise DataError(f"{path}:{number}: the JSON line cannot be decoded: {exc}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)

@@ -22,12 +22,12 @@ exception is a failure that :mod:`megarlhf.envs.runner` reports.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from megarlhf.errors import ConfigError
 from megarlhf.registry import Registry, is_dotted_path, load_object
+from megarlhf.timed_calls import check_timeout
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
 
@@ -169,8 +169,7 @@ class EnvConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"EnvConfig.timeout_s must be a finite number > 0, got {self.timeout_s!r}")
+        check_timeout(self.timeout_s, "EnvConfig.timeout_s")
         from megarlhf.envs.parsers import PARSERS  # parsers import this module's types
 
         if self.parser not in PARSERS:

@@ -48,6 +48,11 @@ _REFUSED = {  # node types with a message of their own; any other node type gets
 }
 
 
+# Upper bounds of the limits a recipe may set (rollout.env.kwargs): results are printed, and Python refuses
+# to print integers of more than 4300 digits; the bound itself (10**max_exponent10) is computed per call.
+MAX_EXPONENT10, MAX_CHARS, MAX_TIME_LIMIT_S = 4000, 100_000, 60.0
+
+
 @dataclass(frozen=True)
 class CalculatorLimits:
     max_chars: int = 500  # expression length
@@ -55,12 +60,15 @@ class CalculatorLimits:
     time_limit_s: float = 0.5  # wall clock, checked at every node
 
     def __post_init__(self):
-        for name in ("max_chars", "max_exponent10"):
+        for name, top in (("max_chars", MAX_CHARS), ("max_exponent10", MAX_EXPONENT10)):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"calculator {name} must be an int >= 1, got {value!r}")
-        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
-            raise ValueError(f"calculator time_limit_s must be > 0, got {self.time_limit_s!r}")
+            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= top):
+                raise ValueError(f"calculator {name} must be an int in [1, {top}], got {value!r}")
+        value = self.time_limit_s
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0 < value <= MAX_TIME_LIMIT_S):
+            raise ValueError(f"calculator time_limit_s must be a finite number in (0, {MAX_TIME_LIMIT_S:g}], "
+                             f"got {value!r}")
 
 
 def _check_syntax(node: ast.AST) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megarlhf.errors import ConfigError
 from megarlhf.registry import Registry, is_dotted_path, load_object
+from megarlhf.timed_calls import check_timeout
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,7 @@ class RewardConfig:
             raise ValueError(f"RewardConfig.reward_model_clip must be > 0 or null, got {self.reward_model_clip}")
         if not self.functions and self.reward_model_path is None:
             raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
-        if not self.timeout_s > 0:
-            raise ValueError(f"RewardConfig.timeout_s must be > 0, got {self.timeout_s}")
+        check_timeout(self.timeout_s, "RewardConfig.timeout_s")
         if not (isinstance(self.num_workers, int) and self.num_workers >= 1):
             raise ValueError(f"RewardConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
         names = [spec.name for spec in self.functions]

@@ -63,3 +63,16 @@ def test_missing_paths_and_hub_names(tmp_path):
 def test_data_config_validation():
     with pytest.raises(ValueError, match="max_prompt_length must be a positive int"):
         DataConfig(train_path="x", max_prompt_length=0)
+
+
+def test_hostile_jsonl_rows_name_file_and_line(tmp_path):
+    """Rows that the JSON decoder fails on outside its syntax errors (nesting thousands deep: RecursionError;
+    an integer past Python's 4300-digit limit: ValueError) are data errors naming the file and line too."""
+    from megarlhf.errors import DataError
+
+    path = tmp_path / "hostile.jsonl"
+    for row, what in (('{"prompt": ' + "[" * 3000 + "]" * 3000 + "}", "nested too deeply"),
+                      ('{"prompt": "x", "answer": ' + "7" * 4301 + "}", "4300 digits")):
+        path.write_text(json.dumps(ROWS[0]) + "\n" + row + "\n")
+        with pytest.raises(DataError, match=rf"{path}:2: .*{what}"):
+            read_records(str(path))

@@ -179,7 +179,7 @@ def test_limits():
     assert evaluate("10**20", CalculatorLimits(max_exponent10=20)) == 10 ** 20
     with pytest.raises(ToolError, match=r"^a value exceeds 10\*\*20 in magnitude$"):
         evaluate("10**20 + 1", CalculatorLimits(max_exponent10=20))
-    with pytest.raises(ValueError, match="calculator max_chars must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"calculator max_chars must be an int in \[1, 100000\], got 0"):
         CalculatorLimits(max_chars=0)
     start = time.perf_counter()
     assert evaluate("-" * 499 + "1") == -1  # the deepest tree the default length allows
@@ -194,3 +194,17 @@ def test_calculator_environment():
     assert episode.step([], ParsedCall("calculator", {"expression": "10**12"})) == StepResult(
         "error: the power would exceed 10**10 in magnitude",
         info={"tool_error": "the power would exceed 10**10 in magnitude"})
+
+
+@pytest.mark.parametrize("limits, message", [
+    (dict(max_exponent10=10**7), r"max_exponent10 must be an int in \[1, 4000\]"),
+    (dict(max_chars=10**9), r"max_chars must be an int in \[1, 100000\]"),
+    (dict(time_limit_s=float("inf")), r"time_limit_s must be a finite number in \(0, 60\]"),
+])
+def test_limits_set_through_kwargs_are_bounded(limits, message):
+    """Limits come from the recipe (rollout.env.kwargs): a huge exponent bound made every call compute
+    10**(10**7) (10 s) and a result past Python's 4300-digit str limit raise ValueError."""
+    with pytest.raises(ValueError, match=message):
+        CalculatorLimits(**limits)
+    with pytest.raises(ValueError, match=message):
+        ENVIRONMENTS.get("calculator")({}, **limits)

@@ -50,7 +50,7 @@ def test_unknown_reward_name_lists_known():
 
 
 def test_reward_config_validation():
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    with pytest.raises(ValueError, match=r"timeout_s must be a finite number in \(0, 3600\]"):
         RewardConfig(timeout_s=0)
     with pytest.raises(ValueError, match="names a function twice"):
         RewardConfig(functions=[RewardSpec("numeric"), RewardSpec("numeric")])
