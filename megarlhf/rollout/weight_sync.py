@@ -200,7 +200,7 @@ def probe_diffs(trainer: torch.Tensor, engine: list[list[float]]) -> list[torch.
     one list per sequence; ``trainer``: :func:`trainer_probe_logprobs`)."""
     if len(engine) != trainer.shape[0]:
         raise ValueError(f"probe: the engine scored {len(engine)} sequences, the trainer {trainer.shape[0]}")
-    return [(trainer[i, :len(row)].float() - torch.tensor(row, dtype=torch.float32)).abs()  # host
+    return [(trainer[i, :len(row)].float() - torch.tensor(row, dtype=torch.float32)).abs()  # host: compared there
             for i, row in enumerate(engine)]
 
 

@@ -18,7 +18,9 @@ from parallel.runtime import init_disaggregated
 WORKER = Path(__file__).with_name("_worker_disaggregated.py")
 # name -> (ranks, engine ranks): 1 trainer + 1 engine; 2 trainers (DP=2) + 1 engine
 LAYOUTS = {"t1e1": (2, 1), "t2e1": (3, 1)}
-PARAMS = [pytest.param("t1e1"), pytest.param("t2e1", marks=pytest.mark.slow)]
+# both slow (~70 s for the first): the default suite keeps its 15-minute budget; the driver's disaggregated
+# tests are in the slow set too
+PARAMS = [pytest.param("t1e1", marks=pytest.mark.slow), pytest.param("t2e1", marks=pytest.mark.slow)]
 NUM_PROMPTS = 64
 TARGET = "engine parameter model.layers.1.mlp.down_proj.weight (as processed for its kernels) differs from the trainer's"
 

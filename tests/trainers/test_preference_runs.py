@@ -83,7 +83,8 @@ def test_dpo_resumed_run_continues_as_the_uninterrupted_one(pairs, tmp_path):
     AutoModelForCausalLM.from_pretrained(whole / "hf")
 
 
-@pytest.mark.parametrize("estimator", ["grpo", pytest.param("gae", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~45 s each (CI runs the slow set); the reward-model slot is unit-tested in tests/rewards
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_rl_against_the_learned_reward(rl_assets, reward_model, tmp_path, estimator):
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, estimator, tmp_path / "run")
     run_torchrun(CLI, 2, ["train", str(recipe), "reward.functions=[]",
