@@ -5,6 +5,8 @@ always sit together on one replica, so group statistics (GRPO, RLOO, ...) are ex
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty, overlong_penalty
@@ -41,14 +43,8 @@ def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) 
     alone, joined by newlines) without the observations between them, which are not its answer."""
     if not loss_mask:
         return tokenizer.decode(response_ids, skip_special_tokens=True)
-    turns, current = [], []
-    for token, own in zip(response_ids, loss_mask):
-        if own:
-            current.append(token)
-        elif current:
-            turns.append(current)
-            current = []
-    turns += [current] if current else []
+    runs = itertools.groupby(zip(response_ids, loss_mask), key=lambda pair: bool(pair[1]))
+    turns = [[token for token, _ in run] for own, run in runs if own]
     return "\n".join(tokenizer.decode(turn, skip_special_tokens=True).strip() for turn in turns)
 
 
