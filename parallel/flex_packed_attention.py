@@ -7,9 +7,8 @@ a sequence or branch), or when ``k`` lies in the segment that ``q``'s segment sh
 block mask (one entry per 128 x 128 tile, the tiles no token pair needs are skipped) is built once per
 micro-batch and reused by every layer; no token x token mask or per-branch copy of the prefix's keys and
 values is kept, and the compiled kernel's backward recomputes the scores from its saved log-sum-exp.
-The block mask itself is a few int32 tensors of (tokens / 128)^2 entries (~64 KiB at 8192 tokens);
-building it evaluates the mask over every token pair once per micro-batch, a transient of a few bytes per
-pair (estimated, not measured: ~0.3 GB at 8192 tokens).
+The block mask itself is a few int32 tensors of (tokens / 128)^2 entries (~64 KiB at 8192 tokens); it
+is built a few hundred query rows at a time, so building it never holds a token x token array.
 
 Why FlexAttention rather than the per-segment loop of :func:`parallel.cp_attention.per_sequence_attention`:
 the loop makes one SDPA call per segment per layer, and for a branch also concatenates the prefix's K/V
@@ -62,9 +61,17 @@ def block_mask_for(packed_seq_params, bounds: tuple[int, ...], prefix_of: tuple[
     return cache[key]
 
 
+BLOCK = 128  # FlexAttention's tile (its default BLOCK_SIZE)
+ROWS_PER_PASS = 4 * BLOCK  # query rows whose visibility is evaluated at once (bounds the transient memory)
+
+
 def segment_block_mask(bounds: tuple[int, ...], prefix_of: tuple[int, ...] | None, device: torch.device):
-    """The FlexAttention ``BlockMask`` of a packed row whose segments are ``[bounds[i], bounds[i+1])``."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The FlexAttention ``BlockMask`` of a packed row whose segments are ``[bounds[i], bounds[i+1])``.
+
+    Built from the visibility of ``ROWS_PER_PASS`` query rows at a time, reduced to which 128 x 128 tiles
+    are partly and which wholly visible (``BlockMask.from_kv_blocks``): the transient is ROWS_PER_PASS x
+    tokens booleans (32 MiB at 64k tokens), where ``create_block_mask`` evaluates every token pair at once."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     total = bounds[-1]
@@ -77,7 +84,32 @@ def segment_block_mask(bounds: tuple[int, ...], prefix_of: tuple[int, ...] | Non
     def visible(b, h, q_idx, kv_idx):
         return ((seg[q_idx] == seg[kv_idx]) & (kv_idx <= q_idx)) | (sees[q_idx] == seg[kv_idx])
 
-    return create_block_mask(visible, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
+    blocks = -(-total // BLOCK)
+    padded = blocks * BLOCK
+    keys = torch.arange(padded, device=device)
+    in_range = keys < total
+    partial, full = [], []
+    for start in range(0, padded, ROWS_PER_PASS):
+        rows = torch.arange(start, min(start + ROWS_PER_PASS, padded), device=device)
+        rows_in, keys_in = rows[:, None] < total, in_range[None, :]
+        seen = visible(None, None, rows.clamp(max=total - 1)[:, None], keys.clamp(max=total - 1)[None, :])
+        # as torch's create_block_mask: pairs past the row's end count as hidden, so a tile that holds any
+        # is partial at most (the kernel then applies the mask there)
+        seen = (seen & rows_in & keys_in).view(-1, BLOCK, blocks, BLOCK)
+        tiles, whole = seen.any(3).any(1), seen.all(3).all(1)
+        partial.append(tiles & ~whole)
+        full.append(whole)
+    partial, full = torch.cat(partial), torch.cat(full)
+
+    def as_indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, 1, q blocks] counts and [1, 1, q blocks, kv blocks] kv block indices, the chosen ones first."""
+        order = torch.argsort(chosen.to(torch.int8), dim=1, descending=True, stable=True)
+        return chosen.sum(1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    kv_num, kv_indices = as_indices(partial)
+    full_num, full_indices = as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=BLOCK,
+                                    mask_mod=visible, seq_lengths=(total, total))
 
 
 def flex_packed_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tensor:

@@ -190,7 +190,7 @@ def evaluate(expression: Any, limits: CalculatorLimits = CalculatorLimits()) -> 
         raise ToolError(f"not a valid expression: {exc.msg}") from None
     except ValueError as exc:  # e.g. a null byte in the source
         raise ToolError(f"not a valid expression: {exc}") from None
-    except RecursionError:
+    except (RecursionError, MemoryError):  # Python's parser gives up on deep nesting with either
         raise ToolError("the expression is nested too deeply") from None
 
 

@@ -21,9 +21,11 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
   concurrently on the same state.
 
 Every observation is cut to ``max_observation_chars`` (a marker saying so included), and an episode is
-done after its ``max_turns``-th turn whatever the environment says. A call in that last turn is not run
-(the model has no turn left to read its result, so its side effects and reward would count for nothing it
-did): its outcome is done, without observation or reward, ``info={"not_run": "max_turns"}``. Metrics of
+done after its ``max_turns``-th turn whatever the environment says. A call in that last turn is not run:
+the model has no turn left to read its result, and a reward for a result it never saw would teach it to
+call tools it cannot use. Its outcome is done, without observation or reward, ``info={"not_run":
+"max_turns"}``; an environment that rewards a final "submit" call needs ``max_turns`` to leave a turn for
+it. Metrics of
 one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls`` (well-formed calls run),
 ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
 invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered

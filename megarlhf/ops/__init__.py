@@ -24,8 +24,8 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     check_targets=False skips the targets' range check (one device read) for a caller that made it.
     backend: "auto" (Triton for bf16/fp16 CUDA inputs when importable, else torch), "torch" or "triton"
-    ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the torch
-    backend's vocab chunk; the Triton backend tiles by its own block sizes.
+    ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the vocab chunk of
+    the torch op and of the Triton path's backward (the Triton forward tiles by its own block sizes).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"logprob_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
@@ -38,7 +38,7 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
         return triton_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
                                       temperature=temperature, compute_entropy=compute_entropy,
-                                      check_targets=check_targets)
+                                      check_targets=check_targets, chunk_size=chunk_size)
     return fused_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
                                  temperature=temperature, chunk_size=chunk_size,
                                  compute_entropy=compute_entropy, check_targets=check_targets)

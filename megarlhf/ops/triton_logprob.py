@@ -10,7 +10,8 @@ recomputed and its two gradient products run on the device's BLAS.
 
 Why that split (bench/bench_logprob_backends.py, H200, 8192 tokens, bf16): the Triton forward took
 3.1 ms against the torch op's 6.2 ms at hidden 2048 / vocab 32768 and 7.0 against 23.7 ms at hidden 1024
-/ vocab 151,936, in 2 MiB instead of 448 MiB; a Triton backward that added its tiles' products into the
+/ vocab 151,936, in 2 MiB instead of 448 MiB (forward only: scoring; a training step's peak is the
+backward's, the same for both); a Triton backward that added its tiles' products into the
 gradients with fp32 atomics took 84 and 187 ms against the chunked BLAS backward's 12 and 48 ms, and
 was removed. fp32 inputs are multiplied in IEEE fp32 (``tl.dot`` would round them to TF32), where cuBLAS
 is faster: the dispatcher (``megarlhf.ops.logprob_entropy``) sends fp32 to the torch op.
@@ -29,9 +30,6 @@ import triton.language as tl
 
 from megarlhf.ops.fused_logprob import (NEG_BIG, apply_on_selected_rows, check_inputs, chunked_grads,
                                         combine_partials)
-
-
-BACKWARD_CHUNK = 4096  # vocab rows per chunk of the backward (the torch op's default)
 
 
 @triton.jit
@@ -110,7 +108,7 @@ class _TritonLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, local_t, in_shard, tp_group, tp_size, temperature, want_entropy,
-                blocks):
+                blocks, chunk_size):
         block_n, block_v, block_h, target_programs = blocks
         xs = (x / temperature if temperature != 1.0 else x).contiguous()
         weight_c = weight.contiguous()
@@ -132,30 +130,31 @@ class _TritonLogprobEntropy(torch.autograd.Function):
         m, s, a, tgt = _merge_splits(*parts.unbind(0))
         logz, ent, logprob = combine_partials(m, s, a, tgt, tp_group, tp_size)
         ctx.save_for_backward(xs, weight_c, local_t, in_shard_i8, logz, ent)
-        ctx.cfg = (tp_group, tp_size, temperature)
+        ctx.cfg = (tp_group, tp_size, temperature, chunk_size)
         ctx.set_materialize_grads(False)
         return logprob, (ent if want_entropy else ent.new_empty(0))
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         xs, weight, local_t, in_shard_i8, logz, ent = ctx.saved_tensors
-        tp_group, tp_size, temperature = ctx.cfg
+        tp_group, tp_size, temperature, chunk_size = ctx.cfg
         grad_x, grad_w = chunked_grads(xs, weight, local_t, in_shard_i8 != 0, logz, ent, g_lp, g_ent,
-                                       ctx.needs_input_grad[:2], BACKWARD_CHUNK, tp_group, tp_size, temperature)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+                                       ctx.needs_input_grad[:2], chunk_size, tp_group, tp_size, temperature)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            mask: torch.Tensor | None = None, *, tp_group=None,
                            temperature: float = 1.0, compute_entropy: bool = True,
                            block_n: int = 64, block_v: int = 128, block_h: int = 64,
-                           target_programs: int = 1024, check_targets: bool = True):
+                           target_programs: int = 1024, check_targets: bool = True, chunk_size: int = 4096):
     """Triton version of ``fused_logprob_entropy`` (same arguments, outputs and TP contract).
 
     block_* are the tile sizes (each >= 16, powers of two, as ``tl.dot`` needs); target_programs is
-    how many forward programs to aim for when splitting the vocabulary.
+    how many forward programs to aim for when splitting the vocabulary. ``chunk_size``: vocab rows per
+    chunk of the backward (its peak memory: a [tokens, chunk_size] fp32 gradient block).
     """
-    check_inputs(hidden, weight, targets, mask, temperature, 1)
+    check_inputs(hidden, weight, targets, mask, temperature, chunk_size)
     for name, b in (("block_n", block_n), ("block_v", block_v), ("block_h", block_h)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"triton_logprob_entropy: {name} must be a power of two >= 16, got {b}")
@@ -163,5 +162,5 @@ def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     def apply(x, local_t, in_shard, tp_size):
         return _TritonLogprobEntropy.apply(x, weight, local_t, in_shard, tp_group, tp_size,
                                            float(temperature), bool(compute_entropy),
-                                           (block_n, block_v, block_h, target_programs))
+                                           (block_n, block_v, block_h, target_programs), int(chunk_size))
     return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy, check_targets)

@@ -72,9 +72,12 @@ class WeightSyncConfig:
     bucket_mb: float = 256.0  # full HF tensors travel in buckets of at most this size (a larger tensor alone)
     probe_sequences: int = 4  # random sequences scored by engine and trainer after each sync (0: no probe)
     probe_length: int = 64
-    # and one more as long as the run's longest sequence (prompt + response budget), so that the probe
-    # reaches every position the run uses: past a RoPE scaling boundary or a sliding window
-    probe_longest: bool = True
+    # and one more as long as the run's longest sequence (prompt + response budget), at most this many tokens
+    # (0: none), so that the probe reaches the positions the run uses: past a RoPE scaling boundary or a
+    # sliding window. Bounded because an engine scores a prompt over the whole vocabulary at once (vLLM's
+    # prompt log-probs hold [tokens, vocab] logits and an fp32 copy, outside its memory profile): 2048
+    # tokens of a 152k vocabulary are ~1.9 GB
+    probe_max_length: int = 2048
 
     def __post_init__(self):
         _check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
@@ -82,8 +85,9 @@ class WeightSyncConfig:
                f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")
         _check(isinstance(self.probe_length, int) and self.probe_length >= 2,
                f"WeightSyncConfig.probe_length must be an int >= 2, got {self.probe_length!r}")
-        _check(isinstance(self.probe_longest, bool),
-               f"WeightSyncConfig.probe_longest must be true or false, got {self.probe_longest!r}")
+        _check(isinstance(self.probe_max_length, int) and not isinstance(self.probe_max_length, bool)
+               and self.probe_max_length >= 0,
+               f"WeightSyncConfig.probe_max_length must be an int >= 0, got {self.probe_max_length!r}")
 
 
 @dataclass

@@ -87,8 +87,9 @@ def merged_sampling(samplings: dict[int, SamplingConfig], order: list[tuple[int,
         seeds = tuple(samplings[dp].prompt_seed(i) for dp, i in order)
         if None in seeds:
             raise ValueError("DisaggregatedRollout.generate: some data-parallel replicas sample seeded, some not")
+    asking = {dp for dp, _ in order} or set(samplings)  # a replica with no prompt asks for nothing
     return replace(first, seed=None, prompt_seeds=seeds,
-                   max_new_tokens=max(s.max_new_tokens for s in samplings.values()))
+                   max_new_tokens=max(samplings[dp].max_new_tokens for dp in asking))
 
 
 # ---- the engine core's side (runs in vLLM's worker, i.e. the engine's child process) ---------------------
@@ -379,8 +380,9 @@ class DisaggregatedRollout:
                                  f"that differ from its data-parallel replica {dp}'s (its model-parallel peers "
                                  f"must agree)")
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
+        merged = merged_sampling(samplings, order)  # on every trainer rank: a refusal raises on all of them
         if self.rank == SOURCE_RANK:
-            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], merged_sampling(samplings, order)))
+            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], merged))
         return InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()})
 
     def receive(self, request: "InFlight") -> tuple[RolloutBatch, dict[str, float]]:

@@ -40,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from jinja2 import TemplateError
+
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
 from megarlhf.errors import ConfigError
@@ -139,7 +141,7 @@ class MultiTurnRollout:
                          turn_ids=self.tokenizer.encode(turn, add_special_tokens=False))
         try:
             self._observation_ids(probe, "probe observation")
-        except ValueError as exc:
+        except (ValueError, TemplateError) as exc:  # TemplateError: the template itself refuses a tool message
             raise ConfigError(f"rollout.env: the tokenizer's chat template cannot run multi-turn episodes: {exc} "
                               f"(checked at start-up on a probe conversation)") from None
 

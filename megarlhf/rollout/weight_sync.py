@@ -16,8 +16,9 @@
    parameter (a dropped bucket, post-load processing that did not run) stops the run with a
    :class:`WeightSyncError` naming it.
 4. A probe forward, the second line of defence: the engine's prompt log-probs of fixed random
-   sequences (a few short ones and one as long as the run's longest, so that every position the run uses
-   is scored: past RoPE scaling boundaries and sliding windows) vs the trainer's, through
+   sequences (a few short ones and one as long as the run's longest up to ``probe_max_length``, so that
+   the positions the run uses are scored: past RoPE scaling boundaries and sliding windows) vs the
+   trainer's, through
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
    training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
@@ -165,16 +166,17 @@ def verdict_error(lines: list[str], what: str) -> WeightSyncError:
 
 
 def probe_sequences(vocab_size: int, config: WeightSyncConfig, longest: int) -> list[list[int]]:
-    """The probe's fixed random sequences (token ids): ``probe_sequences`` of ``probe_length`` tokens and,
-    with ``probe_longest``, one of ``longest`` tokens (the run's longest sequence), so that the probe
-    reaches every position the run uses. Empty without ``probe_sequences``."""
+    """The probe's fixed random sequences (token ids): ``probe_sequences`` of ``probe_length`` tokens and one
+    of ``longest`` tokens (the run's longest sequence) capped at ``probe_max_length``, so that the probe
+    reaches the positions the run uses. Empty without ``probe_sequences``."""
     if not config.probe_sequences:
         return []
     gen = torch.Generator().manual_seed(PROBE_SEED)
     shape = (config.probe_sequences, config.probe_length)
     sequences = torch.randint(0, vocab_size, shape, generator=gen).tolist()  # host: ids
-    if config.probe_longest and longest > config.probe_length:
-        sequences.append(torch.randint(0, vocab_size, (longest,), generator=gen).tolist())  # host: ids
+    long = min(longest, config.probe_max_length)
+    if long > config.probe_length:
+        sequences.append(torch.randint(0, vocab_size, (long,), generator=gen).tolist())  # host: ids
     return sequences
 
 

@@ -144,9 +144,18 @@ class DisaggregatedPhase:
         return batch, {**metrics, **tools}
 
     def _on_replica_leader(self, step):
-        """``step()`` run by the replica's first rank; its result on every rank of the replica."""
-        leader = self.runtime.replica.rank == 0
-        return self.runtime.all_gather_objects(step() if leader else None, over="replica")[0]
+        """``step()`` run by the replica's first rank; its result on every rank of the replica, or its error
+        raised on every rank (a peer must not be left waiting in the gather)."""
+        outcome = None
+        if self.runtime.replica.rank == 0:
+            try:
+                outcome = (step(), None)
+            except Exception as exc:  # re-raised below, on every rank of the replica
+                outcome = (None, exc)
+        result, error = self.runtime.all_gather_objects(outcome, over="replica")[0]
+        if error is not None:
+            raise error
+        return result
 
     def launch(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                sync_weights: bool) -> dict[str, float]:

@@ -208,3 +208,9 @@ def test_limits_set_through_kwargs_are_bounded(limits, message):
         CalculatorLimits(**limits)
     with pytest.raises(ValueError, match=message):
         ENVIRONMENTS.get("calculator")({}, **limits)
+
+
+def test_deep_unary_nesting_is_a_tool_error():
+    """Python's parser answers 20000 nested unary minuses with MemoryError (not RecursionError)."""
+    with pytest.raises(ToolError, match="nested too deeply"):
+        calculate("-" * 20000 + "1", CalculatorLimits(max_chars=100_000))

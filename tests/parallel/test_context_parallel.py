@@ -197,3 +197,27 @@ def test_flex_block_mask_is_built_once_per_micro_batch():
     first = block_mask_for(params, (0, 3, 7), None, torch.device("cpu"))
     assert block_mask_for(params, (0, 3, 7), None, torch.device("cpu")) is first
     assert block_mask_for(params, (0, 3, 7), (-1, 0), torch.device("cpu")) is not first
+
+
+@pytest.mark.parametrize("bounds, prefix_of", [
+    ((0, 5, 9, 16, 20, 150, 161, 300), (-1, 0, 0, -1, -1, 4, 4)),
+    ((0, 128, 256, 300, 700, 1000, 1025), (-1, 0, 0, -1, 3, 3)),  # tile-aligned and ragged ends
+    ((0, 513), None),
+])
+def test_flex_block_mask_equals_torchs_own(bounds, prefix_of):
+    """The block mask built a few rows at a time is the one torch's create_block_mask builds from every
+    token pair: the same token-level mask, the same partial and full tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from parallel import flex_packed_attention as flex
+
+    mine = flex.segment_block_mask(bounds, prefix_of, torch.device("cpu"))
+    total = bounds[-1]
+    reference = create_block_mask(mine.mask_mod, None, None, total, total, device="cpu")
+    assert torch.equal(mine.to_dense(), reference.to_dense())
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(mine, name), getattr(reference, name)), name
+    for num, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for row, count in enumerate(getattr(mine, num)[0, 0].tolist()):
+            assert sorted(getattr(mine, indices)[0, 0, row, :count].tolist()) == sorted(
+                getattr(reference, indices)[0, 0, row, :count].tolist()), (indices, row)

@@ -138,8 +138,11 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
         trainer = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
         return [len(s) for s in probe], probe_problems(trainer, engine.prompt_logprobs(probe), FLOORS["float32"])
 
-    lengths, (_, _, problems) = verdict(WeightSyncConfig(probe_longest=False))
+    lengths, (_, _, problems) = verdict(WeightSyncConfig(probe_max_length=0))
     assert lengths == [64] * 4 and problems == []
+    lengths, (_, _, problems) = verdict(WeightSyncConfig(probe_max_length=120))
+    assert lengths == [64] * 4 + [120]  # capped: still past the window
+    assert problems and "probe sequence 4 of 120 tokens" in problems[0]
     lengths, (worst, _, problems) = verdict(WeightSyncConfig())
     assert lengths == [64] * 4 + [159]
     assert problems and "(gates.probe_max)" in problems[0] and "probe sequence 4 of 159 tokens" in problems[0]
