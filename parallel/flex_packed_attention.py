@@ -33,9 +33,14 @@ from parallel.shared_prefix import NO_PREFIX
 
 def flex_usable(q: Tensor, head_dim: int) -> bool:
     """Whether FlexAttention runs this attention: a CUDA tensor, Triton importable, and a head size the
-    compiled kernel takes (a power of two from 16 to 256)."""
-    return (q.is_cuda and importlib.util.find_spec("triton") is not None
+    compiled kernel takes (a power of two from 16 to 256). Asked in every layer: the lookup is cached."""
+    return (q.is_cuda and _triton_importable()
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
+
+
+@cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @cache

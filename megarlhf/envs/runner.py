@@ -25,9 +25,8 @@ done after its ``max_turns``-th turn whatever the environment says. A call in th
 the model has no turn left to read its result, and a reward for a result it never saw would teach it to
 call tools it cannot use. Its outcome is done, without observation or reward, ``info={"not_run":
 "max_turns"}``; an environment that rewards a final "submit" call needs ``max_turns`` to leave a turn for
-it. Metrics of
-one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls`` (well-formed calls run),
-``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
+it. Metrics of one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls``
+(well-formed calls run), ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
 invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
 with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; and ``tools/abandoned_threads``
 (threads stuck right now).

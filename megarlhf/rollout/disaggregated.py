@@ -55,9 +55,9 @@ from megarlhf.dtypes import torch_dtype
 from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, calibration_metrics, compare_fingerprints,
-                                          engine_placement, layout_problems, probe_floor, probe_problems,
-                                          probe_sequences, longest_probe_length, sync_metrics,
-                                          trainer_probe_logprobs, verdict_error, weight_buckets)
+                                          engine_placement, layout_problems, longest_probe_length, probe_floor,
+                                          probe_problems, probe_sequences, sync_metrics, trainer_probe_logprobs,
+                                          verdict_error, weight_buckets)
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
 

@@ -28,8 +28,8 @@ Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn
 uses that seed + ``t * TURN_SEED_STRIDE``, so every episode's samples depend on the run seed, the step
 and its position only, not on which other episodes are still running or where it is generated.
 
-Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training, join the
-sample's reward. Metrics (counts, summed over turns): the runner's ``tools/*``, ``tools/samples``,
+Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training,
+join the sample's reward. Metrics (counts, summed over turns): the runner's ``tools/*``, ``tools/samples``,
 ``tools/samples_calling`` (samples that called a tool at least once) and ``tools/turns``.
 
 Hand-written because the loop is megarlhf's own contract between its engines, its trainer's masks and
@@ -44,9 +44,9 @@ from jinja2 import TemplateError
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import EnvConfig, ParsedCall
-from megarlhf.errors import ConfigError
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.runner import StepBatch, ToolRunner
+from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
 

@@ -206,17 +206,21 @@ def probe_diffs(trainer: torch.Tensor, engine: list[list[float]]) -> list[torch.
             for i, row in enumerate(engine)]
 
 
+def _max_and_mean(diffs: list[torch.Tensor]) -> tuple[float, float]:
+    diff = torch.cat(diffs)
+    return float(diff.max()), float(diff.mean())
+
+
 def probe_floor(trainer: torch.Tensor, engine: list[list[float]]) -> tuple[float, float]:
     """(max, mean) |trainer - engine| over every scored token of a calibration probe."""
-    diff = torch.cat(probe_diffs(trainer, engine))
-    return float(diff.max()), float(diff.mean())
+    return _max_and_mean(probe_diffs(trainer, engine))
 
 
 def probe_problems(trainer: torch.Tensor, engine: list[list[float]], tolerances: Tolerances
                    ) -> tuple[float, float, list[str]]:
     """(max gap, mean gap, problems) of the probe's trainer vs engine log-probs."""
     diffs = probe_diffs(trainer, engine)
-    worst, mean = probe_floor(trainer, engine)
+    worst, mean = _max_and_mean(diffs)
     problems = gap_problems("probe forward", worst, mean, tolerances.probe_max, tolerances.probe_mean,
                             ("probe_max", "probe_mean"))
     if problems:
