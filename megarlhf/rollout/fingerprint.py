@@ -2,50 +2,62 @@
 
 The weight sync (:mod:`megarlhf.rollout.weight_sync`) compares what the trainer sent with the parameters
 the engine computes with, bit for bit, without a host copy of the model. A fingerprint is two integers
-modulo ``2**32`` over the tensor's raw bits:
+modulo ``2**32`` over the tensor's raw bytes:
 
-* the bits are read as integer *lanes* of the element's width (int8, int16 or int32; an 8-byte element
-  is two int32 lanes), so every dtype is covered and no value is converted;
-* lanes are laid out in rows of 64 at their position in a flat parameter; each lane is multiplied by an
-  odd weight of its column (in the lane's width), a row's products are summed, and each row sum is
-  multiplied by an odd weight of the row's index; the rows' terms are summed. Two lanes of the result
-  use different row weights.
+* the bytes of a flat parameter are read as little-endian 32-bit *words* (two bf16 elements, one fp32
+  element, half an fp64 element), so every dtype is covered, no value is converted, and a 16-bit tensor
+  costs half the arithmetic of an fp32 one;
+* words are laid out in rows of 64 at their position in the parameter; each word is multiplied by an odd
+  weight of its column, a row's products are summed, and each row sum is multiplied by an odd weight of
+  the row's index; the rows' terms are summed. Two lanes of the result use different row weights.
 
 All arithmetic is modulo ``2**32`` (int32 tensors that wrap), so it is exact and independent of the
 order of summation: no tolerance, the same number on any device. Odd weights are units modulo ``2**32``,
-so a change of any one lane (one ulp, one bit) always changes both lanes of the fingerprint; any other
+so a change of any one word (one ulp, one bit) always changes both lanes of the fingerprint; any other
 change escapes with probability about ``2**-64``. Because a row's index is part of the hash, rows swapped
 or shifted are caught; because the terms are additive, the fingerprint of a parameter that an engine
 stores fused (vLLM's ``qkv_proj`` = ``[q; k; v]``) is the sum of its parts' fingerprints taken at their
 element offsets (:func:`fingerprint` ``offset=``), so the trainer can predict it from the HF tensors it
-sends. Zero lanes add nothing: zero padding at the end of a parameter (vLLM pads vocabularies) does not
-change it.
+sends. A part that starts or ends inside a word fills only its own bytes of that word (zeros elsewhere):
+the two parts' words add up to the parameter's word, since their bytes do not overlap. Zero words add
+nothing: zero padding at the end of a parameter (vLLM pads vocabularies) does not change it.
 
-The work is two passes over the tensor in int32 (a product and a row sum, in chunks of ``CHUNK_LANES``:
-a bounded temporary) and no host synchronisation: callers stack the results and read them once.
+Two implementations give the same bits: tensor ops (two passes over the tensor in int32, a product
+and a row sum, in chunks of ``CHUNK_LANES``: a bounded temporary), and on CUDA one Triton kernel per
+tensor (:mod:`megarlhf.rollout.fingerprint_kernel`: 9.3 ms instead of 85.5 ms for the 0.92 GiB of the
+Qwen2-0.5B shape in bf16 on an H200, where the tensor ops' time is their launches). Neither synchronises
+with the host: callers stack the results and read them once. A tensor is read in place unless it starts
+or ends inside a word or sits at an address that is not a multiple of 4 bytes (then its bytes are
+copied once, padded).
 """
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
 MODULUS = 2**32
 ROW = 64
-CHUNK_LANES = 1 << 20  # lanes per pass: a 4 MiB int32 temporary
+CHUNK_LANES = 1 << 20  # words per pass: a 4 MiB int32 temporary
 # odd column weights (fixed: trainer and engine must use the same), and the two lanes' row weights:
 # row r is weighted ((r * a + b) mod 2**32) | 1
 _COLUMN_WEIGHTS = [(2 * ((k * 2654435761) % 127) + 1) for k in range(ROW)]
 _ROW_WEIGHTS = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA6B, 0xC2B2AE35))
-_LANE_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
-def lanes_per_element(dtype: torch.dtype) -> int:
-    return max(1, dtype.itemsize // 4)
-
-
-def _lanes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as a flat integer view (no copy for a contiguous tensor)."""
-    flat = tensor.detach().contiguous().view(-1)
-    return flat.view(_LANE_DTYPES[min(flat.element_size(), 4)])
+def _words(tensor: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
+    """The bytes of ``tensor`` as the int32 words of a flat parameter that holds it at element ``offset``,
+    and the index of the first of them (module docstring: a word it fills only partly is padded with zero
+    bytes)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    first_byte = offset * tensor.element_size()
+    head, tail = first_byte % 4, -(first_byte + raw.numel()) % 4
+    if head or tail:
+        raw = torch.cat([raw.new_zeros(head), raw, raw.new_zeros(tail)])
+    elif raw.storage_offset() % 4:  # a view into its storage at an address int32 cannot alias
+        raw = raw.clone()
+    return raw.view(torch.int32), first_byte // 4
 
 
 def _as_int32(values: torch.Tensor) -> torch.Tensor:
@@ -56,14 +68,13 @@ def _as_int32(values: torch.Tensor) -> torch.Tensor:
 class _Accumulator:
     """Sums one tensor's row terms (int32, wrapping: arithmetic modulo 2**32) on its device."""
 
-    def __init__(self, lane_dtype: torch.dtype, device: torch.device):
-        # in the lanes' own width: the product wraps there and, the weights being odd, stays a bijection
-        self.columns = _as_int32(torch.tensor(_COLUMN_WEIGHTS, dtype=torch.int64, device=device)).to(lane_dtype)
+    def __init__(self, device: torch.device):
+        self.columns = torch.tensor(_COLUMN_WEIGHTS, dtype=torch.int32, device=device)
         self.row_weights = torch.tensor(_ROW_WEIGHTS, dtype=torch.int64, device=device)  # [2, (a, b)]
         self.total = torch.zeros(2, dtype=torch.int32, device=device)
 
     def add_rows(self, rows: torch.Tensor, first_row: int, first_column: int = 0) -> None:
-        """``rows`` [R, W] of lanes at rows ``first_row..`` and columns ``first_column..first_column+W``."""
+        """``rows`` [R, W] of words at rows ``first_row..`` and columns ``first_column..first_column+W``."""
         width = rows.shape[1]
         sums = (rows * self.columns[first_column:first_column + width]).sum(dim=1, dtype=torch.int32)
         index = torch.arange(first_row, first_row + rows.shape[0], dtype=torch.int64, device=rows.device)
@@ -74,25 +85,47 @@ class _Accumulator:
         return self.total
 
 
-def fingerprint(tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+def fingerprint(tensor: torch.Tensor, offset: int = 0, backend: str = "auto") -> torch.Tensor:
     """The fingerprint (int32 [2], on ``tensor.device``; read it with :func:`to_host`) of ``tensor`` placed
-    at element ``offset`` of a flat parameter of its dtype (0: the tensor is the whole parameter)."""
-    lanes = _lanes(tensor)
-    acc = _Accumulator(lanes.dtype, lanes.device)
-    start, n = offset * lanes_per_element(tensor.dtype), lanes.numel()
-    done = 0
+    at element ``offset`` of a flat parameter of its dtype (0: the tensor is the whole parameter).
+    ``backend``: "torch" (tensor ops, any device), "triton" (one kernel per tensor:
+    :mod:`megarlhf.rollout.fingerprint_kernel`; CUDA, or Triton's interpreter) or "auto" (Triton for CUDA
+    tensors where it is importable). Both give the same bits."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"fingerprint: backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    words, start = _words(tensor, offset)
+    if backend == "triton" or (backend == "auto" and words.is_cuda and _triton_importable()):
+        from megarlhf.rollout.fingerprint_kernel import fingerprint_words
+
+        columns, row_weights = _constants(words.device)
+        return fingerprint_words(words, start, columns, row_weights, ROW)
+    acc = _Accumulator(words.device)
+    n, done = words.numel(), 0
     head = min((-start) % ROW, n)
-    if head:  # lanes before the first row boundary
-        acc.add_rows(lanes[:head].view(1, head), start // ROW, start % ROW)
+    if head:  # words before the first row boundary
+        acc.add_rows(words[:head].view(1, head), start // ROW, start % ROW)
         done = head
     full = (n - done) // ROW * ROW
     while full > 0:
         take = min(full, CHUNK_LANES)
-        acc.add_rows(lanes[done:done + take].view(-1, ROW), (start + done) // ROW)
+        acc.add_rows(words[done:done + take].view(-1, ROW), (start + done) // ROW)
         done, full = done + take, full - take
     if done < n:  # the last, partial row
-        acc.add_rows(lanes[done:].view(1, n - done), (start + done) // ROW)
+        acc.add_rows(words[done:].view(1, n - done), (start + done) // ROW)
     return acc.result()
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column weights (int32 [ROW]) and the row weights' constants (int32 [4]) on ``device``."""
+    flat = [value for pair in _ROW_WEIGHTS for value in pair]
+    return (torch.tensor(_COLUMN_WEIGHTS, dtype=torch.int32, device=device),
+            _as_int32(torch.tensor(flat, dtype=torch.int64, device=device)))
 
 
 def combine(parts: list[torch.Tensor]) -> torch.Tensor:
