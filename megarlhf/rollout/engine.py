@@ -22,6 +22,7 @@ reload path that works on CPU); vLLM itself does all generation and weight loadi
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 from dataclasses import dataclass, field
@@ -105,6 +106,17 @@ def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: i
                              "leaves no room for a generated token")
 
 
+def child_visible_devices(visible: str | None, device_index: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child process that must see only this process's device
+    ``device_index`` (an index among this process's ``visible`` devices; None: all of them)."""
+    if not visible:
+        return str(device_index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if device_index >= len(ids):
+        raise ValueError(f"rollout engine: cuda:{device_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[device_index]
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -138,6 +150,9 @@ class RolloutEngine:
             # run_in_worker have to be pickled to reach the child
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            if self.on_gpu:  # the engine core uses its first visible GPU: make it this rank's
+                os.environ["CUDA_VISIBLE_DEVICES"] = child_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                                           torch.cuda.current_device())
         if tp > 1 and not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp))
         if config.num_threads is not None:
@@ -229,23 +244,17 @@ class RolloutEngine:
         reports the fingerprints of the full tensors its loader received instead.
         """
         sharded = self.config.tensor_parallel_size > 1
+        report = self.run_in_worker(lambda worker: reload_and_report(worker, weights, sharded))
+        self.llm.reset_prefix_cache()
+        return report
 
-        def reload(worker):
-            model = worker.model_runner.model
-            tied, arrived = tied_modules(model), {}
-
-            def arriving():
-                for name, tensor in weights:
-                    if sharded:
-                        arrived[name] = fingerprint(tensor)
-                    yield name, tensor
-
-            with ProcessingCapture(model) as capture:
-                worker.reload_weights(weights_iterator=arriving())
-                reprocess_tied(tied)
-            return arrival_report(arrived, capture) if sharded else parameter_report(model, capture)
-
-        report = self.run_in_worker(reload)
+    def checkpoint_report(self) -> dict:
+        """Reloads the checkpoint the engine was built from, from disk through vLLM's own loader, and
+        returns the :meth:`load_weights` report of it: the gates' calibration compares it bit for bit with
+        the trainer's conversion of the same checkpoint (on CPU vLLM packs linear weights away after
+        loading, so they can only be fingerprinted while a load processes them)."""
+        sharded = self.config.tensor_parallel_size > 1
+        report = self.run_in_worker(functools.partial(reload_checkpoint_and_report, sharded=sharded))
         self.llm.reset_prefix_cache()
         return report
 
@@ -266,6 +275,34 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.wake_up: unknown tags {sorted(unknown)}")
         if self.sleep_supported:
             self.llm.wake_up(tags=list(tags))
+
+
+def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], sharded: bool) -> dict:
+    """On a vLLM worker: reloads the model's weights in place from ``weights`` and returns the fingerprints
+    of the parameters it now computes with (of the tensors received, for a sharded engine)."""
+    model = worker.model_runner.model
+    tied, arrived = tied_modules(model), {}
+
+    def arriving():
+        for name, tensor in weights:
+            if sharded:
+                arrived[name] = fingerprint(tensor)
+            yield name, tensor
+
+    with ProcessingCapture(model) as capture:
+        worker.reload_weights(weights_iterator=arriving())
+        reprocess_tied(tied)
+    return arrival_report(arrived, capture) if sharded else parameter_report(model, capture)
+
+
+def reload_checkpoint_and_report(worker, sharded: bool) -> dict:
+    """:func:`reload_and_report` of the engine's own checkpoint, read from disk by vLLM's model loader."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    runner = worker.model_runner
+    loader = get_model_loader(runner.vllm_config.load_config)
+    weights = loader.get_all_weights(runner.vllm_config.model_config, runner.get_model())
+    return reload_and_report(worker, weights, sharded)
 
 
 def make_engine(hf_dir: str, config: EngineConfig, device: torch.device):

@@ -270,6 +270,11 @@ class HFRolloutEngine:
             param.copy_(tensor)
         return parameter_report(self.model, None)
 
+    def checkpoint_report(self) -> dict:
+        """The fingerprints of the parameters as loaded from the checkpoint (by transformers' own loader,
+        at construction; nothing has been synced yet when the gates' calibration asks)."""
+        return parameter_report(self.model, None)
+
     def sleep(self) -> None:
         """On CUDA: moves the weights to host memory and frees the device memory they held."""
         if self.sleep_supported:

@@ -22,8 +22,8 @@
    the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
    training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
-   calibrated once, before the first sync (:meth:`WeightSync.calibrate`), with the same probe while the
-   engine still holds the checkpoint it loaded itself.
+   calibrated once, before the first sync (:mod:`megarlhf.rollout.calibration`), with the same probe
+   while the engine still holds the checkpoint it loaded itself.
 
 The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
 the others waiting in the next collective. The disaggregated placement
@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megarlhf.dtypes import torch_dtype
-from megarlhf.gates import Tolerances, calibration_problems, gap_problems, run_tolerances
+from megarlhf.gates import Tolerances, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
 from megarlhf.rollout.fingerprint import combine, fingerprint, to_host
 from model_providers.hf_checkpoint import iter_hf_weights
@@ -231,15 +231,11 @@ def probe_problems(trainer: torch.Tensor, engine: list[list[float]], tolerances:
     return worst, mean, problems
 
 
-def calibration_metrics(floor: tuple[float, float], tolerances: Tolerances) -> dict[str, float]:
-    return {"gates/calibration_probe_max": floor[0], "gates/calibration_probe_mean": floor[1],
-            **{f"gates/{name}": value for name, value in vars(tolerances).items()}}
-
-
 class WeightSync:
     """Pushes the actor's weights into a colocated ``engine`` and proves they arrived (module docstring).
 
-    ``config`` is the run's ``RunConfig``. ``tolerances`` are the gates' (calibrated by :meth:`calibrate`)."""
+    ``config`` is the run's ``RunConfig``. ``tolerances`` are the gates' (set by
+    :func:`megarlhf.rollout.calibration.calibrate_colocated`)."""
 
     def __init__(self, engine, actor, config):
         self.engine, self.actor, self.config = engine, actor, config
@@ -253,26 +249,12 @@ class WeightSync:
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                      longest_probe_length(config))
 
-    def _agree(self, problems: list[str], what: str) -> None:
+    def agree(self, problems: list[str], what: str) -> None:
         """Raises WeightSyncError on every trainer rank if any rank found a problem."""
         everyone = self.runtime.all_gather_objects(problems, over="trainers")
         lines = [f"rank {r}: {p}" for r, found in enumerate(everyone) for p in found]
         if lines:
             raise verdict_error(lines, what)
-
-    def calibrate(self) -> dict[str, float]:
-        """Sets the gates' tolerances from the probe's gap while the engine holds the checkpoint it loaded
-        itself and the actor the same checkpoint (call before the first sync and before a resume loads
-        other weights into the actor); returns the calibration metrics. Collective over the trainers."""
-        if not self.sync_config.probe_sequences:
-            return {}
-        trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
-        engine = self.engine.prompt_logprobs(self.probe)
-        floors = self.runtime.all_gather_objects(probe_floor(trainer, engine), over="trainers")
-        floor = (max(f[0] for f in floors), max(f[1] for f in floors))
-        self._agree(calibration_problems(self.config, floor[1]), "calibration before the first sync")
-        self.tolerances = run_tolerances(self.config, floor)
-        return calibration_metrics(floor, self.tolerances)
 
     def sync(self) -> dict[str, float]:
         """Loads the actor's current weights into the engine and verifies them; returns metrics.
@@ -295,7 +277,7 @@ class WeightSync:
         report = self.engine.load_weights(outgoing())
         seconds = time.perf_counter() - start
         problems = compare_fingerprints(expected.result(), report) + layout_problems(sent, self.expected)
-        self._agree(problems, "fingerprints of the engine's parameters")
+        self.agree(problems, "fingerprints of the engine's parameters")
         metrics = sync_metrics(stats, len(sent), seconds)
         metrics.update({"time/weight_sync_fingerprint_trainer_s": expected.seconds,
                         "time/weight_sync_fingerprint_engine_s": report["seconds"]})
@@ -304,7 +286,7 @@ class WeightSync:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
             engine = self.engine.prompt_logprobs(self.probe)
             worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
-            self._agree(problems, "probe forward")
+            self.agree(problems, "probe forward")
             metrics.update({"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,
                             "time/weight_sync_probe_s": time.perf_counter() - start})
         return metrics

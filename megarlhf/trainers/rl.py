@@ -37,7 +37,7 @@ from megarlhf.trainers.collect import Collected
 from megarlhf.trainers.evaluate import evaluate
 from megarlhf.trainers.experience import build_experience, build_reward, compute_advantages, score, score_rewards
 from megarlhf.trainers.pipeline import make_batches
-from megarlhf.trainers.rollout_phase import build_rollout_phase, sample_seed, serve_engine_rank
+from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
 from megarlhf.training import actor_update, build_actor, build_critic, build_frozen, critic_update
@@ -59,12 +59,12 @@ def train_rl(config: RunConfig) -> Path | None:
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
     reward, reward_model = build_reward(config, runtime, run.tokenizer)
     eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
+    stop = (run.tokenizer.eos_token_id,)
     # before the resume: the gates calibrate while actor and engines hold the checkpoint at model.path
     phase = build_rollout_phase(config, actor, [m for m in (critic, reference, reward_model) if m is not None],
-                                run.tokenizer)
+                                run.tokenizer, Calibration.of_run(config, prompts.examples, stop))
     checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
     sampler, first_step = run.resume(checkpointer, len(prompts))
-    stop = (run.tokenizer.eos_token_id,)
     batches = make_batches(phase, sampler, prompts, reward, run.tokenizer, config, runtime, stop)  # steps 1-6
     batches.restore(run.resumed, first_step)
     steps = config.train.steps

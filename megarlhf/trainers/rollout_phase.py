@@ -28,6 +28,7 @@ import torch
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample, uses_chat_template
+from megarlhf.rollout.calibration import calibrate_colocated
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.disaggregated import DisaggregatedRollout
@@ -38,6 +39,21 @@ from megarlhf.training import TrainModel
 from parallel.runtime import Runtime
 
 _SEED_STRIDE_PER_STEP = 1_000_003  # a prime larger than any global batch x samples per prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.calibration`):
+    the run's first prompts (token ids; none: the probe's floor sets the step-0 tolerances) and the
+    rollout's stop tokens."""
+
+    prompts: tuple[tuple[int, ...], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of_run(cls, config: RunConfig, prompts: list[PromptExample], stop_token_ids: tuple[int, ...]) -> "Calibration":
+        first = prompts[:config.rollout.weight_sync.calibration_prompts]
+        return cls(tuple(tuple(p.prompt_ids) for p in first), stop_token_ids)
 
 
 def sample_seed(run_seed: int, step: int, global_offset: int, n: int) -> int:
@@ -54,11 +70,11 @@ class RolloutPhase:
     """The engine side of the colocated loop for one rank."""
 
     def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel],
-                 multi_turn: MultiTurnRollout | None = None):
+                 multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
         self.runtime, self.multi_turn = actor.runtime, multi_turn
         self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
         self.sync = WeightSync(self.engine, actor, config)
-        self.calibration = self.sync.calibrate()
+        self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
                                            [OffloadedModel.of(m) for m in others])
 
@@ -117,9 +133,10 @@ class DisaggregatedPhase:
     update (one-step off-policy training, :mod:`megarlhf.trainers.pipeline`). A :meth:`generate` (an
     evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel, multi_turn: MultiTurnRollout | None = None):
+    def __init__(self, config: RunConfig, actor: TrainModel, multi_turn: MultiTurnRollout | None = None,
+                 calibration: Calibration = Calibration()):
         self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
-        self.calibration = self.rollout.calibrate()
+        self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
         self.runtime, self.multi_turn = actor.runtime, multi_turn
         self.in_flight = None  # the InFlight request of the launched batch
         self.received = None  # (RolloutBatch, metrics) taken early
@@ -193,9 +210,11 @@ def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     DisaggregatedRollout(config, runtime).serve()
 
 
-def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tokenizer=None):
-    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated);
-    with ``rollout.env`` its rollouts are multi-turn episodes (``tokenizer`` renders the observations)."""
+def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tokenizer=None,
+                        calibration: Calibration = Calibration()):
+    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated, with
+    ``calibration``'s prompts for the natural floor); with ``rollout.env`` its rollouts are multi-turn
+    episodes (``tokenizer`` renders the observations)."""
     multi_turn = None
     if config.rollout.env is not None:
         if tokenizer is None:
@@ -203,5 +222,5 @@ def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[Train
         multi_turn = MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
                                       config.rollout.max_new_tokens, config.rollout.response_budget)
     if config.rollout.placement.mode == "disaggregated":
-        return DisaggregatedPhase(config, actor, multi_turn)
-    return RolloutPhase(config, actor, others, multi_turn)
+        return DisaggregatedPhase(config, actor, multi_turn, calibration)
+    return RolloutPhase(config, actor, others, multi_turn, calibration)

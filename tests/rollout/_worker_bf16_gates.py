@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from _faults import converter_fault
 from megarlhf.testing.launch import write_rank_result
 from parallel.config import ParallelConfig
 from parallel.runtime import init_parallel
@@ -47,15 +48,18 @@ def config_for(model_dir: str, backend: str):
                      rollout=RolloutConfig(backend=backend, max_new_tokens=24, kv_cache_mb=32, n_samples=4))
 
 
+def random_prompts(vocab_size: int, seed: int, count: int = 16) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (int(n),), generator=gen).tolist()
+            for n in torch.randint(4, 16, (count,), generator=gen)]
+
+
 def step0_gap(engine, actor, config) -> tuple[float, float, int]:
     """(max, mean, tokens) of |trainer - engine| over the response tokens of a sampled rollout."""
     from megarlhf.rollout.config import rollout_sampling
     from megarlhf.training import ExperienceBatch, compute_logprobs
 
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, actor.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(4, 16, (16,), generator=gen)]
-    rollout = engine.generate(prompts, dataclasses.replace(rollout_sampling(config.rollout, ()), seed=3))
+    rollout = engine.generate(random_prompts(actor.vocab_size, seed=5), dataclasses.replace(rollout_sampling(config.rollout, ()), seed=3))
     batch = ExperienceBatch.from_sequences(rollout.prompt_ids, rollout.response_ids, device=actor.runtime.device,
                                            rollout_logprobs=rollout.logprobs)
     gap = (compute_logprobs(actor, batch, config) - batch.rollout_logprobs).abs()[batch.response_mask]
@@ -121,6 +125,7 @@ def bitwise_faults(sync, engine) -> dict:
 
 def run_backend(model_dir: str, backend: str, runtime) -> dict:
     from megarlhf.rollout.engine import EngineConfig, make_engine
+    from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.weight_sync import WeightSync
     from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
@@ -131,7 +136,9 @@ def run_backend(model_dir: str, backend: str, runtime) -> dict:
     engine = make_engine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="bfloat16", seed=0,
                                                               max_prompt_length=64), runtime.device)
     sync = WeightSync(engine, actor, config)
-    result = {"calibration": sync.calibrate()}  # the engine holds the checkpoint it loaded
+    result = {"converter_fault": converter_fault(sync, "layers.1.mlp.linear_fc2.weight")}  # before any sync
+    # the engine holds the checkpoint it loaded; the natural floor samples prompts other than step0_gap's
+    result["calibration"] = calibrate_colocated(sync, random_prompts(actor.vocab_size, seed=7), ())
     result["sync"] = sync.sync()  # raises if the gates refuse a correct bf16 sync
     result["step0_max"], result["step0_mean"], result["step0_tokens"] = step0_gap(engine, actor, config)
     result["bitwise"] = bitwise_faults(sync, engine)

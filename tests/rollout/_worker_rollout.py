@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _faults import converter_fault
 from megarlhf.testing.launch import write_rank_result
 from parallel.config import ParallelConfig
 from parallel.runtime import init_parallel
@@ -284,6 +285,7 @@ def main() -> None:
     torch.set_num_threads(1)
     runtime = init_parallel(ParallelConfig(tensor_model_parallel_size=trainer_tp), seed=1234)
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+    from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.weight_sync import WeightSync
     from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
@@ -294,9 +296,10 @@ def main() -> None:
     engine = RolloutEngine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
                                                                 max_prompt_length=192))
     sync = WeightSync(engine, actor, config)
-    calibration = sync.calibrate()
     prompt_list = prompts(provider.hf_config.vocab_size)
-    result = {"calibration": calibration, "sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
+    converter = converter_fault(sync, "embedding.word_embeddings.weight")  # before the engine holds other weights
+    calibration = calibrate_colocated(sync, prompt_list[:2], ())
+    result = {"converter_fault": converter, "calibration": calibration, "sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
     result["before"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
     result["sync1"] = sync.sync()

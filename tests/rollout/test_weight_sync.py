@@ -29,6 +29,18 @@ def test_training_changed_weights_and_resync_verified(rollout_run, layout):
         assert rank["losses"][2] < rank["losses"][0] - 0.5  # the re-sync really had new weights to move
         calibration = rank["calibration"]  # fp32: the floors apply, the calibration gap is far below them
         assert calibration["gates/calibration_probe_max"] < 1e-4 and calibration["gates/probe_max"] == 1e-4
+        assert calibration["gates/calibration_checkpoint_bitwise"] == 1.0
+        assert 0 < calibration["gates/calibration_natural_max"] < 1e-4 and calibration["gates/step0_max"] == 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_calibration_refuses_a_conversion_one_ulp_off(rollout_run, layout):
+    """The actor's embedding one fp32 ulp off in one element (on the first rank's shard at TP=2): the
+    engine's own load of the checkpoint differs from the trainer's conversion, and every rank stops."""
+    for rank in rollout_run(layout):
+        message = rank["converter_fault"]
+        assert message is not None and "the engine's own load of model.path vs the trainer's conversion" in message
+        assert "model.embed_tokens.weight" in message and "a conversion error" in message
         for key in ("sync0", "sync1"):
             m = rank[key]
             assert m["weight_sync/tensors"] == 26  # 2 layers x 12 + embedding + final norm (tied head)

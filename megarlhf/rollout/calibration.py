@@ -1,0 +1,137 @@
+"""The verification gates' calibration at start-up (:mod:`megarlhf.gates`), for both placements.
+
+Before the first sync the engine holds the checkpoint at ``model.path`` as its own loader read it, and
+the actor the same checkpoint through megarlhf's converter. Calibration then:
+
+1. **compares the weights bit for bit** (``rollout.weight_sync.check_checkpoint``): the engine reloads
+   the checkpoint from disk (``checkpoint_report``: on CPU vLLM packs linear weights away after loading,
+   so they can only be fingerprinted while a load processes them) and fingerprints its parameters; the
+   trainer fingerprints its tensors as a sync would send them (:class:`ExpectedFingerprints`). Any
+   difference is a conversion error and stops the run here, before it could raise the floors below (a
+   tensor off by 100 bf16 ulps moves the mean gap less than a 30-layer model's rounding noise does).
+   Skipped when the engine computes in a finer dtype than the trainer holds (``model.dtype=bfloat16``,
+   ``rollout.dtype=float32``): the two sides then hold different roundings of the checkpoint by design.
+2. measures the **probe floor**: the weight-sync probe's gap (random tokens, teacher-forced);
+3. measures the **natural floor** (``rollout.weight_sync.calibration_prompts`` of the run's prompts): the
+   engine samples them as the rollout does (its temperature, samples per prompt and stop tokens; fixed
+   seeds; at most ``probe_max_length`` new tokens) and the trainer scores the samples: the step-0 gate's
+   own measure, on the same kind of tokens.
+
+The floors set the run's tolerances (:func:`megarlhf.gates.run_tolerances`); a floor mean above the
+dtype's cap stops the run. Everything here is collective over the trainer ranks, which raise together.
+
+Hand-written because what calibration proves, and in what order, is megarlhf's verification policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarlhf.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
+from megarlhf.rollout.config import SamplingConfig, rollout_sampling
+from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
+                                          trainer_probe_logprobs)
+from model_providers.hf_checkpoint import iter_hf_weights
+
+CALIBRATION_SEED = 4321  # the natural samples' seeds: the same calibration for any layout and rerun
+CHECKPOINT_CHECK = "calibration: the engine's own load of model.path vs the trainer's conversion, bit for bit"
+FLOORS_CHECK = "calibration before the first sync"
+
+
+def checks_checkpoint(config) -> bool:
+    """Whether calibration compares the engine's own load of ``model.path`` with the trainer's conversion:
+    asked for, and the engine rounds no finer than the trainer (module docstring)."""
+    engine = config.rollout.engine_dtype(config.model.dtype)
+    return config.rollout.weight_sync.check_checkpoint and coarser_dtype(config.model.dtype, engine) == engine
+
+
+def trainer_fingerprints(actor, placement: dict[str, tuple[str, int]] | None, engine_dtype: torch.dtype
+                         ) -> dict[str, tuple[int, int]]:
+    """The fingerprints the engine's parameters must have if it holds the actor's weights. Collective over
+    the trainer ranks (the gathers of ``iter_hf_weights``): a rank without ``placement`` only takes part
+    in them and returns {}."""
+    expected = ExpectedFingerprints(placement, engine_dtype) if placement is not None else None
+    for name, tensor in iter_hf_weights(actor.model, actor.provider, copies=False):
+        if expected is not None:
+            expected.add(name, tensor)
+    return expected.result() if expected is not None else {}
+
+
+def checkpoint_problems(expected: dict[str, tuple[int, int]], report: dict) -> list[str]:
+    """Where the trainer's conversion of the checkpoint differs from the engine's own load of it
+    (``report``: the engine's ``checkpoint_report``)."""
+    return [f"{p} (the trainer converted model.path, the engine loaded it itself: a conversion error)"
+            for p in compare_fingerprints(expected, report)]
+
+
+def natural_sampling(config, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
+    """How calibration samples the run's prompts: as the rollout does, with fixed seeds, at most
+    ``probe_max_length`` new tokens (module docstring)."""
+    sampling = rollout_sampling(config.rollout, stop_token_ids)
+    cap = config.rollout.weight_sync.probe_max_length or sampling.max_new_tokens
+    return dataclasses.replace(sampling, seed=CALIBRATION_SEED, max_new_tokens=min(sampling.max_new_tokens, cap))
+
+
+def natural_gap(actor, batch: RolloutBatch, config) -> tuple[float, float]:
+    """(max, mean) |trainer - engine| log-prob gap over the sampled tokens of ``batch`` (the step-0 gate's
+    measure); (0, 0) without any. Collective over the actor's model-parallel group (its ranks pass the
+    same batch)."""
+    from megarlhf.training import ExperienceBatch, compute_logprobs
+
+    if not any(batch.response_ids):
+        return 0.0, 0.0
+    experience = ExperienceBatch.from_sequences(batch.prompt_ids, batch.response_ids, device=actor.runtime.device,
+                                                rollout_logprobs=batch.logprobs)
+    logprobs = compute_logprobs(actor, experience, config)
+    gap = (logprobs - experience.rollout_logprobs).abs()[experience.response_mask]
+    worst, mean = torch.stack([gap.max(), gap.mean()]).tolist()  # host: one read, at start-up
+    return worst, mean
+
+
+def worst_of(gaps: list[tuple[float, float] | None]) -> tuple[float, float] | None:
+    """The largest max and the largest mean over ranks or engines (None where nothing was measured)."""
+    measured = [g for g in gaps if g is not None]
+    if not measured:
+        return None
+    return max(g[0] for g in measured), max(g[1] for g in measured)
+
+
+def floor_problems(config, floor: tuple[float, float] | None, natural: tuple[float, float] | None) -> list[str]:
+    problems = calibration_problems(config, floor[1], "the probe") if floor is not None else []
+    return problems + (calibration_problems(config, natural[1], "the natural samples") if natural is not None else [])
+
+
+def calibration_metrics(floor: tuple[float, float] | None, natural: tuple[float, float] | None,
+                        checkpoint_checked: bool, tolerances: Tolerances) -> dict[str, float]:
+    metrics = {"gates/calibration_checkpoint_bitwise": float(checkpoint_checked)}
+    for name, gaps in (("probe", floor), ("natural", natural)):
+        if gaps is not None:
+            metrics.update({f"gates/calibration_{name}_max": gaps[0], f"gates/calibration_{name}_mean": gaps[1]})
+    return {**metrics, **{f"gates/{name}": value for name, value in vars(tolerances).items()}}
+
+
+def calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_ids: tuple[int, ...]
+                        ) -> dict[str, float]:
+    """Calibrates ``sync``'s gates (sets ``sync.tolerances``) against its colocated engine, which must still
+    hold the checkpoint it loaded; ``prompts``: the run's first prompts (token ids), sampled for the natural
+    floor. Returns the calibration metrics. Collective over the trainer ranks."""
+    config, runtime = sync.config, sync.runtime
+    checked = checks_checkpoint(config)
+    if checked:
+        expected = trainer_fingerprints(sync.actor, sync.placement, sync.engine_dtype)
+        sync.agree(checkpoint_problems(expected, sync.engine.checkpoint_report()), CHECKPOINT_CHECK)
+    floor = natural = None
+    if sync.probe:
+        trainer = trainer_probe_logprobs(sync.actor, sync.probe, config)
+        floor = probe_floor(trainer, sync.engine.prompt_logprobs(sync.probe))
+    if prompts:
+        batch = sync.engine.generate(prompts, natural_sampling(config, stop_token_ids))
+        batch = runtime.all_gather_objects(batch, over="replica")[0]  # the replica scores one batch together
+        natural = natural_gap(sync.actor, batch, config)
+    floor = worst_of(runtime.all_gather_objects(floor, over="trainers"))
+    natural = worst_of(runtime.all_gather_objects(natural, over="trainers"))
+    sync.agree(floor_problems(config, floor, natural), FLOORS_CHECK)
+    sync.tolerances = run_tolerances(config, floor, natural)
+    return calibration_metrics(floor, natural, checked, sync.tolerances)
