@@ -129,7 +129,7 @@ class ParallelGroup:
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica", "channel")
+GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica", "channel", "payload")
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,9 @@ class Runtime:
 
     ``trainers`` holds every rank with Megatron state (the world, except in the disaggregated placement,
     whose engine ranks are left out); verdicts that every trainer must agree on go over it. ``channel``
-    (disaggregated placement only; gloo) links the first trainer rank with the engine ranks. ``dp_cp`` is
+    (disaggregated placement only; gloo) links the first trainer rank with the engine ranks, and
+    ``payload`` the same ranks over the device's backend (NCCL on CUDA, the gloo channel on CPU) for
+    tensors that stay on the device. ``dp_cp`` is
     the group DDP averages gradients over (data x context parallel); ``replica`` the TP x PP x CP ranks
     of this rank's model replica (the ranks with its data-parallel rank). ``is_engine_rank``: a rank of
     the disaggregated placement that only serves a rollout engine (its model groups are ``alone``).
@@ -157,6 +159,7 @@ class Runtime:
     pp_last_global_rank: int  # the global rank of the last pipeline stage of this rank's pipeline
     is_engine_rank: bool = False
     channel: ParallelGroup = ParallelGroup(0, 1, None)
+    payload: ParallelGroup = ParallelGroup(0, 1, None)
 
     @property
     def is_first_stage(self) -> bool:
@@ -299,7 +302,9 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     for ranks outside the new group); Megatron's ``local_world_size`` makes its rank generator lay out
     TP/PP/CP/DP over the trainer ranks only, so on engine ranks no Megatron group is set and
     ``parallel_state.model_parallel_is_initialized()`` is False. Every group the placement uses is made
-    here: the trainers' group and the gloo ``channel`` between the first trainer rank and the engines.
+    here: the trainers' group, the gloo ``channel`` between the first trainer rank and the engines (for
+    objects), and ``payload`` over the same ranks (NCCL on CUDA; on CPU the channel itself) for device
+    tensors.
 
     Then, on trainer ranks, the trainers' group becomes torch.distributed's default group: library code
     that gathers over the default group assuming every rank of the job trains (Megatron's optimizer
@@ -317,13 +322,18 @@ def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int
     seed_everything(seed)
     # collective: every rank creates every group, in the same order
     trainer_group = dist.new_group(list(range(num_trainer_ranks)))
-    channel_group = dist.new_group([0, *range(num_trainer_ranks, world_size)], backend="gloo")
+    channel_ranks = [0, *range(num_trainer_ranks, world_size)]
+    channel_group = dist.new_group(channel_ranks, backend="gloo")
+    payload_group = dist.new_group(channel_ranks, backend="nccl") if torch.cuda.is_available() else channel_group
     is_engine = launch.rank >= num_trainer_ranks
     trainers = ParallelGroup.alone() if is_engine else ParallelGroup(launch.rank, num_trainer_ranks, trainer_group)
     channel_rank = 0 if launch.rank == 0 else (launch.rank - num_trainer_ranks + 1 if is_engine else None)
-    channel = (ParallelGroup(channel_rank, world_size - num_trainer_ranks + 1, channel_group)
-               if channel_rank is not None else ParallelGroup.alone())
-    runtime = dataclasses.replace(build_runtime(launch, trainers, is_engine_rank=is_engine), channel=channel)
+    channel = payload = ParallelGroup.alone()
+    if channel_rank is not None:
+        channel = ParallelGroup(channel_rank, len(channel_ranks), channel_group)
+        payload = ParallelGroup(channel_rank, len(channel_ranks), payload_group)
+    runtime = dataclasses.replace(build_runtime(launch, trainers, is_engine_rank=is_engine), channel=channel,
+                                  payload=payload)
     if not is_engine:
         from torch.distributed import distributed_c10d
 

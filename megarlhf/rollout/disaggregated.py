@@ -10,12 +10,14 @@ default process group (vLLM's world group spans every rank of it, ``vllm/distrib
 over it), so trainer ranks would have to join vLLM's start-up. With ``EngineConfig(in_process=False)``
 vLLM's engine core and worker are spawned child processes of the engine rank with their own one-rank
 torch.distributed world, and the engine rank only talks to the trainers over megarlhf's own groups.
-Bytes reach the worker through vLLM's ``collective_rpc`` (pickled), one bucket per call.
+Each bucket reaches the worker through vLLM's ``collective_rpc`` as a handle to shared memory.
 
-Groups (made by :func:`parallel.runtime.init_disaggregated`): ``trainers`` = the trainer ranks, and
-``channel`` = {trainer rank 0, the *source*} + the engine ranks (gloo). Engine ranks sit in :meth:`DisaggregatedRollout.serve`
-and execute commands the source broadcasts on ``channel``; every trainer rank calls :meth:`sync` /
-:meth:`generate` / :meth:`stop_engines` together (they are collective over the trainer ranks).
+Groups (made by :func:`parallel.runtime.init_disaggregated`): ``trainers`` = the trainer ranks;
+``channel`` = {trainer rank 0, the *source*} + the engine ranks (gloo, for objects); ``payload`` = the
+same ranks over the device's backend (for weight buckets). Engine ranks sit in
+:meth:`DisaggregatedRollout.serve` and execute commands the source broadcasts on ``channel``; every
+trainer rank calls :meth:`calibrate` / :meth:`sync` / :meth:`generate` / :meth:`stop_engines` together
+(they are collective over the trainer ranks).
 
 * ``sync(model)``: ``iter_hf_weights`` (collective over the trainer ranks) yields full HF tensors; the
   source packs them into buckets of at most ``bucket_mb`` and broadcasts each (a header of names, dtypes
@@ -26,9 +28,13 @@ and execute commands the source broadcasts on ``channel``; every trainer rank ca
   with, and the engine rank compares them with the source's, bit for bit. Then the probe forward: the
   trainers' log-probs of fixed random sequences (the training forward) vs each engine's prompt
   log-probs, gated by :mod:`megarlhf.gates`. The fingerprints, the bucketing and the probe comparison
-  are :mod:`megarlhf.rollout.weight_sync`'s, shared with the colocated sync. (The bytes cross the gloo
-  channel from host memory: the engine core is another process, reached through vLLM's RPC.) The source collects every engine's problems and broadcasts the verdict to all ranks,
-  which raise :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
+  are :mod:`megarlhf.rollout.weight_sync`'s, shared with the colocated sync. A bucket never leaves
+  the device: the source concatenates its tensors into one flat buffer on its device and broadcasts it
+  over the ``payload`` group (NCCL between GPUs, gloo on CPU) into a buffer on each engine rank's
+  device, which hands the engine core (another process) a handle to that memory, not its bytes
+  (:mod:`megarlhf.rollout.shared_tensor`: CUDA IPC on a GPU, shared memory on CPU). The source collects
+  every engine's problems and broadcasts the verdict to all ranks, which raise
+  :class:`~megarlhf.rollout.weight_sync.WeightSyncError` together.
 * ``generate(prompts, sampling)`` = ``receive(launch(prompts, sampling))``: the prompts of each data-
   parallel replica go to the source, are split round-robin over the engines (``launch`` returns as soon
   as they are sent, so the trainers can work while the engines generate: one-step off-policy training),
@@ -49,12 +55,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megarlhf.gates import calibration_problems, run_tolerances
+from megarlhf.gates import run_tolerances
+from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_problems,
+                                          checks_checkpoint, floor_problems, natural_gap, natural_sampling,
+                                          trainer_fingerprints, worst_of)
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.dtypes import torch_dtype
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
+from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, reload_checkpoint_and_report
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
-from megarlhf.rollout.weight_sync import (ExpectedFingerprints, calibration_metrics, compare_fingerprints,
+from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
+from megarlhf.rollout.weight_sync import (ExpectedFingerprints, compare_fingerprints,
                                           engine_placement, layout_problems, longest_probe_length, probe_floor,
                                           probe_problems, probe_sequences, sync_metrics, trainer_probe_logprobs,
                                           verdict_error, weight_buckets)
@@ -93,12 +103,11 @@ def merged_sampling(samplings: dict[int, SamplingConfig], order: list[tuple[int,
 
 
 # ---- the engine core's side (runs in vLLM's worker, i.e. the engine's child process) ---------------------
-def _unpack(meta: list[tuple], payload) -> list[tuple[str, torch.Tensor]]:
-    """(name, dtype, shape, nbytes) records + their concatenated bytes -> named tensors (views)."""
-    raw = payload if torch.is_tensor(payload) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+def _unpack(meta: list[tuple], payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, dtype, shape, nbytes) records + their concatenated bytes (uint8) -> named tensors (views)."""
     out, offset = [], 0
     for name, dtype, shape, nbytes in meta:
-        chunk = raw[offset:offset + nbytes]
+        chunk = payload[offset:offset + nbytes]
         out.append((name, chunk.view(getattr(torch, dtype.removeprefix("torch."))).view(shape)))
         offset += nbytes
     return out
@@ -113,8 +122,12 @@ def _worker_begin(worker) -> None:
     initialize_layerwise_reload(model)
 
 
-def _worker_load(worker, meta: list[tuple], payload: bytes) -> None:
+def _worker_load(worker, meta: list[tuple], handle: bytes) -> None:
+    """In the engine core: loads one bucket from the engine rank's buffer (shared, not copied)."""
+    payload = open_shared(handle)
     worker.model_runner.model.load_weights(_unpack(meta, payload))
+    if payload.is_cuda:  # the engine rank reuses the memory once this call returns
+        torch.cuda.synchronize()
 
 
 def _worker_finish(worker) -> dict:
@@ -155,8 +168,10 @@ class DisaggregatedRollout:
         self.is_engine_rank = self.rank >= self.num_trainers
         self.sync_config = config.rollout.weight_sync
         # the groups parallel.runtime.init_disaggregated made: the trainers (for the trainer side's
-        # broadcasts) and the gloo channel between the source and the engine ranks (host bytes)
+        # broadcasts), the gloo channel between the source and the engine ranks (objects) and the payload
+        # group over the same ranks (weight buckets as device tensors: NCCL on CUDA, gloo on CPU)
         self.trainers, self.channel = runtime.trainers.group, runtime.channel.group
+        self.payload = runtime.payload.group
         self.engine = self.actor = None
         if self.is_engine_rank:
             if config.rollout.tensor_parallel_size != 1 or config.rollout.backend != "vllm":
@@ -173,7 +188,7 @@ class DisaggregatedRollout:
             self.hf_shapes = actor.provider.hf_tensor_shapes("lm")
             self.expected = set(self.hf_shapes)
             self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
-            self.placement = None  # the engines' layout, asked for at the first sync
+            self.placement = None  # the engines' layout (the source's), asked for once
             self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                          longest_probe_length(config))
 
@@ -212,6 +227,8 @@ class DisaggregatedRollout:
                 self._serve_sync()
             elif command[0] == "layout":
                 self._from_engines(self.engine.run_in_worker(_worker_fused))
+            elif command[0] == "checkpoint":
+                self._serve_checkpoint(command[1])
             elif command[0] == "calibrate":
                 self._from_engines(probe_floor(command[2], self.engine.prompt_logprobs(command[1])))
             elif command[0] == "generate":
@@ -223,13 +240,13 @@ class DisaggregatedRollout:
         header = self._channel_bcast()
         if not header:
             return None
-        buffer = torch.empty(sum(h[3] for h in header), dtype=torch.uint8)  # host: the gloo channel's bytes
-        dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
+        buffer = shared_buffer(sum(h[3] for h in header), self.runtime.device)
+        dist.broadcast(buffer, src=SOURCE_RANK, group=self.payload)
         return header, buffer
 
     def _load_bucket(self, meta: list[tuple], payload: torch.Tensor) -> None:
-        """Hands one bucket to the engine core (bytes: it is another process)."""
-        self.engine.run_in_worker(functools.partial(_worker_load, meta=meta, payload=payload.numpy().tobytes()))
+        """Hands one bucket to the engine core (another process) as a handle to its memory."""
+        self.engine.run_in_worker(functools.partial(_worker_load, meta=meta, handle=share(payload)))
 
     def _serve_sync(self) -> None:
         problems = []
@@ -250,6 +267,12 @@ class DisaggregatedRollout:
             worst, mean, problems = probe_problems(trainer, self.engine.prompt_logprobs(ids), tolerances)
             gaps = (worst, mean)
         self._verdict(problems, "probe forward", metric=gaps)
+
+    def _serve_checkpoint(self, expected: dict[str, tuple[int, int]]) -> None:
+        """The calibration's bitwise check: the engine reloads model.path from disk and compares."""
+        report = self.engine.run_in_worker(functools.partial(reload_checkpoint_and_report, sharded=False))
+        self.engine.llm.reset_prefix_cache()
+        self._verdict(checkpoint_problems(expected, report), CHECKPOINT_CHECK)
 
     def _serve_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         index = self.engine_ranks.index(self.rank)
@@ -287,28 +310,46 @@ class DisaggregatedRollout:
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         header = [(name, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in bucket]
         self._channel_bcast(header)
-        # host: the channel is a gloo group between processes that share no device
-        buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8).cpu() for _, t in bucket])
-        dist.broadcast(buffer, src=SOURCE_RANK, group=self.channel)
+        # one flat buffer on the trainer's device: NCCL carries it between GPUs, gloo on CPU
+        buffer = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+        dist.broadcast(buffer, src=SOURCE_RANK, group=self.payload)
 
-    def calibrate(self) -> dict[str, float]:
-        """Trainer ranks (all together): the gates' calibration probe against every engine while it holds
-        the checkpoint it loaded itself (see :meth:`megarlhf.rollout.weight_sync.WeightSync.calibrate`)."""
+    def calibrate(self, prompts: list[list[int]] = (), stop_token_ids: tuple[int, ...] = ()) -> dict[str, float]:
+        """Trainer ranks (all together): the gates' calibration (:mod:`megarlhf.rollout.calibration`)
+        against every engine while it holds the checkpoint it loaded itself; ``prompts`` (token ids, the
+        same on every rank) are sampled for the natural floor. Returns the calibration metrics."""
         self._require(False, "calibrate")
-        if not self.sync_config.probe_sequences:
-            return {}
-        trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
-        floor = None
-        if self.rank == SOURCE_RANK:
-            self._channel_bcast(("calibrate", self.probe, trainer))
-            floors = self._from_engines()
-            floor = (max(f[0] for f in floors), max(f[1] for f in floors))
-        floor = self._trainer_bcast(floor)
-        problems = calibration_problems(self.config, floor[1])
+        source = self.rank == SOURCE_RANK
+        checked = checks_checkpoint(self.config)
+        if checked:
+            expected = trainer_fingerprints(self.actor, self._engine_layout(), self.engine_dtype)  # collective
+            if source:
+                self._channel_bcast(("checkpoint", expected))
+            self._trainer_verdict([], CHECKPOINT_CHECK)
+        floor = natural = None
+        if self.probe:
+            trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
+            if source:
+                self._channel_bcast(("calibrate", self.probe, trainer))
+                floor = worst_of(self._from_engines())
+            floor = self._trainer_bcast(floor)
+        if prompts:  # every replica sends the same prompts: each scores the samples it received
+            batch = self.generate(list(prompts), natural_sampling(self.config, stop_token_ids))
+            natural = worst_of(self.runtime.all_gather_objects(natural_gap(self.actor, batch, self.config),
+                                                               over="trainers"))
+        problems = floor_problems(self.config, floor, natural)
         if problems:
-            raise verdict_error(problems, "calibration before the first sync")
-        self.tolerances = run_tolerances(self.config, floor)
-        return calibration_metrics(floor, self.tolerances)
+            raise verdict_error(problems, FLOORS_CHECK)
+        self.tolerances = run_tolerances(self.config, floor, natural)
+        return calibration_metrics(floor, natural, checked, self.tolerances)
+
+    def _engine_layout(self) -> dict[str, tuple[str, int]] | None:
+        """Trainer ranks: where each HF tensor sits in the engines' parameters (asked once; the source's)."""
+        if self.rank == SOURCE_RANK and self.placement is None:
+            self._channel_bcast(("layout",))
+            layouts = self._from_engines()  # every engine runs the same model class
+            self.placement = engine_placement(self.hf_shapes, layouts[0])
+        return self.placement
 
     def sync(self) -> dict[str, float]:
         """Trainer ranks (all together): pushes the actor's weights to every engine, verified; returns
@@ -317,13 +358,10 @@ class DisaggregatedRollout:
 
         self._require(False, "sync")
         source = self.rank == SOURCE_RANK
-        if source and self.placement is None:
-            self._channel_bcast(("layout",))
-            layouts = self._from_engines()  # every engine runs the same model class
-            self.placement = engine_placement(self.hf_shapes, layouts[0])
         if source:
+            placement = self._engine_layout()
             self._channel_bcast(("sync",))
-            expected = ExpectedFingerprints(self.placement, self.engine_dtype)
+            expected = ExpectedFingerprints(placement, self.engine_dtype)
         sent, stats = [], {}
         start = time.perf_counter()
         weights = iter_hf_weights(self.actor.model, self.actor.provider, copies=False)  # collective (trainers)

@@ -52,7 +52,7 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
     model, provider = actor.model, actor.provider
     everything = prompts(provider.hf_config.vocab_size)
     mine = everything[dp_rank::dp_size]
-    result = {"calibration": rollout.calibrate(), "sync0": rollout.sync()}
+    result = {"calibration": rollout.calibrate(everything[:2], ()), "sync0": rollout.sync()}
     result["before"] = compare(rollout, actor, config, mine, seed=3)
     result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
     result["sync1"] = rollout.sync()

@@ -69,6 +69,9 @@ def test_resync_moves_trained_weights_verified(disaggregated_run, layout):
         assert changed >= len(rank["before"]["trainer_greedy"]) // 2  # the engines had new weights to match
         calibration = rank["calibration"]
         assert calibration["gates/calibration_probe_mean"] < 1e-5 and calibration["gates/probe_mean"] == 1e-5
+        # the engines' own load of the checkpoint equals the trainers' conversion; their samples score alike
+        assert calibration["gates/calibration_checkpoint_bitwise"] == 1.0
+        assert 0 < calibration["gates/calibration_natural_max"] < 1e-4
         for key in ("sync0", "sync1"):
             m = rank[key]
             assert m["weight_sync/tensors"] == 26 and m["weight_sync/bytes"] == 1380864
