@@ -72,6 +72,7 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
 def engine(rollout) -> dict:
     """Serves; the third sync has one tensor perturbed by one ulp on its way into vLLM."""
     from megatron.core import parallel_state as ps
+    from megarlhf.rollout.shared_tensor import shared_buffer
     from megarlhf.rollout.weight_sync import WeightSyncError
 
     result = {"megatron_initialized": ps.model_parallel_is_initialized()}
@@ -80,8 +81,8 @@ def engine(rollout) -> dict:
     def perturbing_load(meta, payload):
         offset = 0
         for name, dtype, shape, nbytes in meta:
-            if name == TARGET:
-                payload = payload.clone()
+            if name == TARGET:  # a copy, in shared memory as the engine rank's buffers are
+                payload = shared_buffer(payload.numel(), payload.device).copy_(payload)
                 value = payload[offset:offset + nbytes].view(torch.float32)
                 value[7] = torch.nextafter(value[7], torch.tensor(float("inf")))
             offset += nbytes
