@@ -38,6 +38,9 @@ def flex_usable(q: Tensor, head_dim: int) -> bool:
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
 
 
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @cache
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -45,10 +48,15 @@ def _triton_importable() -> bool:
 
 @cache
 def _compiled_flex():
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
     # the packed row's length changes between micro-batches: after the first recompile torch.compile
-    # marks it dynamic, so lengths do not compile one kernel each
+    # marks it dynamic, so lengths do not compile one kernel each. Each dtype, grad mode and head layout
+    # still compiles its own graph, all counted against one code object: past dynamo's default limit of
+    # 8 it silently runs flex_attention eagerly, which materialises the whole score matrix (the GPU check
+    # hit that after its RL tests: "flex_attention called without torch.compile()")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention)
 
 
