@@ -61,7 +61,7 @@ from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibr
                                           trainer_fingerprints, worst_of)
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.dtypes import torch_dtype
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, reload_checkpoint_and_report
+from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
 from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, compare_fingerprints,
@@ -270,9 +270,7 @@ class DisaggregatedRollout:
 
     def _serve_checkpoint(self, expected: dict[str, tuple[int, int]]) -> None:
         """The calibration's bitwise check: the engine reloads model.path from disk and compares."""
-        report = self.engine.run_in_worker(functools.partial(reload_checkpoint_and_report, sharded=False))
-        self.engine.llm.reset_prefix_cache()
-        self._verdict(checkpoint_problems(expected, report), CHECKPOINT_CHECK)
+        self._verdict(checkpoint_problems(expected, self.engine.checkpoint_report()), CHECKPOINT_CHECK)
 
     def _serve_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         index = self.engine_ranks.index(self.rank)

@@ -69,8 +69,7 @@ class _Accumulator:
     """Sums one tensor's row terms (int32, wrapping: arithmetic modulo 2**32) on its device."""
 
     def __init__(self, device: torch.device):
-        self.columns = torch.tensor(_COLUMN_WEIGHTS, dtype=torch.int32, device=device)
-        self.row_weights = torch.tensor(_ROW_WEIGHTS, dtype=torch.int64, device=device)  # [2, (a, b)]
+        self.columns, self.row_weights = _constants(device)  # int32 [ROW]; int64 [2, (a, b)]
         self.total = torch.zeros(2, dtype=torch.int32, device=device)
 
     def add_rows(self, rows: torch.Tensor, first_row: int, first_column: int = 0) -> None:
@@ -97,8 +96,7 @@ def fingerprint(tensor: torch.Tensor, offset: int = 0, backend: str = "auto") ->
     if backend == "triton" or (backend == "auto" and words.is_cuda and _triton_importable()):
         from megarlhf.rollout.fingerprint_kernel import fingerprint_words
 
-        columns, row_weights = _constants(words.device)
-        return fingerprint_words(words, start, columns, row_weights, ROW)
+        return fingerprint_words(words, start, _constants(words.device)[0], _kernel_row_weights(words.device), ROW)
     acc = _Accumulator(words.device)
     n, done = words.numel(), 0
     head = min((-start) % ROW, n)
@@ -122,10 +120,16 @@ def _triton_importable() -> bool:
 
 @functools.cache
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column weights (int32 [ROW]) and the row weights' constants (int32 [4]) on ``device``."""
-    flat = [value for pair in _ROW_WEIGHTS for value in pair]
+    """The column weights (int32 [ROW]) and the row weights' constants (int64 [2, (a, b)]) on ``device``,
+    made once per device rather than copied there for every tensor."""
     return (torch.tensor(_COLUMN_WEIGHTS, dtype=torch.int32, device=device),
-            _as_int32(torch.tensor(flat, dtype=torch.int64, device=device)))
+            torch.tensor(_ROW_WEIGHTS, dtype=torch.int64, device=device))
+
+
+@functools.cache
+def _kernel_row_weights(device: torch.device) -> torch.Tensor:
+    """The row weights' constants as the Triton kernel reads them: int32 [a0, b0, a1, b1]."""
+    return _as_int32(_constants(device)[1]).view(-1)
 
 
 def combine(parts: list[torch.Tensor]) -> torch.Tensor:
