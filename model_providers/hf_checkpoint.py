@@ -196,30 +196,36 @@ def _stage_schedule(bound: list[_Bound]) -> list[tuple[tuple, tuple[str, ...], s
 
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: str = "lm",
-                    dtype: torch.dtype | None = None, copies: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None, copies: bool = True,
+                    table: tuple[list[WeightMapping], dict] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every HF-named full tensor of the live sharded model, on every rank, in a fixed order.
 
     Collective: all ranks of the model-parallel group must iterate to the end together. Tensors are
     fresh copies (cast to ``dtype`` if given), so callers may keep or bucket them; ``copies=False``
     (the weight sync, whose engine copies each tensor into its own parameters at once) skips the copy
-    where the tensor is already contiguous: it may then be a view of a live parameter.
+    where the tensor is already contiguous: it may then be a view of a live parameter. A weight with a
+    LoRA adapter is sent merged with it (:func:`parallel.lora.merged_weight`). ``table``: another
+    ``(mappings, HF shapes)`` to read instead of the provider's (the PEFT adapter export).
     """
     from megatron.core import parallel_state as ps
 
+    from parallel.lora import merged_weight
+
     model = unwrap(model)
-    bound = {b.order: b for b in _bind(model, provider.mappings(head)) if b.mapping.export}
+    mappings, shapes = table if table is not None else (provider.mappings(head), provider.hf_tensor_shapes(head))
+    bound = {b.order: b for b in _bind(model, mappings) if b.mapping.export}
     ctx = _tp_context(provider)
-    shapes = provider.hf_tensor_shapes(head)
     device = next(model.parameters()).device
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     for order, hf_names, dtype_name, stage in _stage_schedule(list(bound.values())):
         if stage == pp_rank:
             b = bound[order]
-            shards = [b.param.detach()]
+            shards = [merged_weight(model, b.param_name, b.param)]
             if b.mapping.kind.tp_sharded and ctx.tp_size > 1:
-                shards = [torch.empty_like(shards[0]) for _ in range(ctx.tp_size)]
-                dist.all_gather(shards, b.param.detach().contiguous(), group=tp_group)
+                local = shards[0].contiguous()
+                shards = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+                dist.all_gather(shards, local, group=tp_group)
             tensors = [t.contiguous().clone() if copies else t.contiguous() for t in b.mapping.kind.export(shards, ctx)]
         else:
             tensors = [torch.empty(shapes[n], dtype=getattr(torch, dtype_name), device=device) for n in hf_names]

@@ -62,6 +62,26 @@ class Replicated:
         return [shards[0]]
 
 
+class Shared:
+    """One replicated tensor that the HF side stores ``num_hf`` times (a LoRA A factor of a fused Megatron
+    layer: q, k and v, or gate and up, read the same input through the same A). Loading requires the
+    copies to be equal."""
+
+    tp_sharded = False
+
+    def __init__(self, num_hf: int):
+        self.num_hf = num_hf
+
+    def load(self, hf: Sequence[TensorSource], ctx: ShardContext) -> torch.Tensor:
+        first = hf[0][:]
+        if any(not torch.equal(first, h[:]) for h in hf[1:]):
+            raise ValueError(f"{self.num_hf} HF tensors that one Megatron tensor stores once differ")
+        return first
+
+    def export(self, shards: Sequence[torch.Tensor], ctx: ShardContext) -> list[torch.Tensor]:
+        return [shards[0]] * self.num_hf
+
+
 class ColumnParallel:
     """Split along dim 0 (output features): each TP rank holds a contiguous block of rows."""
 
@@ -184,7 +204,7 @@ class WeightMapping:
 
     megatron: str
     hf: tuple[str, ...]
-    kind: Replicated | ColumnParallel | RowParallel | FusedQKV | GatedMLP | VocabParallel
+    kind: Replicated | Shared | ColumnParallel | RowParallel | FusedQKV | GatedMLP | VocabParallel
     export: bool = True
 
     def __post_init__(self):

@@ -23,6 +23,7 @@ from megarlhf.gates import GateConfig
 from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig
 from parallel.config import ParallelConfig
+from parallel.lora import LoRAConfig
 
 
 def _check(condition: bool, message: str) -> None:
@@ -42,6 +43,9 @@ class ModelConfig:
     path: str  # HF model directory (the actor, and the reference model)
     dtype: str = "bfloat16"  # the trainer's parameter dtype (megarlhf.dtypes: float32, bfloat16)
     critic_path: str | None = None  # HF directory the critic starts from (None: the actor's path)
+    # LoRA adapters on the actor and critic (parallel.lora); the base weights are frozen, and the
+    # reference policy is the base model with adapters off (None: train all weights)
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         check_dtype_name(self.dtype, "ModelConfig.dtype")

@@ -89,11 +89,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory."""
+    """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory
+    (with LoRA: merged, and its PEFT adapter at ``<out>-adapter``)."""
     from megarlhf.trainers.run import start_run
     from megarlhf.trainers.run_checkpoint import RunCheckpointer
-    from megarlhf.training import build_actor
-    from model_providers.hf_checkpoint import export_hf_checkpoint
+    from megarlhf.training import build_actor, export_policy
 
     config = _config(args)
     run = start_run(config)
@@ -101,6 +101,6 @@ def run_export(args: argparse.Namespace) -> int:
     if RunCheckpointer(config, {"actor": actor}).resume() is None:
         raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
                                 f"run_dir={config.logging.run_dir!r})")
-    out = export_hf_checkpoint(actor.model, actor.provider, args.out, source_dir=config.model.path, overwrite=True)
+    out = export_policy(actor, config, args.out)  # with LoRA: merged weights, and the PEFT adapter beside
     run.log(f"exported to {out}")
     return 0

@@ -31,10 +31,9 @@ from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import build_actor, build_frozen, build_reward_model
+from megarlhf.training import build_actor, build_reference, build_reward_model, export_policy
 from megarlhf.training.preference import (compute_scores, evaluate_pairs, pair_batch, preference_step,
                                           reward_model_step, sequence_logprobs)
-from model_providers.hf_checkpoint import export_hf_checkpoint
 from megarlhf.rewards.model import STATS_FILE
 from model_providers.value_head import export_reward_model
 
@@ -48,15 +47,18 @@ def _load(run, path: str) -> PreferenceDataset:
     return dataset
 
 
-def _reference_scorer(config: RunConfig, runtime, datasets: list[PreferenceDataset], pad_id: int):
+def _reference_scorer(config: RunConfig, runtime, datasets: list[PreferenceDataset], pad_id: int, actor):
     """A function ``(batch, pair indices, dataset) -> [B] reference log-probs`` (None: the loss needs none).
     Precomputed: every dataset is scored once (each DP rank a share, then gathered) and the model dropped;
-    otherwise the model stays and is offloaded between uses."""
+    otherwise the model stays and is offloaded between uses (a LoRA reference is the actor's own base:
+    nothing to offload)."""
     if not config.preference.needs_reference:
         return None
-    reference = build_frozen(config, runtime, "reference")
+    reference = build_reference(config, runtime, actor)
     if config.preference.precompute_reference:
         return _precomputed_scorer(reference, config, runtime, datasets, pad_id)
+    if reference.shares_actor:
+        return lambda batch, indices, dataset: sequence_logprobs(reference, batch, config)
     offloaded = OffloadedModel.of(reference)
 
     def on_the_fly(batch, indices, dataset):
@@ -94,7 +96,8 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     steps = config.train.steps
     if mode == "dpo":
         model = build_actor(config, runtime, total_steps=steps)
-        reference = _reference_scorer(config, runtime, [d for d in (train, held_out) if d is not None], run.pad_id)
+        reference = _reference_scorer(config, runtime, [d for d in (train, held_out) if d is not None], run.pad_id,
+                                      model)
     else:
         model = build_reward_model(config, runtime, config.model.path, total_steps=steps)
         reference = None
@@ -134,7 +137,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     recorder.close()
     out = run.run_dir / "hf"
     if mode == "dpo":
-        export_hf_checkpoint(model.model, model.provider, out, source_dir=config.model.path, overwrite=True)
+        export_policy(model, config, out)
     else:
         stats = _score_stats(model, train, config, runtime, run.pad_id)
         export_reward_model(model.model, model.provider, out, source_dir=config.model.path, overwrite=True)

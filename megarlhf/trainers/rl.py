@@ -40,8 +40,7 @@ from megarlhf.trainers.pipeline import make_batches
 from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import actor_update, build_actor, build_critic, build_frozen, critic_update
-from model_providers.hf_checkpoint import export_hf_checkpoint
+from megarlhf.training import actor_update, build_actor, build_critic, build_reference, critic_update, export_policy
 
 
 def train_rl(config: RunConfig) -> Path | None:
@@ -55,7 +54,7 @@ def train_rl(config: RunConfig) -> Path | None:
     prompts = run.load_prompts(config.data.train_path)
     eval_prompts = run.load_prompts(config.data.eval_path) if config.data.eval_path else None
     actor = build_actor(config, runtime)
-    reference = build_frozen(config, runtime, "reference") if config.algorithm.uses_reference else None
+    reference = build_reference(config, runtime, actor) if config.algorithm.uses_reference else None
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
     reward, reward_model = build_reward(config, runtime, run.tokenizer)
     eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
@@ -114,8 +113,7 @@ def train_rl(config: RunConfig) -> Path | None:
     if eval_reward is not None:
         eval_reward.close()
     phase.close()
-    export_dir = export_hf_checkpoint(actor.model, actor.provider, run.run_dir / "hf", source_dir=config.model.path,
-                                      overwrite=True)
+    export_dir = export_policy(actor, config, run.run_dir / "hf")
     if run.is_main:
         plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
     run.log(f"exported the trained actor to {export_dir}")

@@ -76,7 +76,7 @@ class RolloutPhase:
         self.sync = WeightSync(self.engine, actor, config)
         self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
-                                           [OffloadedModel.of(m) for m in others])
+                                           [OffloadedModel.of(m) for m in others if not m.shares_actor])
 
     @property
     def tolerances(self):

@@ -15,8 +15,7 @@ from megarlhf.data.sft import load_sft_dataset
 from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import build_actor, sft_step
-from model_providers.hf_checkpoint import export_hf_checkpoint
+from megarlhf.training import build_actor, export_policy, sft_step
 
 
 def train_sft(config: RunConfig) -> Path:
@@ -40,8 +39,7 @@ def train_sft(config: RunConfig) -> Path:
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     recorder.close()
-    export_dir = export_hf_checkpoint(actor.model, actor.provider, run.run_dir / "hf", source_dir=config.model.path,
-                                      overwrite=True)
+    export_dir = export_policy(actor, config, run.run_dir / "hf")
     if run.is_main:
         plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("sft/loss",))
     run.log(f"exported the fine-tuned model to {export_dir}")

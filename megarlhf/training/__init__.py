@@ -12,7 +12,8 @@
 * :mod:`~megarlhf.training.preference`: DPO-family and reward-model steps on preference pairs.
 """
 from megarlhf.training.batch import ExperienceBatch
-from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_frozen, build_reward_model,
+from megarlhf.training.models import (TrainModel, build_actor, build_critic, build_frozen, build_reference,
+                                      build_reward_model, export_policy,
                                       params_dtype, rl_optimizer_steps)
 from megarlhf.training.packing import MicroBatch, build_micro_batches, plan_micro_batches
 from megarlhf.training.sft import sft_batch, sft_step
@@ -21,7 +22,8 @@ from megarlhf.training.update import (actor_update, compute_logprobs, compute_va
                                       old_logprobs_from_update)
 
 __all__ = [
-    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "build_reward_model", "params_dtype",
+    "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "build_reference",
+    "build_reward_model", "export_policy", "params_dtype",
     "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "StepResult", "optimizer_step", "actor_update", "compute_logprobs",
     "compute_values", "critic_update", "old_logprobs_from_update",

@@ -8,7 +8,11 @@
 * critic: the value-head model from ``model.critic_path`` (or ``model.path``), same machinery, its own
   learning rate (``optim.critic_lr``, default the actor's).
 * reference (and the evaluated policy of ``megarlhf eval``): the causal LM from ``model.path``, eval
-  mode, no gradients, no DDP, no optimizer (:func:`build_frozen`).
+  mode, no gradients, no DDP, no optimizer (:func:`build_frozen`); with LoRA the reference is the
+  actor's own frozen base with its adapters off (:func:`build_reference`): no second copy of the weights.
+* LoRA (``model.lora``): actor and critic get adapters on their linear layers after loading
+  (:func:`parallel.lora.attach_lora`), which freezes the base weights before DDP and the optimizer see
+  them, so gradients, DDP buffers and optimizer state exist for adapters (and a critic's value head) only.
 * reward model: a value-head model scoring whole sequences, trained by ``megarlhf rm`` or frozen in RL
   (:func:`build_reward_model`).
 
@@ -45,6 +49,7 @@ class TrainModel:
     runtime: Runtime
     optimizer: Any = None  # Megatron optimizer (None for the reference)
     scheduler: Any = None  # Megatron OptimizerParamScheduler (None for the reference)
+    shares_actor: bool = False  # a view of the actor's parameters (the LoRA reference): never offloaded apart
 
     @property
     def kind(self) -> str:
@@ -118,6 +123,7 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
 
     provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
+    _attach_lora(model, config)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     return _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
 
@@ -129,9 +135,27 @@ def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = 
     path = config.model.critic_path or config.model.path
     provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
+    _attach_lora(model, config, trainable=("output_layer.weight",))  # the value head is new: it trains
     lr = config.optim.critic_lr or config.optim.lr
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     return _wrap_trainable("critic", model, provider, config, runtime, lr, steps)
+
+
+def _attach_lora(model, config: RunConfig, trainable: tuple[str, ...] = ()) -> None:
+    from parallel.lora import attach_lora
+
+    if config.model.lora is not None:
+        attach_lora(model, config.model.lora, seed=config.seed, trainable=trainable)
+
+
+def build_reference(config: RunConfig, runtime: Runtime, actor: TrainModel) -> TrainModel:
+    """The reference policy: with LoRA the actor's frozen base (its adapters off, the same parameters:
+    ``shares_actor``), otherwise a frozen copy of ``model.path`` (:func:`build_frozen`)."""
+    from parallel.lora import AdaptersOff
+
+    if config.model.lora is None:
+        return build_frozen(config, runtime, "reference")
+    return TrainModel("reference", AdaptersOff(actor.model), actor.provider, runtime, shares_actor=True)
 
 
 def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
@@ -163,8 +187,32 @@ def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_ste
     provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config, trainable))
     _variable_lengths(model)
     if trainable:
+        _attach_lora(model, config, trainable=("output_layer.weight",))
         steps = rl_optimizer_steps(config) if total_steps is None else total_steps
         return _wrap_trainable("reward_model", model, provider, config, runtime, config.optim.lr, steps)
     model.eval()
     model.requires_grad_(False)
     return TrainModel("reward_model", model, provider, runtime)
+
+
+def adapter_dir(out) -> "Path":
+    """Where the PEFT adapter of a LoRA run's HF export ``out`` goes: ``<out>-adapter`` beside it."""
+    from pathlib import Path
+
+    out = Path(out)
+    return out.parent / f"{out.name}-adapter"
+
+
+def export_policy(trained: TrainModel, config: RunConfig, out) -> "Path":
+    """Exports a trained causal LM as an HF directory at ``out`` (with LoRA: adapters merged into the
+    weights) and, with LoRA, its adapters as a PEFT directory at :func:`adapter_dir` ``(out)``.
+    Collective over all ranks; returns ``out``."""
+    from model_providers.hf_checkpoint import export_hf_checkpoint
+    from model_providers.peft_adapter import export_peft_adapter
+
+    exported = export_hf_checkpoint(trained.model, trained.provider, out, source_dir=config.model.path,
+                                    overwrite=True)
+    if config.model.lora is not None:
+        export_peft_adapter(trained.model, trained.provider, config.model.lora, adapter_dir(out),
+                            base_model=str(config.model.path), overwrite=True)
+    return exported

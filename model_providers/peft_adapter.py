@@ -1,0 +1,132 @@
+"""LoRA adapters of a Megatron model <-> a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base model.
+
+The adapter table is derived from the architecture's own weight table: the entry of each targeted
+layer names its HF projections (``linear_qkv`` -> ``q_proj, k_proj, v_proj``) and its kind, which lays
+out B exactly as it lays out the weight (fused QKV groups, per-rank gate/up halves). A of a fused
+column-parallel layer is one tensor that PEFT stores once per projection (:class:`Shared`); A of a
+row-parallel layer is split over TP like its weight. :func:`iter_hf_weights` then gathers adapters over
+TP and pipeline stages as it gathers weights, so there is one gathering path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model_providers.base import ModelProvider
+from model_providers.hf_checkpoint import _replace_dir, iter_hf_weights
+from model_providers.mapping import REPLICATED, ROW, Shared, WeightMapping
+from parallel.lora import SUFFIX, TARGET_KINDS, LoRAConfig, LoRAError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_BLOCKS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def _base_entry(provider: ModelProvider, target: str) -> WeightMapping:
+    megatron = f"decoder.layers.{{layer}}.{_BLOCKS[target]}.{target}.weight"
+    for mapping in provider.body_mappings:
+        if mapping.megatron == megatron:
+            return mapping
+    raise LoRAError(f"{provider.model_type}: no weight-table entry for {megatron}; LoRA cannot target {target}")
+
+
+def adapter_table(provider: ModelProvider, lora: LoRAConfig) -> tuple[list[WeightMapping], dict]:
+    """(mappings, HF shapes) of the PEFT tensors of every targeted layer, for :func:`iter_hf_weights`."""
+    mappings, shapes = [], {}
+    base_shapes = provider.hf_tensor_shapes("none")
+    for target in lora.targets:
+        base = _base_entry(provider, target)
+        modules = [name.removesuffix(".weight") for name in base.hf]
+        a_names = tuple(f"{PEFT_PREFIX}{m}.lora_A.weight" for m in modules)
+        b_names = tuple(f"{PEFT_PREFIX}{m}.lora_B.weight" for m in modules)
+        adapter = base.megatron.removesuffix(".weight") + SUFFIX
+        column = TARGET_KINDS[target] == "column"
+        mappings.append(WeightMapping(adapter + ".A", a_names, Shared(len(modules)) if column else ROW))
+        mappings.append(WeightMapping(adapter + ".B", b_names, base.kind if column else REPLICATED))
+        for layer in range(provider.hf_config.num_hidden_layers):
+            for module, a_name, b_name in zip(modules, a_names, b_names):
+                out_features, in_features = base_shapes[f"{module}.weight".format(layer=layer)]
+                shapes[a_name.format(layer=layer)] = (lora.rank, in_features)
+                shapes[b_name.format(layer=layer)] = (out_features, lora.rank)
+    return mappings, shapes
+
+
+def peft_config(provider: ModelProvider, lora: LoRAConfig, base_model: str) -> dict:
+    """``adapter_config.json`` of a PEFT LoRA adapter equal to ``lora``."""
+    modules = sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
+                      for target in lora.targets for name in _base_entry(provider, target).hf})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+
+
+def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, out_dir: str | Path, *,
+                        base_model: str, overwrite: bool = False) -> Path:
+    """Writes the model's adapters as a PEFT adapter directory; collective over all ranks, global rank 0
+    writes. The directory appears atomically (written beside it, then renamed)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"adapter export target {out} exists (pass overwrite=True to replace it)")
+    table = adapter_table(provider, lora)
+    tensors = dict(iter_hf_weights(model, provider, table=table))
+    missing = sorted(set(table[1]) - set(tensors))
+    if missing:
+        raise LoRAError(f"adapter export lacks {len(missing)} tensor(s), e.g. {missing[:3]}: the model has no "
+                        f"adapters for targets {lora.targets}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(provider, lora, base_model), indent=2) + "\n")
+        _replace_dir(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+@torch.no_grad()
+def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, adapter: str | Path) -> None:
+    """Copies a PEFT LoRA adapter directory into this rank's adapters of ``model`` (attached with
+    ``lora``); each rank reads its TP slice. Errors name what does not fit: a different rank or scale,
+    a missing tensor, q/k/v (or gate/up) A factors that differ (Megatron's fused layers hold one)."""
+    from safetensors import safe_open
+
+    from model_providers.hf_checkpoint import _bind, _tp_context, unwrap
+
+    path = Path(adapter)
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise LoRAError(f"PEFT adapter {path}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    saved = json.loads(config_file.read_text())
+    if saved.get("r") != lora.rank or float(saved.get("lora_alpha", 0)) / lora.rank != lora.scale:
+        raise LoRAError(f"PEFT adapter {path}: r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}, but "
+                        f"model.lora has rank={lora.rank}, alpha={lora.alpha}")
+    mappings, shapes = adapter_table(provider, lora)
+    ctx = _tp_context(provider)
+    with safe_open(str(weights), framework="pt") as handle:
+        names = set(handle.keys())
+        for b in _bind(unwrap(model), mappings):
+            missing = [n for n in b.hf_names if n not in names]
+            if missing:
+                raise LoRAError(f"PEFT adapter {path}: no tensor {missing[0]} (for {b.param_name})")
+            sources = [handle.get_slice(n) for n in b.hf_names]
+            for n, s in zip(b.hf_names, sources):
+                if tuple(s.get_shape()) != shapes[n]:
+                    raise LoRAError(f"PEFT adapter {path}: {n} has shape {s.get_shape()}, expected {list(shapes[n])}")
+            try:
+                shard = b.mapping.kind.load([handle.get_tensor(n) for n in b.hf_names], ctx)
+            except ValueError as err:
+                raise LoRAError(f"PEFT adapter {path}: {b.param_name} from {list(b.hf_names)}: {err}") from None
+            b.param.copy_(shard)

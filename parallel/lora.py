@@ -1,0 +1,278 @@
+"""LoRA adapters on Megatron-Core's linear layers, tensor-parallel aware.
+
+An adapter adds ``scale * B @ A @ dropout(x)`` (``scale = alpha / rank``, A: ``rank x in``, B:
+``out x rank``) to the output of a frozen linear layer, as PEFT's LoRA does. ``attach_lora`` puts one
+on every targeted layer of this rank's pipeline stage and freezes everything else, so only adapters
+(and the parameters a caller names, e.g. a critic's value head) reach DDP's buffers and the optimizer.
+
+Tensor parallelism. The factors are split so that each rank computes exactly the gradient of its own
+shard and nothing outside the adapter changes:
+
+* column-parallel layers (``linear_qkv``, ``linear_fc1``: weight ``[out/tp, in]``, input replicated):
+  A ``[r, in]`` replicated, B ``[out/tp, r]`` sharded like the weight (for ``linear_fc1`` in Megatron's
+  per-rank ``[gate; up]`` order). The rank-r activation's gradient is summed over TP ranks
+  (``copy_to_tensor_model_parallel_region``), as the base layer does for its input.
+* row-parallel layers (``linear_proj``, ``linear_fc2``: weight ``[out, in/tp]``, input sharded): A
+  ``[r, in/tp]`` sharded like the weight, B ``[out, r]`` replicated; the rank-r activation is summed
+  over TP ranks (``reduce_from_tensor_model_parallel_region``) before B.
+
+Sharded factors carry Megatron's tensor-parallel attributes, so the gradient norm counts replicated
+factors once. A is initialised as PEFT does (Kaiming-uniform, bound ``1/sqrt(in)``) from a generator
+seeded by the run seed and the layer's *global* name, drawn at full size and then sliced: the same
+adapters at every TP/PP layout. B starts at zero, so a fresh adapter leaves the model unchanged.
+
+Placement. An adapter is a sibling of its layer (``self_attention.linear_qkv`` ->
+``self_attention.linear_qkv_lora``, called from a forward hook on the layer), not a child: Megatron's
+linear layers build their checkpoint entries from their whole state dict with a fixed axis map, while a
+sibling is asked for its own (:meth:`LoRAAdapter.sharded_state_dict`), so distributed checkpoints save,
+resume and reshard adapters like any other parameter. The base parameters keep their names, so the HF
+mapping tables, loaders and checkpoints of the dense model apply unchanged.
+
+:func:`merged_weight` gives the shard ``W + scale * B @ A`` (computed in fp32, rounded once to W's
+dtype; exactly W while B is zero) that weight sync and HF export send instead of W, and
+:func:`adapters_disabled` turns every adapter off: the frozen base model is the reference policy, with
+no second copy of its weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# Megatron submodule name -> how its weight is split over tensor-parallel ranks
+TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+SUFFIX = "_lora"
+# the Megatron layer classes whose parallel layout the adapters above are written for
+_COLUMN_CLASSES = ("ColumnParallelLinear", "TEColumnParallelLinear")
+_ROW_CLASSES = ("RowParallelLinear", "TERowParallelLinear")
+
+
+class LoRAError(ValueError):
+    """A LoRA setting that cannot apply to this model (named)."""
+
+
+@dataclass
+class LoRAConfig:
+    """``model.lora``: low-rank adapters on the targeted linear layers; everything else is frozen."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
+    targets: list[str] = field(default_factory=lambda: list(TARGET_KINDS))  # Megatron layer names
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"LoRAConfig.rank must be an int >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        unknown = [t for t in self.targets if t not in TARGET_KINDS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRAConfig.targets: {unknown or 'an empty list'} "
+                             f"{'name no layer kind LoRA supports' if unknown else 'targets nothing'}; "
+                             f"known: {', '.join(TARGET_KINDS)}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRAConfig.targets lists a layer twice: {self.targets}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The A and B factors of one layer's adapter on this TP rank, and the hook that applies them."""
+
+    def __init__(self, name: str, kind: str, in_features: int, out_features: int, config: LoRAConfig, *,
+                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, device: torch.device, seed: int,
+                 gated: bool = False):
+        super().__init__()
+        self.name, self.kind, self.gated = name, kind, gated
+        self.scale, self.rank = config.scale, config.rank
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.dropout = config.dropout
+        self.enabled = True
+        bound = 1.0 / math.sqrt(in_features)  # PEFT's kaiming_uniform_(a=sqrt(5)) on [rank, in]
+        generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full_a = torch.empty(config.rank, in_features).uniform_(-bound, bound, generator=generator)  # host: seeded init
+        if kind == "row":
+            per_rank = in_features // tp_size
+            full_a = full_a[:, tp_rank * per_rank:(tp_rank + 1) * per_rank]
+            b_rows = out_features
+        else:
+            b_rows = out_features // tp_size
+        self.A = torch.nn.Parameter(full_a.to(device=device, dtype=dtype).contiguous())
+        self.B = torch.nn.Parameter(torch.zeros(b_rows, config.rank, dtype=dtype, device=device))
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        sharded, dim = (self.B, 0) if kind == "column" else (self.A, 1)
+        set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update to add to the layer's output for input ``x`` (the layer's own input)."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        if self.dropout and self.training:
+            x = self._dropout(x)
+        hidden = F.linear(x, self.A)
+        if self.kind == "column":
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        else:
+            hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
+        return F.linear(hidden, self.B) * self.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        # a replicated input draws the same mask on every TP rank (the default stream is shared within TP);
+        # a sharded one draws per-rank masks from Megatron's tensor-parallel stream, as sharded dropout does
+        if self.kind == "column":
+            return F.dropout(x, self.dropout, training=True)
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return F.dropout(x, self.dropout, training=True)
+
+    def hook(self, layer, args, kwargs, output):
+        """Forward hook on the adapted layer: its ``(output, bias)`` plus this adapter's update."""
+        if not self.enabled:
+            return output
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        return out + self.forward(x).to(out.dtype), bias
+
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``W + scale * B @ A`` in W's dtype (fp32 arithmetic, one rounding)."""
+        delta = (self.B.float() @ self.A.float()) * self.scale
+        return (weight.float() + delta).to(weight.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron checkpoint entries: the sharded factor split over TP like its layer's weight (fc1's B
+        in the same gate/up halves as fc1, so checkpoints reshard across TP sizes), the other replicated."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        axes = {"B": 0} if self.kind == "column" else {"A": 1}
+        state = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                    sharded_offsets, tp_group=self.tp_group,
+                                                    dp_cp_group=metadata["dp_cp_group"])
+        if self.gated:
+            key = f"{prefix}B"
+            state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets,
+                                                      metadata.get("singleton_local_shards", False),
+                                                      tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
+        return state
+
+
+def _layer_kind(name: str, layer: torch.nn.Module, target: str) -> str:
+    kind = TARGET_KINDS[target]
+    expected = _COLUMN_CLASSES if kind == "column" else _ROW_CLASSES
+    if type(layer).__name__ not in expected:
+        raise LoRAError(f"LoRA target {name}: a {type(layer).__name__}, not one of the layer kinds LoRA supports "
+                        f"for {target} ({', '.join(expected)}); a layer-norm-fused linear needs the unfused "
+                        f"layer spec")
+    return kind
+
+
+def _full_shape(layer: torch.nn.Module, kind: str, tp_size: int) -> tuple[int, int]:
+    out_rows, in_cols = layer.weight.shape
+    return (out_rows * tp_size, in_cols) if kind == "column" else (out_rows, in_cols * tp_size)
+
+
+def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, trainable: tuple[str, ...] = ()) -> int:
+    """Puts an adapter on every targeted layer of ``model`` (this rank's stage of a GPTModel, before DDP
+    wraps it) and freezes every other parameter except those whose name is in ``trainable``. Returns the
+    number of adapters. Errors name the layer: a target no layer matches, a rank larger than a layer."""
+    from megatron.core import parallel_state as ps
+
+    if adapters_of(model):
+        raise LoRAError("attach_lora: the model already has LoRA adapters")
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    found = {t: 0 for t in config.targets}
+    new = []
+    for layer in layers:
+        for block_name in ("self_attention", "mlp"):
+            block = getattr(layer, block_name, None)
+            for target in config.targets:
+                linear = getattr(block, target, None) if block is not None else None
+                if linear is None:
+                    continue
+                name = f"decoder.layers.{layer.layer_number - 1}.{block_name}.{target}"
+                kind = _layer_kind(name, linear, target)
+                out_features, in_features = _full_shape(linear, kind, tp_size)
+                if config.rank > min(in_features, out_features):
+                    raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} "
+                                    f"({out_features} x {in_features}): a low-rank update needs rank <= "
+                                    f"{min(in_features, out_features)}")
+                adapter = LoRAAdapter(name, kind, in_features, out_features, config, tp_rank=tp_rank,
+                                      tp_size=tp_size, tp_group=ps.get_tensor_model_parallel_group(),
+                                      dtype=linear.weight.dtype, device=linear.weight.device, seed=seed,
+                                      gated=target == "linear_fc1" and model.config.gated_linear_unit)
+                new.append((block, target, linear, adapter))
+                found[target] += 1
+    # every stage holds layers, so a target that matches nothing here matches nothing anywhere
+    missing = [t for t, n in found.items() if not n]
+    if missing and layers:
+        raise LoRAError(f"LoRA targets {missing} match no layer of this model (its layers hold "
+                        f"{', '.join(n for n, _ in layers[0].named_children())})")
+    model.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if name in trainable:
+            param.requires_grad_(True)
+    for block, target, linear, adapter in new:
+        block.add_module(target + SUFFIX, adapter)
+        linear.register_forward_hook(adapter.hook, with_kwargs=True)
+    return len(new)
+
+
+def adapters_of(model: torch.nn.Module) -> list[LoRAAdapter]:
+    return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Inside: the model computes as its frozen base (every adapter off)."""
+    adapters = adapters_of(model)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+
+
+def merged_weight(model: torch.nn.Module, param_name: str, param: torch.Tensor) -> torch.Tensor:
+    """The tensor a sync or export sends for ``param_name``: merged with its layer's enabled adapter, if
+    any (:meth:`LoRAAdapter.merged`), else the parameter itself (detached)."""
+    module_path, _, leaf = param_name.rpartition(".")
+    if leaf != "weight":
+        return param.detach()
+    parent_path, _, child = module_path.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_path) if parent_path else model
+    except AttributeError:
+        return param.detach()
+    adapter = getattr(parent, child + SUFFIX, None)
+    if isinstance(adapter, LoRAAdapter) and adapter.enabled:
+        return adapter.merged(param.detach())
+    return param.detach()
+
+
+class AdaptersOff(torch.nn.Module):
+    """A view of a LoRA model that runs it with every adapter off (the reference policy). It shares the
+    model's parameters: nothing is copied. ``module`` lets Megatron's schedule find the model inside."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.module):
+            return self.module(*args, **kwargs)

@@ -1,0 +1,145 @@
+"""Rank script of the LoRA tests. Usage: _worker_lora.py TP PP MODEL_DIR ADAPTER_DIR OUT_DIR
+
+Builds the tiny model at (TP, PP), attaches LoRA (rank 4, alpha 8, every target), loads the PEFT adapter
+of ADAPTER_DIR, and runs one forward + backward of ``sum(logits * W)`` (W seeded) through Megatron's
+schedule. Writes, from the ranks that hold them: the logits (``logits.pt``), the logits with adapters
+off (``base_logits.pt``), the adapters' gradients in PEFT names (``grads.safetensors``, gathered like
+the adapters), the adapters re-exported as PEFT (``adapter/``) and the merged HF export (``merged/``).
+At TP=PP=1 it also records the messages of bad LoRA settings (``errors.json``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from parallel.config import ParallelConfig
+from parallel.lora import LoRAConfig, adapters_disabled, adapters_of
+from parallel.runtime import init_parallel
+
+LORA = LoRAConfig(rank=4, alpha=8.0)
+BATCH, SEQ = 2, 11
+
+
+def inputs(vocab: int):
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    weights = torch.randn(BATCH, SEQ, vocab, generator=torch.Generator().manual_seed(8))
+    return ids, torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1), weights
+
+
+def run(model, ids, pos, weights, vocab: int, backward: bool):
+    """Logits [B, S, vocab] on the last stage (None elsewhere); with ``backward`` the gradient of
+    ``sum(logits * weights)`` reaches every parameter that requires it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    kept = {}
+
+    def step(data_iterator, chunk):
+        out = chunk(input_ids=ids, position_ids=pos, attention_mask=None)
+
+        def loss(output_tensor, non_loss_data=False):
+            logits = gather_from_tensor_model_parallel_region(output_tensor)[..., :vocab]
+            kept["logits"] = logits.detach()
+            if not backward:
+                return logits
+            value = (logits * weights).sum()
+            return value, {"loss": value.detach()}
+        return out, loss
+
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+                                seq_length=SEQ, micro_batch_size=BATCH, forward_only=not backward,
+                                collect_non_loss_data=not backward)
+    return kept.get("logits") if ps.is_pipeline_last_stage() else None
+
+
+def gradients_as_peft(model, provider) -> dict:
+    """The adapters' gradients, gathered and named as PEFT names the factors."""
+    from model_providers.hf_checkpoint import iter_hf_weights
+    from model_providers.peft_adapter import adapter_table
+
+    params = [p for a in adapters_of(model) for p in (a.A, a.B)]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return {n: t.clone() for n, t in iter_hf_weights(model, provider, table=adapter_table(provider, LORA))}
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def error_messages(model_dir: Path) -> dict:
+    from model_providers.hf_checkpoint import load_hf_model
+    from parallel.lora import attach_lora
+
+    messages = {}
+    for name, kwargs in {"rank0": dict(rank=0), "unknown_target": dict(targets=["linear_qkv", "q_proj"]),
+                         "empty_targets": dict(targets=[]), "alpha": dict(alpha=0.0)}.items():
+        try:
+            LoRAConfig(**kwargs)
+        except ValueError as err:
+            messages[name] = str(err)
+    _, model = load_hf_model(model_dir)
+    try:
+        attach_lora(model, LoRAConfig(rank=10_000), seed=0)
+    except ValueError as err:
+        messages["rank_too_large"] = str(err)
+    _, model = load_hf_model(model_dir)
+    del model.decoder.layers[0].mlp.linear_fc2  # a model whose layers lack a target
+    for layer in model.decoder.layers[1:]:
+        del layer.mlp.linear_fc2
+    try:
+        attach_lora(model, LoRAConfig(targets=["linear_fc2"]), seed=0)
+    except ValueError as err:
+        messages["no_match"] = str(err)
+    return messages
+
+
+def main() -> None:
+    tp, pp = int(sys.argv[1]), int(sys.argv[2])
+    model_dir, adapter_dir, out = Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5])
+    init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    from megatron.core import parallel_state as ps
+
+    from model_providers.hf_checkpoint import export_hf_checkpoint, iter_hf_weights, load_hf_model
+    from model_providers.peft_adapter import export_peft_adapter, load_peft_adapter
+    from parallel.lora import attach_lora
+
+    provider, model = load_hf_model(model_dir)
+    model.config.variable_seq_lengths = True
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    count = attach_lora(model, LORA, seed=0)
+    source = load_file(str(model_dir / "model.safetensors"))  # a fresh adapter (B = 0) merges to W exactly
+    fresh_merged_equal = all(torch.equal(t, source[n]) for n, t in iter_hf_weights(model, provider))
+    load_peft_adapter(model, provider, LORA, adapter_dir)
+    vocab = provider.hf_config.vocab_size
+    ids, pos, weights = inputs(vocab)
+    with adapters_disabled(model):
+        base_logits = run(model, ids, pos, weights, vocab, backward=False)
+    logits = run(model, ids, pos, weights, vocab, backward=True)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    frozen_have_no_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    grads = gradients_as_peft(model, provider)
+    export_peft_adapter(model, provider, LORA, out / "adapter", base_model=str(model_dir))
+    export_hf_checkpoint(model, provider, out / "merged", source_dir=model_dir)
+    rank = dist.get_rank()
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"logits": logits, "base_logits": base_logits}, out / "logits.pt")
+    if rank == 0:
+        save_file(grads, str(out / "grads.safetensors"))
+        info = {"adapters": count, "fresh_merged_equal": fresh_merged_equal, "trainable": trainable, "frozen_have_no_grad": frozen_have_no_grad,
+                "base_unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)}
+        if tp == 1 and pp == 1:
+            info["errors"] = error_messages(model_dir)
+        (out / "info.json").write_text(json.dumps(info))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""LoRA on Megatron vs PEFT on the HF model, with the same adapter, at TP1, TP2 and PP2.
+
+The reference is independent: transformers + peft in this process, on the tiny Qwen2 model (GQA, qkv
+bias). Its adapter has random A and B (q/k/v sharing one A and gate/up another, as Megatron's fused
+layers hold one A). The ranks (``_worker_lora.py``) load that adapter, and the test compares logits,
+the base model's logits with adapters off, the adapters' gradients (a fused layer's A gradient is the
+sum of PEFT's per-projection ones), the re-exported PEFT adapter (bit for bit, and loadable by PEFT)
+and the merged HF export (loaded by transformers).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarlhf.testing.launch import run_torchrun
+from model_providers.tiny_models import make_tiny_model
+
+WORKER = Path(__file__).with_name("_worker_lora.py")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+TOL = 1e-5
+
+
+def _peft_model(model_dir: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny model, a random PEFT adapter for it, and PEFT's logits and gradients."""
+    import sys
+
+    sys.path.insert(0, str(WORKER.parent))
+    from _worker_lora import inputs
+
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = make_tiny_model("qwen2", root / "model", seed=3)
+    peft_model = _peft_model(model_dir)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, module in sorted(peft_model.named_modules()):
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                module.lora_A["default"].weight.normal_(0, 0.3, generator=gen)
+                module.lora_B["default"].weight.normal_(0, 0.3, generator=gen)
+        for name, module in peft_model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in SHARED_A:
+                source = peft_model.get_submodule(name.rsplit(".", 1)[0] + "." + SHARED_A[leaf])
+                module.lora_A["default"].weight.copy_(source.lora_A["default"].weight)
+    peft_model.save_pretrained(root / "adapter")
+    ids, pos, weights = inputs(peft_model.config.vocab_size)
+    logits = peft_model(input_ids=ids).logits
+    (logits * weights).sum().backward()
+    grads = {n.replace(".default", ""): p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+    with peft_model.disable_adapter(), torch.no_grad():
+        base_logits = peft_model(input_ids=ids).logits
+    return {"model": model_dir, "adapter": root / "adapter", "logits": logits.detach(), "base_logits": base_logits,
+            "grads": grads, "root": root, "ids": ids}
+
+
+@pytest.fixture(scope="module")
+def layouts(reference):
+    """``layouts("tp2")`` -> the output directory of that layout's run (run once)."""
+    cache = {}
+
+    def run(layout: str) -> Path:
+        if layout not in cache:
+            tp, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[layout]
+            out = reference["root"] / layout
+            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), str(reference["model"]), str(reference["adapter"]),
+                                           str(out)], timeout_s=600)
+            cache[layout] = out
+        return cache[layout]
+    return run
+
+
+def _expected_grad(grads: dict, name: str) -> torch.Tensor:
+    """PEFT's gradient of the tensor megarlhf holds for ``name``: a shared A's gradient sums its group's."""
+    key = name.removeprefix("base_model.model.")
+    module, factor = key.rsplit(".lora_", 1)
+    leaf = module.rsplit(".", 1)[-1]
+    if not factor.startswith("A"):
+        return grads[f"base_model.model.{key}"]
+    owner = SHARED_A.get(leaf, leaf)
+    group = [owner] + [k for k, v in SHARED_A.items() if v == owner]
+    parent = module.rsplit(".", 1)[0]
+    return sum(grads[f"base_model.model.{parent}.{g}.lora_A.weight"] for g in group)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_lora_matches_peft(reference, layouts, layout):
+    out = layouts(layout)
+    info = json.loads((out / "info.json").read_text())
+    assert info["adapters"] > 0 and info["fresh_merged_equal"] and info["base_unchanged"]
+    assert info["frozen_have_no_grad"]
+    assert all(n.endswith("_lora.A") or n.endswith("_lora.B") for n in info["trainable"])
+    logits = torch.load(out / "logits.pt")
+    assert (logits["logits"] - reference["logits"]).abs().max().item() <= TOL
+    assert (logits["base_logits"] - reference["base_logits"]).abs().max().item() <= TOL
+    assert (logits["logits"] - logits["base_logits"]).abs().max().item() > 0.1  # the adapter does act
+    grads = load_file(str(out / "grads.safetensors"))
+    assert set(grads) == set(reference["grads"])
+    for name, grad in grads.items():
+        expected = _expected_grad(reference["grads"], name)
+        scale = expected.abs().max().item()
+        assert (grad - expected).abs().max().item() <= TOL * max(1.0, scale), name
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_lora_exports_load_in_peft_and_transformers(reference, layouts, layout):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = layouts(layout)
+    source, exported = load_file(str(reference["adapter"] / "adapter_model.safetensors")), \
+        load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert source.keys() == exported.keys()
+    assert all(torch.equal(source[k], exported[k]) for k in source)
+    base = AutoModelForCausalLM.from_pretrained(reference["model"], dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=reference["ids"]).logits - reference["logits"]).abs().max().item() <= TOL
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+        assert (merged(input_ids=reference["ids"]).logits - reference["logits"]).abs().max().item() <= TOL
+
+
+def test_lora_bad_settings_are_named(layouts):
+    errors = json.loads((layouts("tp1") / "info.json").read_text())["errors"]
+    assert "rank must be an int >= 1, got 0" in errors["rank0"]
+    assert "['q_proj']" in errors["unknown_target"] and "linear_qkv" in errors["unknown_target"]
+    assert "targets nothing" in errors["empty_targets"]
+    assert "alpha must be > 0" in errors["alpha"]
+    assert "rank 10000 is larger than layer decoder.layers.0.self_attention.linear_qkv" in errors["rank_too_large"]
+    assert "['linear_fc2'] match no layer" in errors["no_match"]
