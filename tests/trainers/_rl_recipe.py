@@ -34,13 +34,14 @@ def write_recipe(path: Path, assets: tuple[Path, Path], estimator: str, run_dir:
     return path
 
 
-def kill_after_checkpoint(worker: Path, args: list[str], checkpoint: Path, too_late: Path) -> None:
+def kill_after_checkpoint(worker: Path, args: list[str], checkpoint: Path, too_late: Path,
+                          env: dict[str, str] | None = None) -> None:
     """Runs ``worker args`` on 2 ranks and SIGKILLs the launcher and every worker (torchrun starts its
     workers in sessions of their own, so killing its process group alone leaves them running) as soon as
     ``checkpoint`` is complete; asserts that it was written and ``too_late`` was not."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), str(worker), *args]
-    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 900
     while not is_complete_checkpoint(checkpoint) and job.poll() is None and time.time() < deadline:
