@@ -55,22 +55,42 @@ def uses_transformer_engine() -> bool:
     return True
 
 
-def build_layer_spec(config, packed_sequences: bool = False):
+def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool = False):
     """The transformer layer spec for ``config``; the single place that chooses the modules.
 
     Transformer Engine's spec where TE works (GPU; TE brings its own context parallelism and packed
     attention), otherwise Megatron's local modules (CPU) with megarlhf's context-parallel attention
     swapped in when ``config.context_parallel_size > 1`` or ``packed_sequences`` (Megatron's local
-    attention refuses both).
+    attention refuses both). ``unfused_norms`` (LoRA models): TE's spec fuses the pre-attention and
+    pre-MLP norms into ``linear_qkv`` / ``linear_fc1``, whose input is then the un-normalised hidden
+    state; an adapter must read the normalised one, so the norms become modules of their own
+    (``input_layernorm`` / ``pre_mlp_layernorm``, the names the weight tables already use).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     from parallel.context_parallel import with_cp_attention
 
     if uses_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return _with_unfused_te_norms(spec) if unfused_norms else spec
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     return with_cp_attention(spec, config.context_parallel_size, packed=packed_sequences)
+
+
+def _with_unfused_te_norms(spec):
+    """TE's layer spec with separate norm modules before plain TE column-parallel linears."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+    layer = spec.submodules
+    attention, mlp = layer.self_attention, layer.mlp
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules,
+                                                                              linear_qkv=TEColumnParallelLinear))
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=TEColumnParallelLinear))
+    layer = dataclasses.replace(layer, input_layernorm=TENorm, pre_mlp_layernorm=TENorm, self_attention=attention,
+                                mlp=mlp, sharded_state_dict_keys_map={})
+    return dataclasses.replace(spec, submodules=layer)
 
 
 class ModelProvider:
@@ -227,12 +247,13 @@ class ModelProvider:
         return cache[head]
 
     def build_model(self, params_dtype: torch.dtype = torch.float32, *, tie_embeddings: bool | None = None,
-                    packed_sequences: bool = False, **config_overrides):
+                    packed_sequences: bool = False, unfused_norms: bool = False, **config_overrides):
         """This rank's pipeline stage of the ``GPTModel`` (randomly initialised; load weights after).
 
         Megatron's parallel state must be initialised (``parallel.runtime.init_parallel``).
         ``tie_embeddings=False`` overrides the config (value models never tie their head).
-        ``packed_sequences=True`` builds attention that accepts packed (``cu_seqlens``) micro-batches.
+        ``packed_sequences=True`` builds attention that accepts packed (``cu_seqlens``) micro-batches;
+        ``unfused_norms=True`` keeps norms out of the linear layers (LoRA; :func:`build_layer_spec`).
         """
         from megatron.core import parallel_state as ps
 
@@ -244,7 +265,7 @@ class ModelProvider:
         rope = rope_parameters(self.hf_config)
         model = TokenPositionGPTModel(  # GPTModel, plus per-token RoPE positions for shared-prefix rows
             config=config,
-            transformer_layer_spec=build_layer_spec(config, packed_sequences),
+            transformer_layer_spec=build_layer_spec(config, packed_sequences, unfused_norms),
             vocab_size=self.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

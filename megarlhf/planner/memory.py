@@ -31,6 +31,10 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   one (the others store everything). ``activations_recompute`` is the figure for full recomputation
   of every layer, shown for comparison. The final norm keeps ``8h`` bytes per token, and the fused
   log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
+* LoRA (``model.lora``): the weights are the frozen base plus the adapters; gradients and optimizer
+  state exist for the adapters (and a critic's value head) only; the reference is the actor's base
+  (no weights of its own). The adapters' rank-r activations (r elements per token per adapted layer)
+  are not counted;
 * a learned reward (``reward.reward_model_path``): its frozen weights with the value head, ``P_rm * d``
   (its own config.json gives P_rm);
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
@@ -180,11 +184,19 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
 
 
 def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards: int, head: str) -> dict[str, int]:
-    par = config.parallel
+    """Weights, gradients and optimizer state of a trained model; with LoRA only the adapters (and a value
+    head) have gradients and optimizer state, and the weights are the frozen base plus the adapters."""
+    par, lora = config.parallel, config.model.lora
     params = shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, head)
+    trained = params
+    if lora is not None:
+        adapters = (shape.num_layers // par.pipeline_model_parallel_size
+                    * shape.lora_layer_params(lora.rank, lora.targets, par.tensor_model_parallel_size))
+        value_head = shape.hidden_size if head == "value" and stage == par.pipeline_model_parallel_size - 1 else 0
+        params, trained = params + adapters, adapters + value_head
     master = 4 if d < 4 else 0  # bf16 weights get an fp32 master copy; fp32 weights are their own
     optim_shards = shards if config.optim.use_distributed_optimizer else 1
-    return {"weights": params * d, "grads": params * 4, "optimizer": params * (8 + master) // optim_shards}
+    return {"weights": params * d, "grads": trained * 4, "optimizer": trained * (8 + master) // optim_shards}
 
 
 def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | None:
@@ -204,8 +216,9 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     shards = dp * config.parallel.context_parallel_size
     par = config.parallel
     comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
+    separate_reference = config.algorithm.uses_reference and config.model.lora is None  # LoRA: the actor's base
     comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                                       stage) * d if config.algorithm.uses_reference else 0)
+                                                       stage) * d if separate_reference else 0)
     reward_shape = _reward_model_shape(config, shape)
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
         par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, "value") * d)

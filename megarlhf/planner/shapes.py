@@ -102,6 +102,15 @@ class ModelShape:
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return attn + 3 * h * self.ffn_size // tp + norms
 
+    def lora_layer_params(self, rank: int, targets, tp: int) -> int:
+        """One layer's LoRA factors on one TP rank (parallel.lora: column layers hold A whole and B split,
+        row layers A split and B whole)."""
+        h, f = self.hidden_size, self.ffn_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_target = {"linear_qkv": rank * h + (q + 2 * kv) // tp * rank, "linear_proj": rank * q // tp + h * rank,
+                      "linear_fc1": rank * h + 2 * f // tp * rank, "linear_fc2": rank * f // tp + h * rank}
+        return sum(per_target[t] for t in targets)
+
     def params_per_rank(self, tp: int, pp: int, stage: int, head: str = "lm") -> int:
         """Parameters of one rank of pipeline stage ``stage``; ``head``: "lm" or "value" (critic)."""
         self.check_layout(tp, pp)

@@ -77,8 +77,12 @@ def rl_optimizer_steps(config: RunConfig) -> int:
 
 def _model_overrides(config: RunConfig, trainable: bool = True) -> dict:
     """Every model is built for packed micro-batches; trained ones recompute activations as
-    ``train.recompute`` says (a frozen model keeps no activations for backward)."""
-    return dict(packed_sequences=True, **(config.train.recompute.transformer_config_fields() if trainable else {}))
+    ``train.recompute`` says (a frozen model keeps no activations for backward), and get LoRA adapters'
+    unfused norms (:func:`model_providers.base.build_layer_spec`) when ``model.lora`` is set."""
+    if not trainable:
+        return dict(packed_sequences=True)
+    return dict(packed_sequences=True, unfused_norms=config.model.lora is not None,
+                **config.train.recompute.transformer_config_fields())
 
 
 def _variable_lengths(model):

@@ -74,9 +74,12 @@ def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: R
 
 def _nonfinite(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     """(parameters, gradients): names (this rank's stage) holding a non-finite element. The checks run on
-    the device and are read in one transfer: one host synchronisation per step, not two per parameter."""
+    the device and are read in one transfer: one host synchronisation per step, not two per parameter.
+    Frozen parameters (LoRA's base) are not checked: no step changes them."""
     names, finite = [], []
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = getattr(param, "main_grad", None)
         if grad is None:
             grad = param.grad

@@ -133,7 +133,9 @@ def main() -> None:
         torch.save({"logits": logits, "base_logits": base_logits}, out / "logits.pt")
     if rank == 0:
         save_file(grads, str(out / "grads.safetensors"))
-        info = {"adapters": count, "fresh_merged_equal": fresh_merged_equal, "trainable": trainable, "frozen_have_no_grad": frozen_have_no_grad,
+        info = {"adapters": count, "fresh_merged_equal": fresh_merged_equal, "trainable": trainable,
+                "frozen_have_no_grad": frozen_have_no_grad,
+                "adapter_params": sum(p.numel() for a in adapters_of(model) for p in (a.A, a.B)),
                 "base_unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)}
         if tp == 1 and pp == 1:
             info["errors"] = error_messages(model_dir)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from megarlhf.testing.launch import run_torchrun
 from model_providers.tiny_models import make_tiny_model
+from parallel.lora import TARGET_KINDS
 
 WORKER = Path(__file__).with_name("_worker_lora.py")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -130,6 +131,16 @@ def test_lora_exports_load_in_peft_and_transformers(reference, layouts, layout):
         assert (loaded(input_ids=reference["ids"]).logits - reference["logits"]).abs().max().item() <= TOL
         merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
         assert (merged(input_ids=reference["ids"]).logits - reference["logits"]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_planner_counts_the_adapters_a_rank_holds(reference, layouts, layout):
+    from megarlhf.planner.shapes import resolve_shape
+
+    tp, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[layout]
+    shape = resolve_shape(str(reference["model"]))[0]
+    held = json.loads((layouts(layout) / "info.json").read_text())["adapter_params"]  # global rank 0's
+    assert held == shape.num_layers // pp * shape.lora_layer_params(4, list(TARGET_KINDS), tp)
 
 
 def test_lora_bad_settings_are_named(layouts):

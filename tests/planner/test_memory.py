@@ -42,6 +42,24 @@ def test_hand_worked_bf16_distributed_optimizer_dp2():
     assert plan.kv_tokens == MIB // (2 * 2 * 2 * 16 * 2)
 
 
+def test_lora_trains_adapters_only_and_has_no_reference_copy():
+    # rank 2 on all four layers, TP 1, per layer: qkv A 2x64 + B 128x2, proj A 2x64 + B 64x2,
+    # fc1 A 2x64 + B 256x2, fc2 A 2x128 + B 64x2 = 384 + 256 + 640 + 384 = 1664; 2 layers 3328
+    params, adapters = 106816, 3328
+    lora = {"lora": {"rank": 2, "alpha": 4.0}}
+    st = plan_memory(_config(model=lora, algorithm={"kl_mode": "loss", "estimator": "gae"}), SHAPE,
+                     Launch(world_size=2)).stages[0]
+    assert st.components["actor_weights"] == 2 * (params + adapters)
+    assert st.components["actor_grads"] == 4 * adapters
+    assert st.components["actor_optimizer"] == 12 * adapters // 2
+    assert st.components["reference_weights"] == 0  # the actor's base with adapters off
+    critic_trained = adapters + 64  # the value head trains too
+    assert st.components["critic_grads"] == 4 * critic_trained
+    assert st.components["critic_optimizer"] == 12 * critic_trained // 2
+    # TP2 halves B of column layers and A of row layers: 128+128 + 64+128 + 128+256 + 128+128 = 1088
+    assert SHAPE.lora_layer_params(2, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], 2) == 1088
+
+
 def test_fp32_plain_optimizer_and_cpu_keeps_everything_resident():
     plan = plan_memory(_config(model={"dtype": "float32"}, optim={"use_distributed_optimizer": False},
                                algorithm={"kl_mode": "none"}), SHAPE, Launch(world_size=2, device="cpu"))
