@@ -77,8 +77,14 @@ def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool
     return with_cp_attention(spec, config.context_parallel_size, packed=packed_sequences)
 
 
+# Megatron's local spec stores its separate norms under TE's fused names, so checkpoints move between specs
+UNFUSED_NORM_CHECKPOINT_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
 def _with_unfused_te_norms(spec):
-    """TE's layer spec with separate norm modules before plain TE column-parallel linears."""
+    """TE's layer spec with separate norm modules before plain TE column-parallel linears (checkpoint keys
+    as Megatron's local spec writes them)."""
     import dataclasses
 
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
@@ -89,7 +95,7 @@ def _with_unfused_te_norms(spec):
                                                                               linear_qkv=TEColumnParallelLinear))
     mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=TEColumnParallelLinear))
     layer = dataclasses.replace(layer, input_layernorm=TENorm, pre_mlp_layernorm=TENorm, self_attention=attention,
-                                mlp=mlp, sharded_state_dict_keys_map={})
+                                mlp=mlp, sharded_state_dict_keys_map=UNFUSED_NORM_CHECKPOINT_KEYS)
     return dataclasses.replace(spec, submodules=layer)
 
 

@@ -110,6 +110,14 @@ def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoR
     if not config_file.is_file() or not weights.is_file():
         raise LoRAError(f"PEFT adapter {path}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     saved = json.loads(config_file.read_text())
+    unsupported = {key: saved[key] for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+                                               "modules_to_save", "layers_to_transform") if saved.get(key)}
+    if saved.get("bias", "none") != "none":
+        unsupported["bias"] = saved["bias"]
+    if saved.get("peft_type", "LORA") != "LORA":
+        unsupported["peft_type"] = saved["peft_type"]
+    if unsupported:
+        raise LoRAError(f"PEFT adapter {path}: {unsupported} is not a plain LoRA adapter megarlhf represents")
     if saved.get("r") != lora.rank or float(saved.get("lora_alpha", 0)) / lora.rank != lora.scale:
         raise LoRAError(f"PEFT adapter {path}: r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}, but "
                         f"model.lora has rank={lora.rank}, alpha={lora.alpha}")

@@ -140,15 +140,24 @@ class LoRAAdapter(torch.nn.Module):
         """Forward hook on the adapted layer: its ``(output, bias)`` plus this adapter's update."""
         if not self.enabled:
             return output
-        x = args[0] if args else kwargs["input_"]
+        x = args[0] if args else next(iter(kwargs.values()))  # Megatron passes the input first (TE names it x)
         out, bias = output
         return out + self.forward(x).to(out.dtype), bias
 
     @torch.no_grad()
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of ``W + scale * B @ A`` in W's dtype (fp32 arithmetic, one rounding)."""
-        delta = (self.B.float() @ self.A.float()) * self.scale
-        return (weight.float() + delta).to(weight.dtype)
+        """This rank's shard of ``W + scale * B @ A`` in W's dtype (fp32 arithmetic, one rounding).
+
+        Records ``merge_stats`` (device tensor): the squared norm of what rounding to W's dtype dropped
+        from the update, and the update's squared norm (from rank x rank products: no second full-size
+        tensor). In bf16 an update entry below half a unit of W's last place is lost to the engine."""
+        exact = torch.addmm(weight.float(), self.B.float(), self.A.float(), alpha=self.scale)
+        merged = exact.to(weight.dtype)
+        lost = exact.sub_(merged).square().sum() if merged.dtype != exact.dtype else exact.new_zeros(())
+        b, a = self.B.float(), self.A.float()
+        update = (b.T @ b * (a @ a.T)).sum() * self.scale ** 2  # ||s B A||^2 = s^2 <B^T B, A A^T>
+        self.merge_stats = torch.stack([lost, update])
+        return merged
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron checkpoint entries: the sharded factor split over TP like its layer's weight (fc1's B
@@ -192,6 +201,9 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
 
     if adapters_of(model):
         raise LoRAError("attach_lora: the model already has LoRA adapters")
+    if getattr(model.config, "sequence_parallel", False):
+        raise LoRAError("LoRA with sequence parallelism is not supported (the adapters read the layers' "
+                        "un-gathered inputs)")
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     found = {t: 0 for t in config.targets}
@@ -228,11 +240,33 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
     for block, target, linear, adapter in new:
         block.add_module(target + SUFFIX, adapter)
         linear.register_forward_hook(adapter.hook, with_kwargs=True)
+    if getattr(model, "embedding", None) is not None:
+        model.embedding.register_forward_hook(_require_grad)
     return len(new)
+
+
+def _require_grad(module, args, output):
+    """The frozen embedding's output as a tensor that requires grad. Megatron's activation recomputation
+    (``CheckpointFunction``) builds a backward graph only when an input of the recomputed chunk requires
+    grad; with everything before the first layer frozen none does, and the adapters inside would get
+    no gradient (an error, or silently none)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def adapters_of(model: torch.nn.Module) -> list[LoRAAdapter]:
     return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+def merge_rounding(model: torch.nn.Module) -> float | None:
+    """How much of the adapters' update the last merge lost to rounding, ``||lost|| / ||update||`` over this
+    rank's adapters (0 in fp32; None without adapters or merges). One host read."""
+    stats = [a.merge_stats for a in adapters_of(model) if getattr(a, "merge_stats", None) is not None]
+    if not stats:
+        return None
+    lost, update = torch.stack(stats).double().sum(0).tolist()  # host: one read per sync
+    return math.sqrt(lost / update) if update > 0 else 0.0
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ from megarlhf.rollout.weight_sync import (ExpectedFingerprints, compare_fingerpr
                                           engine_placement, layout_problems, longest_probe_length, probe_floor,
                                           probe_problems, probe_sequences, sync_metrics, trainer_probe_logprobs,
                                           verdict_error, weight_buckets)
+from parallel.lora import merge_rounding
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
 
@@ -376,6 +377,9 @@ class DisaggregatedRollout:
             problems = layout_problems(sent, self.expected)
         self._trainer_verdict(problems, "fingerprints of the engine's parameters")
         metrics = self._trainer_bcast(sync_metrics(stats, len(sent), time.perf_counter() - start) if source else None)
+        rounding = merge_rounding(self.actor.model)  # this trainer rank's adapters (LoRA), as in colocated syncs
+        if rounding is not None:
+            metrics["weight_sync/lora_merge_rounding"] = rounding
         start, probe = time.perf_counter(), None
         if self.sync_config.probe_sequences:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank

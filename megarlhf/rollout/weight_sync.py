@@ -45,6 +45,7 @@ from megarlhf.gates import Tolerances, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
 from megarlhf.rollout.fingerprint import combine, fingerprint, to_host
 from model_providers.hf_checkpoint import iter_hf_weights
+from parallel.lora import merge_rounding
 
 PROBE_SEED = 1234  # the probe's random sequences are the same at every sync
 
@@ -281,6 +282,9 @@ class WeightSync:
         metrics = sync_metrics(stats, len(sent), seconds)
         metrics.update({"time/weight_sync_fingerprint_trainer_s": expected.seconds,
                         "time/weight_sync_fingerprint_engine_s": report["seconds"]})
+        rounding = merge_rounding(self.actor.model)
+        if rounding is not None:  # LoRA: the share of the adapters' update the merged weights lost
+            metrics["weight_sync/lora_merge_rounding"] = rounding
         if self.sync_config.probe_sequences:
             start = time.perf_counter()
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)

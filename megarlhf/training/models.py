@@ -127,7 +127,7 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
 
     provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
-    _attach_lora(model, config)
+    _attach_lora(model, config, runtime)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     return _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
 
@@ -139,17 +139,24 @@ def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = 
     path = config.model.critic_path or config.model.path
     provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
-    _attach_lora(model, config, trainable=("output_layer.weight",))  # the value head is new: it trains
+    _attach_lora(model, config, runtime, trainable=("output_layer.weight",))  # the value head is new: it trains
     lr = config.optim.critic_lr or config.optim.lr
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     return _wrap_trainable("critic", model, provider, config, runtime, lr, steps)
 
 
-def _attach_lora(model, config: RunConfig, trainable: tuple[str, ...] = ()) -> None:
+def _attach_lora(model, config: RunConfig, runtime: Runtime, trainable: tuple[str, ...] = ()) -> None:
     from parallel.lora import attach_lora
 
-    if config.model.lora is not None:
-        attach_lora(model, config.model.lora, seed=config.seed, trainable=trainable)
+    lora = config.model.lora
+    if lora is None:
+        return
+    count = attach_lora(model, lora, seed=config.seed, trainable=trainable)
+    if runtime.launch.rank == 0:
+        params = list(model.parameters())
+        train = sum(p.numel() for p in params if p.requires_grad)
+        print(f"LoRA: {count} adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.targets)}; "
+              f"{train:,} of {sum(p.numel() for p in params):,} parameters of this rank train", flush=True)
 
 
 def build_reference(config: RunConfig, runtime: Runtime, actor: TrainModel) -> TrainModel:
@@ -191,7 +198,7 @@ def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_ste
     provider, model = load_value_model(path, params_dtype(config), **_model_overrides(config, trainable))
     _variable_lengths(model)
     if trainable:
-        _attach_lora(model, config, trainable=("output_layer.weight",))
+        _attach_lora(model, config, runtime, trainable=("output_layer.weight",))
         steps = rl_optimizer_steps(config) if total_steps is None else total_steps
         return _wrap_trainable("reward_model", model, provider, config, runtime, config.optim.lr, steps)
     model.eval()

@@ -1,4 +1,8 @@
-"""Rank script of the LoRA tests. Usage: _worker_lora.py TP PP MODEL_DIR ADAPTER_DIR OUT_DIR
+"""Rank script of the LoRA tests. Usage: _worker_lora.py TP PP MODEL_DIR ADAPTER_DIR OUT_DIR [OPTION]
+
+OPTION: ``recompute`` (Megatron's full activation recomputation, every layer), ``save`` (also writes a
+distributed checkpoint of the model with its adapters to OUT_DIR/ckpt) or ``load=DIR`` (the adapters come
+from that checkpoint, saved at another layout, instead of ADAPTER_DIR).
 
 Builds the tiny model at (TP, PP), attaches LoRA (rank 4, alpha 8, every target), loads the PEFT adapter
 of ADAPTER_DIR, and runs one forward + backward of ``sum(logits * W)`` (W seeded) through Megatron's
@@ -39,9 +43,12 @@ def run(model, ids, pos, weights, vocab: int, backward: bool):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     kept = {}
+    # an explicit causal mask: Megatron's default one is made on "cuda" inside the recomputed chunk, where
+    # the CPU layer's device rewrite does not reach (autograd functions run outside torch-function modes)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
 
     def step(data_iterator, chunk):
-        out = chunk(input_ids=ids, position_ids=pos, attention_mask=None)
+        out = chunk(input_ids=ids, position_ids=pos, attention_mask=causal)
 
         def loss(output_tensor, non_loss_data=False):
             logits = gather_from_tensor_model_parallel_region(output_tensor)[..., :vocab]
@@ -101,9 +108,25 @@ def error_messages(model_dir: Path) -> dict:
     return messages
 
 
+def replicated_grads_agree(model) -> bool:
+    """Whether every TP-replicated factor (A of column layers, B of row layers) has the same gradient on
+    every TP rank (each rank computes it whole)."""
+    from megatron.core import parallel_state as ps
+
+    group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    agree = True
+    for adapter in adapters_of(model):
+        grad = (adapter.A if adapter.kind == "column" else adapter.B).grad
+        copies = [torch.empty_like(grad) for _ in range(size)]
+        dist.all_gather(copies, grad.contiguous(), group=group)
+        agree &= all(torch.equal(c, copies[0]) for c in copies)
+    return agree
+
+
 def main() -> None:
     tp, pp = int(sys.argv[1]), int(sys.argv[2])
     model_dir, adapter_dir, out = Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5])
+    option = sys.argv[6] if len(sys.argv) > 6 else ""
     init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     from megatron.core import parallel_state as ps
 
@@ -111,13 +134,20 @@ def main() -> None:
     from model_providers.peft_adapter import export_peft_adapter, load_peft_adapter
     from parallel.lora import attach_lora
 
-    provider, model = load_hf_model(model_dir)
+    from megarlhf.checkpoint.distributed import load_checkpoint, save_checkpoint
+
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    provider, model = load_hf_model(model_dir, **(recompute if option == "recompute" else {}))
     model.config.variable_seq_lengths = True
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     count = attach_lora(model, LORA, seed=0)
     source = load_file(str(model_dir / "model.safetensors"))  # a fresh adapter (B = 0) merges to W exactly
     fresh_merged_equal = all(torch.equal(t, source[n]) for n, t in iter_hf_weights(model, provider))
-    load_peft_adapter(model, provider, LORA, adapter_dir)
+    if option.startswith("load="):
+        load_checkpoint(option.removeprefix("load="), model)
+    else:
+        load_peft_adapter(model, provider, LORA, adapter_dir)
+    if option == "save":
+        save_checkpoint(out / "ckpt", model)
     vocab = provider.hf_config.vocab_size
     ids, pos, weights = inputs(vocab)
     with adapters_disabled(model):
@@ -125,6 +155,7 @@ def main() -> None:
     logits = run(model, ids, pos, weights, vocab, backward=True)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     frozen_have_no_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    agree = replicated_grads_agree(model)
     grads = gradients_as_peft(model, provider)
     export_peft_adapter(model, provider, LORA, out / "adapter", base_model=str(model_dir))
     export_hf_checkpoint(model, provider, out / "merged", source_dir=model_dir)
@@ -134,9 +165,8 @@ def main() -> None:
     if rank == 0:
         save_file(grads, str(out / "grads.safetensors"))
         info = {"adapters": count, "fresh_merged_equal": fresh_merged_equal, "trainable": trainable,
-                "frozen_have_no_grad": frozen_have_no_grad,
-                "adapter_params": sum(p.numel() for a in adapters_of(model) for p in (a.A, a.B)),
-                "base_unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)}
+                "frozen_have_no_grad": frozen_have_no_grad, "replicated_grads_agree": agree,
+                "adapter_params": sum(p.numel() for a in adapters_of(model) for p in (a.A, a.B))}
         if tp == 1 and pp == 1:
             info["errors"] = error_messages(model_dir)
         (out / "info.json").write_text(json.dumps(info))

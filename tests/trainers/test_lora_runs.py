@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import megarlhf
 from megarlhf.data.synthetic import write_preference_task
@@ -44,8 +45,13 @@ def _check_exports(base: Path, run: Path) -> None:
     assert (_logits(adapted, ids) - _logits(merged, ids)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", [[], pytest.param(["parallel.tensor_model_parallel_size=2"], marks=pytest.mark.slow)],
-                         ids=["dp2", "tp2"])
+@pytest.mark.parametrize("layout", [
+    [],
+    pytest.param(["parallel.tensor_model_parallel_size=2"], marks=pytest.mark.slow, id="tp2"),
+    pytest.param(["parallel.pipeline_model_parallel_size=2", "train.recompute.granularity=full"],
+                 marks=pytest.mark.slow, id="pp2-recompute"),
+    pytest.param(["parallel.context_parallel_size=2"], marks=pytest.mark.slow, id="cp2"),
+], ids=lambda layout: "dp2" if not layout else None)
 def test_grpo_with_lora(rl_assets, tmp_path, layout):
     recipe = write_recipe(tmp_path / "grpo.yaml", rl_assets, "grpo", tmp_path / "run")
     run_torchrun(CLI, 2, ["train", str(recipe), *LORA, *SIGNAL, "train.steps=3", *layout], timeout_s=900,
@@ -60,6 +66,7 @@ def test_grpo_with_lora(rl_assets, tmp_path, layout):
     _check_exports(rl_assets[0], tmp_path / "run")
 
 
+@pytest.mark.slow  # two 2-rank runs (~70 s): make test-slow
 def test_sft_and_dpo_with_lora(rl_assets, tmp_path):
     model, data = rl_assets
     recipe = tmp_path / "recipe.yaml"
@@ -88,7 +95,7 @@ logging: {{tensorboard: false}}
 
 
 @pytest.mark.slow  # three 2-rank runs (~3 min on 2 cores): make test-slow
-def test_lora_run_killed_and_resumed_matches_uninterrupted(rl_assets, tmp_path):
+def test_lora_run_killed_and_resumed_matches_uninterrupted_and_exports(rl_assets, tmp_path):
     overrides = [*LORA, *SIGNAL, "train.steps=4", "checkpoint.every=2"]
     full = write_recipe(tmp_path / "full.yaml", rl_assets, "gae", tmp_path / "full")  # the critic has LoRA too
     run_torchrun(CLI, 2, ["train", str(full), *overrides], timeout_s=900, env=REWARDS)
@@ -99,3 +106,11 @@ def test_lora_run_killed_and_resumed_matches_uninterrupted(rl_assets, tmp_path):
     strip = lambda records: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]  # noqa: E731
     assert strip(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert read_metrics(tmp_path / "cut" / "samples.jsonl") == read_metrics(tmp_path / "full" / "samples.jsonl")
+    # `megarlhf export` of the last checkpoint writes what the run exported: merged weights and the adapter
+    run_torchrun(CLI, 1, ["export", str(full), *overrides, "checkpoint.resume=auto", "--out",
+                          str(tmp_path / "exported")], timeout_s=600, env=REWARDS)
+    for ran, exported in ((tmp_path / "full" / "hf" / "model.safetensors", tmp_path / "exported" / "model.safetensors"),
+                          (tmp_path / "full" / "hf-adapter" / "adapter_model.safetensors",
+                           tmp_path / "exported-adapter" / "adapter_model.safetensors")):
+        ran, exported = load_file(str(ran)), load_file(str(exported))
+        assert ran.keys() == exported.keys() and all(torch.equal(ran[k], exported[k]) for k in ran)
