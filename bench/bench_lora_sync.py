@@ -10,7 +10,7 @@ One RL step's rollout cost under each design, on the same model (the tiny demo s
   an ``enable_lora`` vLLM engine (``add_lora``), then generation through its LoRA kernels. Nothing is
   verified on this side: the time is a lower bound of what a verified adapter sync would cost.
 
-Both engines generate the same prompts (``--prompts`` x ``--samples``, ``--tokens`` new tokens, greedy
+Both engines generate the same prompts (``--prompts`` x ``--samples``, ``--tokens`` new tokens, sampled
 with ``ignore_eos``, so the token counts are equal). Prints the medians of ``--repeats`` runs and the
 ratios: sync, generation and their sum (adapter-only / merged).
 Usage:  OMP_NUM_THREADS=2 .venv/bin/python bench/bench_lora_sync.py [--smollm2 DIR | --qwen05] [--rank 16]
@@ -97,7 +97,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (24,), generator=gen).tolist())  # host: bench input
                    for _ in range(args.prompts)]
-        params = SamplingParams(n=args.samples, temperature=0.0, max_tokens=args.tokens, ignore_eos=True,
+        params = SamplingParams(n=args.samples, temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True,
                                 detokenize=False)
         rows = {"merged sync": [], "merged generate": [], "adapter write+load": [], "adapter generate": []}
         for step in range(args.repeats):

@@ -114,3 +114,15 @@ def test_lora_run_killed_and_resumed_matches_uninterrupted_and_exports(rl_assets
                            tmp_path / "exported-adapter" / "adapter_model.safetensors")):
         ran, exported = load_file(str(ran)), load_file(str(exported))
         assert ran.keys() == exported.keys() and all(torch.equal(ran[k], exported[k]) for k in ran)
+
+
+@pytest.mark.slow  # one 2-rank run (~50 s): make test-slow
+def test_grpo_with_lora_in_bf16_reports_what_the_merge_rounded_away(rl_assets, tmp_path):
+    recipe = write_recipe(tmp_path / "grpo.yaml", rl_assets, "grpo", tmp_path / "run")
+    run_torchrun(CLI, 2, ["train", str(recipe), *LORA, *SIGNAL, "train.steps=3", "model.dtype=bfloat16"],
+                 timeout_s=900, env=REWARDS)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rounding = [r["weight_sync/lora_merge_rounding"] for r in records[:3]]
+    assert rounding[0] == 0.0  # fresh adapters: nothing to lose
+    assert all(0.0 < x < 1.0 for x in rounding[1:])  # bf16 merges drop part of a small update
+    assert records[2]["actor/kl_loss"] > 0.0
