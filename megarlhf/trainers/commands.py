@@ -93,12 +93,15 @@ def run_export(args: argparse.Namespace) -> int:
     (with LoRA: merged, and its PEFT adapter at ``<out>-adapter``)."""
     from megarlhf.trainers.run import start_run
     from megarlhf.trainers.run_checkpoint import RunCheckpointer
-    from megarlhf.training import build_actor, export_policy
+    from megarlhf.training import build_actor, build_critic, export_policy
 
     config = _config(args)
     run = start_run(config)
     actor = build_actor(config, run.runtime)
-    if RunCheckpointer(config, {"actor": actor}).resume() is None:
+    models = {"actor": actor}
+    if config.algorithm.uses_critic:  # a PPO run's checkpoint holds its critic too, and loads whole
+        models["critic"] = build_critic(config, run.runtime)
+    if RunCheckpointer(config, models).resume() is None:
         raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
                                 f"run_dir={config.logging.run_dir!r})")
     out = export_policy(actor, config, args.out)  # with LoRA: merged weights, and the PEFT adapter beside

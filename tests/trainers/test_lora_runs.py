@@ -1,4 +1,6 @@
-"""GRPO, SFT and DPO with LoRA (``model.lora``) end to end through the command line on 2 ranks (DP2).
+"""GRPO, SFT and DPO with LoRA (``model.lora``) end to end through the command line on 2 ranks (DP2, and
+GRPO at TP2, PP2 with recomputation and CP2); each run takes ~1 min on 2 cores, so all are slow-marked
+(make test-slow; the default suite checks LoRA's numerics against PEFT in tests/parallel/test_lora.py).
 
 What a LoRA user relies on: only adapters train (the base weights in the merged export move only by
 the adapters' update, and the PEFT adapter on the base model gives the merged export's logits); the
@@ -46,12 +48,12 @@ def _check_exports(base: Path, run: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", [
-    [],
+    pytest.param([], marks=pytest.mark.slow, id="dp2"),
     pytest.param(["parallel.tensor_model_parallel_size=2"], marks=pytest.mark.slow, id="tp2"),
     pytest.param(["parallel.pipeline_model_parallel_size=2", "train.recompute.granularity=full"],
                  marks=pytest.mark.slow, id="pp2-recompute"),
     pytest.param(["parallel.context_parallel_size=2"], marks=pytest.mark.slow, id="cp2"),
-], ids=lambda layout: "dp2" if not layout else None)
+])
 def test_grpo_with_lora(rl_assets, tmp_path, layout):
     recipe = write_recipe(tmp_path / "grpo.yaml", rl_assets, "grpo", tmp_path / "run")
     run_torchrun(CLI, 2, ["train", str(recipe), *LORA, *SIGNAL, "train.steps=3", *layout], timeout_s=900,
