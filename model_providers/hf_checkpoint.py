@@ -55,20 +55,20 @@ class _LazySlice:
 class HFCheckpoint:
     """The safetensors files of an HF model directory, single-file or sharded with an index."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, single_file: str = SINGLE_FILE):
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"HF checkpoint directory {self.path} does not exist")
-        index, single = self.path / SAFETENSORS_INDEX, self.path / SINGLE_FILE
+        index, single = self.path / SAFETENSORS_INDEX, self.path / single_file
         if index.is_file():
             self.weight_map = dict(json.loads(index.read_text())["weight_map"])
         elif single.is_file():
             from safetensors import safe_open
 
             with safe_open(single, framework="pt") as handle:
-                self.weight_map = {name: SINGLE_FILE for name in handle.keys()}
+                self.weight_map = {name: single_file for name in handle.keys()}
         else:
-            raise CheckpointError(f"no {SINGLE_FILE} or {SAFETENSORS_INDEX} in HF checkpoint directory {self.path}")
+            raise CheckpointError(f"no {single_file} or {SAFETENSORS_INDEX} in HF checkpoint directory {self.path}")
         missing = sorted({f for f in self.weight_map.values() if not (self.path / f).is_file()})
         if missing:
             raise CheckpointError(f"HF checkpoint {self.path}: {SAFETENSORS_INDEX} lists missing files {missing}")
@@ -169,15 +169,24 @@ def load_hf_weights(model: torch.nn.Module, provider: ModelProvider, hf_dir: str
     if unmapped:
         raise CheckpointError(f"{provider.model_type} mapping table covers no HF tensor for Megatron parameters "
                               f"{unmapped}")
-    ctx = _tp_context(provider)
     with HFCheckpoint(hf_dir) as ckpt:
-        _check_names_and_shapes(ckpt, bound, provider.hf_tensor_shapes(head))
-        for b in bound:
+        load_bound(ckpt, bound, provider.hf_tensor_shapes(head), _tp_context(provider))
+
+
+@torch.no_grad()
+def load_bound(ckpt: HFCheckpoint, bound: list[_Bound], shapes: dict, ctx) -> None:
+    """Copies the HF tensors of ``bound`` entries from ``ckpt`` into their parameters, each rank reading
+    only its slices, after checking every name and shape against ``shapes``."""
+    _check_names_and_shapes(ckpt, bound, shapes)
+    for b in bound:
+        try:
             shard = b.mapping.kind.load([ckpt.source(n) for n in b.hf_names], ctx)
-            if tuple(shard.shape) != tuple(b.param.shape):
-                raise CheckpointError(f"{b.param_name}: HF tensors {list(b.hf_names)} give a shard of shape "
-                                      f"{list(shard.shape)}, the Megatron parameter has {list(b.param.shape)}")
-            b.param.copy_(shard)
+        except ValueError as err:
+            raise CheckpointError(f"{ckpt.path}: {b.param_name} from {list(b.hf_names)}: {err}") from None
+        if tuple(shard.shape) != tuple(b.param.shape):
+            raise CheckpointError(f"{b.param_name}: HF tensors {list(b.hf_names)} give a shard of shape "
+                                  f"{list(shard.shape)}, the Megatron parameter has {list(b.param.shape)}")
+        b.param.copy_(shard)
 
 
 def _stage_schedule(bound: list[_Bound]) -> list[tuple[tuple, tuple[str, ...], str, int]]:

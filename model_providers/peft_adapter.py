@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from model_providers.base import ModelProvider
-from model_providers.hf_checkpoint import _replace_dir, iter_hf_weights
+from model_providers.hf_checkpoint import (HFCheckpoint, _bind, _replace_dir, _tp_context, iter_hf_weights, load_bound,
+                                          unwrap)
 from model_providers.mapping import REPLICATED, ROW, Shared, WeightMapping
-from parallel.lora import SUFFIX, TARGET_KINDS, LoRAConfig, LoRAError
+from parallel.lora import SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAConfig, LoRAError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-_BLOCKS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
 
 def _base_entry(provider: ModelProvider, target: str) -> WeightMapping:
-    megatron = f"decoder.layers.{{layer}}.{_BLOCKS[target]}.{target}.weight"
+    megatron = f"decoder.layers.{{layer}}.{TARGET_BLOCKS[target]}.{target}.weight"
     for mapping in provider.body_mappings:
         if mapping.megatron == megatron:
             return mapping
@@ -99,12 +99,9 @@ def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: L
 @torch.no_grad()
 def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, adapter: str | Path) -> None:
     """Copies a PEFT LoRA adapter directory into this rank's adapters of ``model`` (attached with
-    ``lora``); each rank reads its TP slice. Errors name what does not fit: a different rank or scale,
-    a missing tensor, q/k/v (or gate/up) A factors that differ (Megatron's fused layers hold one)."""
-    from safetensors import safe_open
-
-    from model_providers.hf_checkpoint import _bind, _tp_context, unwrap
-
+    ``lora``) through the HF loader (:func:`load_bound`: each rank reads its TP slice). Errors name what
+    does not fit: a different rank or scale, a missing tensor or shape, q/k/v (or gate/up) A factors that
+    differ (Megatron's fused layers hold one)."""
     path = Path(adapter)
     config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_file.is_file() or not weights.is_file():
@@ -122,19 +119,5 @@ def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoR
         raise LoRAError(f"PEFT adapter {path}: r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}, but "
                         f"model.lora has rank={lora.rank}, alpha={lora.alpha}")
     mappings, shapes = adapter_table(provider, lora)
-    ctx = _tp_context(provider)
-    with safe_open(str(weights), framework="pt") as handle:
-        names = set(handle.keys())
-        for b in _bind(unwrap(model), mappings):
-            missing = [n for n in b.hf_names if n not in names]
-            if missing:
-                raise LoRAError(f"PEFT adapter {path}: no tensor {missing[0]} (for {b.param_name})")
-            sources = [handle.get_slice(n) for n in b.hf_names]
-            for n, s in zip(b.hf_names, sources):
-                if tuple(s.get_shape()) != shapes[n]:
-                    raise LoRAError(f"PEFT adapter {path}: {n} has shape {s.get_shape()}, expected {list(shapes[n])}")
-            try:
-                shard = b.mapping.kind.load([handle.get_tensor(n) for n in b.hf_names], ctx)
-            except ValueError as err:
-                raise LoRAError(f"PEFT adapter {path}: {b.param_name} from {list(b.hf_names)}: {err}") from None
-            b.param.copy_(shard)
+    with HFCheckpoint(path, single_file=ADAPTER_WEIGHTS) as ckpt:
+        load_bound(ckpt, _bind(unwrap(model), mappings), shapes, _tp_context(provider))

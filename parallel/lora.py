@@ -43,8 +43,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# Megatron submodule name -> how its weight is split over tensor-parallel ranks
+# Megatron submodule name -> how its weight is split over tensor-parallel ranks, and the block holding it
 TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+TARGET_BLOCKS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp",
+                 "linear_fc2": "mlp"}
 SUFFIX = "_lora"
 # the Megatron layer classes whose parallel layout the adapters above are written for
 _COLUMN_CLASSES = ("ColumnParallelLinear", "TEColumnParallelLinear")
@@ -209,25 +211,24 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
     found = {t: 0 for t in config.targets}
     new = []
     for layer in layers:
-        for block_name in ("self_attention", "mlp"):
-            block = getattr(layer, block_name, None)
-            for target in config.targets:
-                linear = getattr(block, target, None) if block is not None else None
-                if linear is None:
-                    continue
-                name = f"decoder.layers.{layer.layer_number - 1}.{block_name}.{target}"
-                kind = _layer_kind(name, linear, target)
-                out_features, in_features = _full_shape(linear, kind, tp_size)
-                if config.rank > min(in_features, out_features):
-                    raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} "
-                                    f"({out_features} x {in_features}): a low-rank update needs rank <= "
-                                    f"{min(in_features, out_features)}")
-                adapter = LoRAAdapter(name, kind, in_features, out_features, config, tp_rank=tp_rank,
-                                      tp_size=tp_size, tp_group=ps.get_tensor_model_parallel_group(),
-                                      dtype=linear.weight.dtype, device=linear.weight.device, seed=seed,
-                                      gated=target == "linear_fc1" and model.config.gated_linear_unit)
-                new.append((block, target, linear, adapter))
-                found[target] += 1
+        for target in config.targets:
+            block = getattr(layer, TARGET_BLOCKS[target], None)
+            linear = getattr(block, target, None) if block is not None else None
+            if linear is None:
+                continue
+            name = f"decoder.layers.{layer.layer_number - 1}.{TARGET_BLOCKS[target]}.{target}"
+            kind = _layer_kind(name, linear, target)
+            out_features, in_features = _full_shape(linear, kind, tp_size)
+            if config.rank > min(in_features, out_features):
+                raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} "
+                                f"({out_features} x {in_features}): a low-rank update needs rank <= "
+                                f"{min(in_features, out_features)}")
+            adapter = LoRAAdapter(name, kind, in_features, out_features, config, tp_rank=tp_rank,
+                                  tp_size=tp_size, tp_group=ps.get_tensor_model_parallel_group(),
+                                  dtype=linear.weight.dtype, device=linear.weight.device, seed=seed,
+                                  gated=target == "linear_fc1" and model.config.gated_linear_unit)
+            new.append((block, target, linear, adapter))
+            found[target] += 1
     # every stage holds layers, so a target that matches nothing here matches nothing anywhere
     missing = [t for t, n in found.items() if not n]
     if missing and layers:
