@@ -6,9 +6,11 @@ One RL step's rollout cost under each design, on the same model (the tiny demo s
 
 * merged (what megarlhf does): ``WeightSync.sync`` of the merged weights ``W + s B A`` (verified bit
   for bit, as every sync) into a plain vLLM engine, then generation;
-* adapter-only: the adapters written as a PEFT directory in shared memory (``/dev/shm``) and loaded by
-  an ``enable_lora`` vLLM engine (``add_lora``), then generation through its LoRA kernels. Nothing is
-  verified on this side: the time is a lower bound of what a verified adapter sync would cost.
+* adapter-only (``rollout.weight_sync.lora=adapter``): ``AdapterSync.sync`` (megarlhf.rollout.adapter_sync:
+  the adapters written as a PEFT directory in shared memory and loaded by an ``enable_lora`` vLLM engine,
+  its adapter slots verified bit for bit), then generation through vLLM's LoRA kernels.
+
+Both syncs include their probe forward (``rollout.weight_sync.probe_sequences``: 4 x 64 tokens).
 
 Both engines generate the same prompts (``--prompts`` x ``--samples``, ``--tokens`` new tokens, sampled
 with ``ignore_eos``, so the token counts are equal). Prints the medians of ``--repeats`` runs and the
@@ -54,66 +56,52 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
 
     from megarlhf.config.schema import ModelConfig, RunConfig
     from megarlhf.data.source import DataConfig
+    from megarlhf.rollout.adapter_sync import AdapterSync, engine_lora
     from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.config import RolloutConfig
+    from megarlhf.rollout.config import RolloutConfig, SamplingConfig, WeightSyncConfig
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
     from megarlhf.rollout.weight_sync import WeightSync
     from megarlhf.training import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
-    from model_providers.peft_adapter import export_peft_adapter
     from parallel.config import ParallelConfig
     from parallel.lora import LoRAConfig, adapters_of, attach_lora
     from parallel.runtime import init_parallel
 
     runtime = init_parallel(ParallelConfig())
     lora = LoRAConfig(rank=args.rank, alpha=2.0 * args.rank)
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+    with tempfile.TemporaryDirectory() as tmp:
         src = _model_dir(args, Path(tmp))
         config = RunConfig(model=ModelConfig(path=str(src), dtype="float32", lora=lora),
                            data=DataConfig(train_path="unused.jsonl", max_prompt_length=64),
-                           rollout=RolloutConfig(max_new_tokens=args.tokens, kv_cache_mb=512))
+                           rollout=RolloutConfig(max_new_tokens=args.tokens, kv_cache_mb=512,
+                                                 weight_sync=WeightSyncConfig(probe_max_length=0, lora="adapter")))
         provider, model = load_hf_model(src, params_dtype=torch.float32, packed_sequences=True)
         attach_lora(model, lora, seed=0)
         actor = TrainModel("actor", model, provider, runtime)
-        engine_config = EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0, max_prompt_length=64)
-        merged_engine = RolloutEngine(str(src), engine_config)
-        sync = WeightSync(merged_engine, actor, config)
-        calibrate_colocated(sync, [], ())  # on the checkpoint, while the adapters are fresh (B = 0)
+        syncs = {}
+        for mode, sync_class in (("merged", WeightSync), ("adapter", AdapterSync)):
+            engine_config = EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
+                                                      max_prompt_length=64,
+                                                      **(engine_lora(config) if mode == "adapter" else {}))
+            syncs[mode] = sync_class(RolloutEngine(str(src), engine_config), actor, config)
+            calibrate_colocated(syncs[mode], [], ())  # on the checkpoint, while the adapters are fresh (B = 0)
         with torch.no_grad():
             for adapter in adapters_of(model):
                 adapter.B.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(1))
-        lora_llm = LLM(model=str(src), dtype="float32", seed=0, enforce_eager=True, max_model_len=64 + args.tokens,
-                       kv_cache_memory_bytes=512 * 2**20, enable_lora=True, max_lora_rank=args.rank, max_loras=1,
-                       enable_chunked_prefill=False)
         vocab = provider.hf_config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (24,), generator=gen).tolist())  # host: bench input
+        prompts = [torch.randint(3, vocab, (24,), generator=gen).tolist()  # host: bench input
                    for _ in range(args.prompts)]
-        params = SamplingParams(n=args.samples, temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True,
-                                detokenize=False)
-        rows = {"merged sync": [], "merged generate": [], "adapter write+load": [], "adapter generate": []}
-        for step in range(args.repeats):
-            rows["merged sync"].append(sync.sync()["time/weight_sync_s"])
-            rows["merged generate"].append(_timed(lambda: merged_engine.llm.generate(prompts, params, use_tqdm=False))[0])
-            directory = Path(shm) / f"adapter{step}"
-
-            def adapter_sync():
-                export_peft_adapter(model, provider, lora, directory, base_model=str(src), overwrite=True)
-                request = LoRARequest(f"policy{step}", step + 1, str(directory))
-                lora_llm.llm_engine.add_lora(request)
-                return request
-            seconds, request = _timed(adapter_sync)
-            rows["adapter write+load"].append(seconds)
-            rows["adapter generate"].append(_timed(lambda: lora_llm.generate(prompts, params, use_tqdm=False,
-                                                                             lora_request=request))[0])
+        sampling = SamplingConfig(n=args.samples, temperature=1.0, max_new_tokens=args.tokens, ignore_eos=True,
+                                  seed=0)
+        rows = {f"{mode} {what}": [] for mode in syncs for what in ("sync", "generate")}
+        for _ in range(args.repeats):
+            for mode, sync in syncs.items():
+                rows[f"{mode} sync"].append(sync.sync()["time/weight_sync_s"])
+                rows[f"{mode} generate"].append(_timed(lambda: sync.engine.generate(prompts, sampling))[0])
     med = {k: statistics.median(v) for k, v in rows.items()}
     name = "SmolLM2-135M" if args.smollm2 else ("Qwen2-0.5B shape" if args.qwen05 else "tiny qwen2")
     print(f"model: {name}, fp32, LoRA rank {args.rank} on every linear layer; {args.prompts} prompts x "
@@ -121,8 +109,8 @@ def main() -> None:
           f"median of {args.repeats}")
     for key, values in rows.items():
         print(f"  {key:20s} {med[key]:8.3f} s   runs {[round(v, 3) for v in values]}")
-    merged, adapter = med["merged sync"] + med["merged generate"], med["adapter write+load"] + med["adapter generate"]
-    print(f"adapter-only / merged: sync {med['adapter write+load'] / med['merged sync']:.2f}x   generation "
+    merged, adapter = med["merged sync"] + med["merged generate"], med["adapter sync"] + med["adapter generate"]
+    print(f"adapter-only / merged: sync {med['adapter sync'] / med['merged sync']:.2f}x   generation "
           f"{med['adapter generate'] / med['merged generate']:.2f}x   sync + generation {adapter / merged:.2f}x")
 
 

@@ -58,39 +58,57 @@ def adapter_table(provider: ModelProvider, lora: LoRAConfig) -> tuple[list[Weigh
     return mappings, shapes
 
 
+def target_modules(provider: ModelProvider, lora: LoRAConfig) -> list[str]:
+    """The HF projections ``lora`` adapts (PEFT's ``target_modules``), e.g. ``["k_proj", "q_proj", "v_proj"]``."""
+    return sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
+                   for target in lora.targets for name in _base_entry(provider, target).hf})
+
+
 def peft_config(provider: ModelProvider, lora: LoRAConfig, base_model: str) -> dict:
     """``adapter_config.json`` of a PEFT LoRA adapter equal to ``lora``."""
-    modules = sorted({name.removesuffix(".weight").rsplit(".", 1)[-1]
-                      for target in lora.targets for name in _base_entry(provider, target).hf})
+    modules = target_modules(provider, lora)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
 
 
-def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, out_dir: str | Path, *,
-                        base_model: str, overwrite: bool = False) -> Path:
-    """Writes the model's adapters as a PEFT adapter directory; collective over all ranks, global rank 0
-    writes. The directory appears atomically (written beside it, then renamed)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"adapter export target {out} exists (pass overwrite=True to replace it)")
+def peft_tensors(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """The model's adapters as PEFT-named full tensors, on every rank (collective over all ranks: the TP
+    and pipeline gathers of :func:`iter_hf_weights`)."""
     table = adapter_table(provider, lora)
     tensors = dict(iter_hf_weights(model, provider, table=table))
     missing = sorted(set(table[1]) - set(tensors))
     if missing:
         raise LoRAError(f"adapter export lacks {len(missing)} tensor(s), e.g. {missing[:3]}: the model has no "
                         f"adapters for targets {lora.targets}")
+    return tensors
+
+
+def write_peft_adapter(tensors: dict[str, torch.Tensor], adapter_config: dict, out: Path) -> None:
+    """Writes ``tensors`` (:func:`peft_tensors`) and ``adapter_config`` (:func:`peft_config`) as the PEFT
+    adapter directory ``out``, atomically (written beside it, then renamed over it). Local to this process."""
+    from safetensors.torch import save_file
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
+    _replace_dir(tmp, out)
+
+
+def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, out_dir: str | Path, *,
+                        base_model: str, overwrite: bool = False) -> Path:
+    """Writes the model's adapters as a PEFT adapter directory; collective over all ranks, global rank 0
+    writes. The directory appears atomically (written beside it, then renamed)."""
+    out = Path(out_dir).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"adapter export target {out} exists (pass overwrite=True to replace it)")
+    tensors = peft_tensors(model, provider, lora)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(provider, lora, base_model), indent=2) + "\n")
-        _replace_dir(tmp, out)
+        write_peft_adapter(tensors, peft_config(provider, lora, base_model), out)
     if dist.is_initialized():
         dist.barrier()
     return out

@@ -296,6 +296,21 @@ class RunConfig:
         _check(self.rollout.max_staleness == 0 or not self.algorithm.needs.greedy_baseline,
                f"rollout.max_staleness=1 with algorithm.estimator={self.algorithm.estimator!r}: its greedy "
                f"baseline is generated inside the step with the current weights; use max_staleness=0")
+        self._check_adapter_sync()
+
+    def _check_adapter_sync(self) -> None:
+        """``rollout.weight_sync.lora='adapter'`` needs what the adapter-only sync is built for."""
+        if self.rollout.weight_sync.lora != "adapter":
+            return
+        where = "rollout.weight_sync.lora='adapter' (adapters sent to vLLM's LoRA kernels)"
+        _check(self.model.lora is not None, f"{where} needs model.lora: the model has no adapters to send")
+        _check(self.rollout.backend == "vllm", f"{where} needs rollout.backend='vllm' (got "
+               f"{self.rollout.backend!r}); the HF engine takes merged weights (weight_sync.lora='merged')")
+        _check(self.rollout.tensor_parallel_size == 1,
+               f"{where} verifies the engine's adapter slots of a whole (TP=1) engine: rollout.tensor_parallel_size "
+               f"must be 1, got {self.rollout.tensor_parallel_size} (use weight_sync.lora='merged')")
+        _check(self.model.lora.rank <= 512, f"{where}: vLLM serves adapters of rank at most 512, model.lora.rank "
+               f"is {self.model.lora.rank}")
 
     @property
     def eval_reward(self) -> RewardConfig | None:

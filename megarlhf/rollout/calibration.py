@@ -34,6 +34,7 @@ from megarlhf.rollout.engine import RolloutBatch
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights
+from parallel.lora import adapters_disabled
 
 CALIBRATION_SEED = 4321  # the natural samples' seeds: the same calibration for any layout and rerun
 CHECKPOINT_CHECK = "calibration: the engine's own load of model.path vs the trainer's conversion, bit for bit"
@@ -53,9 +54,10 @@ def trainer_fingerprints(actor, placement: dict[str, tuple[str, int]] | None, en
     the trainer ranks (the gathers of ``iter_hf_weights``): a rank without ``placement`` only takes part
     in them and returns {}."""
     expected = ExpectedFingerprints(placement, engine_dtype) if placement is not None else None
-    for name, tensor in iter_hf_weights(actor.model, actor.provider, copies=False):
-        if expected is not None:
-            expected.add(name, tensor)
+    with adapters_disabled(actor.model):  # model.path holds the base: LoRA adapters are not part of it
+        for name, tensor in iter_hf_weights(actor.model, actor.provider, copies=False):
+            if expected is not None:
+                expected.add(name, tensor)
     return expected.result() if expected is not None else {}
 
 

@@ -84,8 +84,14 @@ class WeightSyncConfig:
     # prompts of the run sampled as the rollout samples them (n_samples each) and scored by the trainer,
     # whose gap sets the step-0 tolerances (0: the probe's floor sets them)
     calibration_prompts: int = 4
+    # how a LoRA policy (model.lora) reaches the engines: "merged" sends W + (alpha/rank) B A of every
+    # adapted layer into a plain engine; "adapter" sends only the adapters to a LoRA-enabled vLLM engine
+    # that keeps the frozen base (megarlhf.rollout.adapter_sync). Both are verified bit for bit.
+    lora: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self):
+        _check(self.lora in ("merged", "adapter"),
+               f"WeightSyncConfig.lora={self.lora!r}: must be 'merged' or 'adapter'")
         _check(isinstance(self.check_checkpoint, bool),
                f"WeightSyncConfig.check_checkpoint must be true or false, got {self.check_checkpoint!r}")
         _check(isinstance(self.calibration_prompts, int) and not isinstance(self.calibration_prompts, bool)

@@ -56,18 +56,22 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.gates import run_tolerances
+from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapter_metrics, adapter_only,
+                                           engine_lora, expected_slots, slot_problems)
 from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_problems,
                                           checks_checkpoint, floor_problems, natural_gap, natural_sampling,
                                           trainer_fingerprints, worst_of)
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.dtypes import torch_dtype
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine
+from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, vllm_lora_rank
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
+from megarlhf.rollout.fingerprint import to_host
 from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, compare_fingerprints,
                                           engine_placement, layout_problems, longest_probe_length, probe_floor,
                                           probe_problems, probe_sequences, sync_metrics, trainer_probe_logprobs,
                                           verdict_error, weight_buckets)
+from model_providers.peft_adapter import peft_config, peft_tensors
 from parallel.lora import merge_rounding
 
 SOURCE_RANK = 0  # the trainer rank that talks to the engines
@@ -174,6 +178,8 @@ class DisaggregatedRollout:
         self.trainers, self.channel = runtime.trainers.group, runtime.channel.group
         self.payload = runtime.payload.group
         self.engine = self.actor = None
+        # LoRA adapters reach the engines instead of merged weights (megarlhf.rollout.adapter_sync)
+        self.adapter_only = adapter_only(config)
         if self.is_engine_rank:
             if config.rollout.tensor_parallel_size != 1 or config.rollout.backend != "vllm":
                 raise ValueError("DisaggregatedRollout: engines are TP=1 vLLM engines (one per engine rank); got "
@@ -181,7 +187,8 @@ class DisaggregatedRollout:
                                  f"rollout.backend={config.rollout.backend!r}")
             self.engine = RolloutEngine(config.model.path, EngineConfig.from_rollout(
                 config.rollout, model_dtype=config.model.dtype, seed=config.seed,
-                max_prompt_length=config.data.max_prompt_length, in_process=False))
+                max_prompt_length=config.data.max_prompt_length, in_process=False, **engine_lora(config)))
+            self.adapter_directory = AdapterDirectory() if self.adapter_only else None
         else:
             if actor is None:
                 raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor")
@@ -189,7 +196,7 @@ class DisaggregatedRollout:
             self.hf_shapes = actor.provider.hf_tensor_shapes("lm")
             self.expected = set(self.hf_shapes)
             self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
-            self.placement = None  # the engines' layout (the source's), asked for once
+            self.placement = self.fused = None  # the engines' layout (the source's), asked for once
             self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                          longest_probe_length(config))
 
@@ -226,6 +233,8 @@ class DisaggregatedRollout:
                 return
             if command[0] == "sync":
                 self._serve_sync()
+            elif command[0] == "adapter":
+                self._serve_adapter(command[1])
             elif command[0] == "layout":
                 self._from_engines(self.engine.run_in_worker(_worker_fused))
             elif command[0] == "checkpoint":
@@ -262,6 +271,23 @@ class DisaggregatedRollout:
         self.engine.llm.reset_prefix_cache()
         problems += compare_fingerprints(self._channel_bcast(), report)  # the source's expected fingerprints
         self._verdict(problems, "fingerprints of the engine's parameters")
+        self._serve_probe()
+
+    def _serve_adapter(self, adapter_config: dict) -> None:
+        """Adapter-only sync: one bucket of PEFT tensors, written and loaded as the engine's adapter, its
+        slots compared with the source's prediction (megarlhf.rollout.adapter_sync); then the probe."""
+        header, buffer = self._receive_bucket()
+        report, problems = {"adapters": {}, "problems": []}, []
+        try:
+            tensors = dict(_unpack(header, buffer))
+            report = self.adapter_directory.load_into(self.engine, tensors, adapter_config)
+        except Exception as err:  # keep to the protocol so that every rank reaches the verdict
+            problems.append(f"the engine failed to load the adapter: {err}")
+        problems += slot_problems(self._channel_bcast(), report)  # the source's expected slots
+        self._verdict(problems, SLOTS_CHECK)
+        self._serve_probe()
+
+    def _serve_probe(self) -> None:
         probe, gaps, problems = self._channel_bcast(), (float("nan"), float("nan")), []
         if probe is not None:
             ids, trainer, tolerances = probe
@@ -346,8 +372,8 @@ class DisaggregatedRollout:
         """Trainer ranks: where each HF tensor sits in the engines' parameters (asked once; the source's)."""
         if self.rank == SOURCE_RANK and self.placement is None:
             self._channel_bcast(("layout",))
-            layouts = self._from_engines()  # every engine runs the same model class
-            self.placement = engine_placement(self.hf_shapes, layouts[0])
+            self.fused = self._from_engines()[0]  # every engine runs the same model class
+            self.placement = engine_placement(self.hf_shapes, self.fused)
         return self.placement
 
     def sync(self) -> dict[str, float]:
@@ -356,6 +382,8 @@ class DisaggregatedRollout:
         from model_providers.hf_checkpoint import iter_hf_weights
 
         self._require(False, "sync")
+        if self.adapter_only:
+            return {**self._sync_adapter(), **self._probe_forward()}
         source = self.rank == SOURCE_RANK
         if source:
             placement = self._engine_layout()
@@ -380,7 +408,29 @@ class DisaggregatedRollout:
         rounding = merge_rounding(self.actor.model)  # this trainer rank's adapters (LoRA), as in colocated syncs
         if rounding is not None:
             metrics["weight_sync/lora_merge_rounding"] = rounding
-        start, probe = time.perf_counter(), None
+        return {**metrics, **self._probe_forward()}
+
+    def _sync_adapter(self) -> dict[str, float]:
+        """Adapter-only sync (megarlhf.rollout.adapter_sync): the source sends the adapters as one bucket and
+        its prediction of every engine's adapter slots; returns the sync's metrics."""
+        source, lora = self.rank == SOURCE_RANK, self.config.model.lora
+        if source:
+            self._engine_layout()
+        start = time.perf_counter()
+        tensors = peft_tensors(self.actor.model, self.actor.provider, lora)  # collective over the trainer ranks
+        if source:
+            self._channel_bcast(("adapter", peft_config(self.actor.provider, lora, self.config.model.path)))
+            self._send_bucket(list(tensors.items()))  # from the trainer's device, as weight buckets travel
+            host = {name: t.detach().cpu() for name, t in tensors.items()}  # host: predicted as vLLM computes
+            self._channel_bcast(to_host(expected_slots(host, self.fused, max_rank=vllm_lora_rank(lora.rank),
+                                                       dtype=self.engine_dtype, scale=lora.scale)))
+        self._trainer_verdict([], SLOTS_CHECK)
+        return adapter_metrics(tensors, time.perf_counter() - start)
+
+    def _probe_forward(self) -> dict[str, float]:
+        """Trainer ranks: the probe forward after a sync (every engine against the trainers' log-probs)."""
+        metrics, start, probe = {}, time.perf_counter(), None
+        source = self.rank == SOURCE_RANK
         if self.sync_config.probe_sequences:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
             probe = (self.probe, trainer, self.tolerances)

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from megarlhf.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
-from megarlhf.rollout.engine_weights import (ProcessingCapture, arrival_report, fused_parameters, parameter_report,
-                                             reprocess_tied, tied_modules)
+from megarlhf.rollout.engine_weights import (ProcessingCapture, adapter_report, arrival_report, fused_parameters,
+                                             parameter_report, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
 
 FINISH_REASONS = ("stop", "length")
@@ -81,15 +81,32 @@ class EngineConfig:
     # False: vLLM's engine core runs in a child process (spawned) with its own one-rank torch.distributed
     # world, so that building it is not collective over this job's default group (disaggregated mode).
     in_process: bool
+    # > 0: vLLM serves one LoRA adapter of at most this rank (adapter-only sync); 0: no LoRA in the engine
+    max_lora_rank: int = 0
+    # the HF projections the adapter may touch (vLLM's lora_target_modules): only they get LoRA kernels
+    lora_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, *, model_dtype: str, seed: int, max_prompt_length: int,
-                     in_process: bool = True) -> "EngineConfig":
+                     in_process: bool = True, lora_rank: int = 0, lora_modules: tuple[str, ...] = ()
+                     ) -> "EngineConfig":
         return cls(backend=rollout.backend, tensor_parallel_size=rollout.tensor_parallel_size,
                    dtype=rollout.engine_dtype(model_dtype), seed=seed, enforce_eager=rollout.enforce_eager,
                    max_model_len=max_prompt_length + rollout.response_budget,
                    kv_cache_bytes=rollout.kv_cache_mb * 2**20, logprobs_mode=vllm_logprobs_mode(rollout),
-                   num_threads=torch.get_num_threads(), in_process=in_process)
+                   num_threads=torch.get_num_threads(), in_process=in_process,
+                   max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else 0, lora_modules=tuple(lora_modules))
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter (vLLM pads with zeros)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank at most {VLLM_LORA_RANKS[-1]}")
 
 
 def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None) -> None:
@@ -169,6 +186,15 @@ class RolloutEngine:
                       enable_chunked_prefill=self.on_gpu)
         if tp > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if config.max_lora_rank:  # one adapter slot: the policy's current adapter (megarlhf.rollout.adapter_sync)
+            if not config.lora_modules:
+                raise ValueError("EngineConfig.max_lora_rank > 0 needs lora_modules (the projections adapted)")
+            # Only the adapted projections get LoRA layers: the others would run LoRA kernels on zeros, and an
+            # LM head with LoRA breaks vLLM's prompt log-probs (per-sequence adapter indices applied to
+            # per-token rows: vLLM issues 29955 and 51594), which the sync's probe reads.
+            kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank, max_loras=1, max_cpu_loras=1,
+                          lora_target_modules=list(config.lora_modules))
+        self.lora_request = None  # the adapter every generation uses; None: the base weights
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         from vllm import LLM
 
@@ -195,7 +221,7 @@ class RolloutEngine:
                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=sampling.ignore_eos, seed=seed, logprobs=0, detokenize=False))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         batch = RolloutBatch()
         for i, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -217,7 +243,7 @@ class RolloutEngine:
         check_prompt_ids(sequences, self.vocab_size)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
                 for out, seq in zip(outputs, sequences)]
 
@@ -248,6 +274,25 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         return report
 
+    def load_adapter(self, directory: str) -> dict:
+        """Makes the PEFT adapter in ``directory`` the one every generation uses (under a new adapter id, so
+        that no cached adapter or prefix-cache entry of the previous one is reused), drops the previous
+        one, and returns the fingerprints of the adapter slot the LoRA kernels now read
+        (:func:`~megarlhf.rollout.engine_weights.adapter_report`)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.max_lora_rank:
+            raise RuntimeError("rollout engine: load_adapter needs an engine built with max_lora_rank > 0")
+        previous = self.lora_request
+        number = previous.lora_int_id + 1 if previous is not None else 1
+        request = LoRARequest(f"policy-{number}", number, str(directory))
+        self.llm.llm_engine.add_lora(request)
+        self.lora_request = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.reset_prefix_cache()
+        return self.run_in_worker(functools.partial(_adapter_report, lora_id=number))
+
     def checkpoint_report(self) -> dict:
         """Reloads the checkpoint the engine was built from, from disk through vLLM's own loader, and
         returns the :meth:`load_weights` report of it: the gates' calibration compares it bit for bit with
@@ -275,6 +320,10 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.wake_up: unknown tags {sorted(unknown)}")
         if self.sleep_supported:
             self.llm.wake_up(tags=list(tags))
+
+
+def _adapter_report(worker, lora_id: int) -> dict:
+    return adapter_report(worker.model_runner.lora_manager._adapter_manager, lora_id)
 
 
 def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], sharded: bool) -> dict:

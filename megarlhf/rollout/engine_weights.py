@@ -12,6 +12,10 @@ other parameter is fingerprinted once, after the reload, where the kernels read 
 processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that never
 arrived) is reported as a problem: its kernels may still use the previous weights.
 
+With LoRA enabled (adapter-only sync, :mod:`megarlhf.rollout.adapter_sync`) vLLM wraps each linear layer
+as ``<layer>.base_layer``; reports name parameters without that segment, as the HF checkpoint does, and
+:func:`adapter_report` fingerprints the adapter slot the engine's LoRA kernels read.
+
 The report is plain data (lists and dicts of ints), read to the host in one transfer, so it crosses
 vLLM's process boundary (disaggregated placement) as it is.
 """
@@ -22,6 +26,14 @@ import time
 import torch
 
 from megarlhf.rollout.fingerprint import fingerprint, to_host
+
+
+LORA_WRAPPER = ".base_layer."  # vLLM's LoRA layer keeps the layer it wraps under this name
+
+
+def checkpoint_name(name: str) -> str:
+    """An engine parameter's name as the checkpoint spells it (without vLLM's LoRA wrapper segment)."""
+    return name.replace(LORA_WRAPPER, ".")
 
 
 def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,7 +79,7 @@ class ProcessingCapture:
         self.seconds = 0.0  # spent fingerprinting (host time: on a GPU, the kernels' launch)
         self.modules = _processed_modules(model)
         self.names = {id(m): name for name, m in self.modules.items()}
-        self.packed = {f"{name}.{pname}" for name, m in self.modules.items()
+        self.packed = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items()
                        for pname, p in m.named_parameters(recurse=False) if p.numel() == 0}
         self.fingerprints: dict[str, torch.Tensor] = {}
         self.processed: set[str] = set()
@@ -86,8 +98,9 @@ class ProcessingCapture:
                     self.processed.add(name)
                     start = time.perf_counter()
                     for pname, param in layer.named_parameters(recurse=False):
-                        if f"{name}.{pname}" in self.packed:
-                            self.fingerprints[f"{name}.{pname}"] = fingerprint(param)
+                        full = checkpoint_name(f"{name}.{pname}")
+                        if full in self.packed:
+                            self.fingerprints[full] = fingerprint(param)
                     self.seconds += time.perf_counter() - start
                 return _original(layer)
 
@@ -107,6 +120,7 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) 
     start = time.perf_counter()
     parameters, aliases, owner = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
+        name = checkpoint_name(name)
         if id(param) in owner:
             aliases[name] = owner[id(param)]
             continue
@@ -134,3 +148,23 @@ def arrival_report(arrived: dict[str, torch.Tensor], capture: ProcessingCapture)
     loader received, and its layers that were not processed after loading."""
     return {"parameters": {n: list(v) for n, v in to_host(arrived).items()}, "processed": {}, "aliases": {},
             "problems": unprocessed_problems(capture), "seconds": capture.seconds}
+
+
+def adapter_report(lora_manager, lora_id: int) -> dict:
+    """``{"adapters": {name: [a, b]}, "problems": [...], "seconds": ...}``: the fingerprints of the LoRA slot
+    that holds adapter ``lora_id`` in every LoRA layer of the engine (``lora_manager``: vLLM's adapter
+    manager), where its kernels read them. Names are ``<vLLM module>.lora_a.<slice>`` and ``.lora_b.<slice>``
+    (a fused layer keeps one slice per HF projection: ``qkv_proj`` slices q, k, v)."""
+    start = time.perf_counter()
+    if lora_id not in lora_manager.lora_index_to_id:
+        return {"adapters": {}, "problems": [f"the engine holds no active slot for LoRA adapter {lora_id}"],
+                "seconds": time.perf_counter() - start}
+    slot = lora_manager.lora_index_to_id.index(lora_id)
+    prints = {}
+    for module_name, module in lora_manager.modules.items():
+        for part, stacked in (("lora_a", getattr(module, "lora_a_stacked", ())),
+                              ("lora_b", getattr(module, "lora_b_stacked", ()))):
+            for index, buffer in enumerate(stacked):
+                prints[f"{module_name}.{part}.{index}"] = fingerprint(buffer[slot])
+    return {"adapters": {n: list(v) for n, v in to_host(prints).items()}, "problems": [],
+            "seconds": time.perf_counter() - start}

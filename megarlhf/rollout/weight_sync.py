@@ -285,12 +285,16 @@ class WeightSync:
         rounding = merge_rounding(self.actor.model)
         if rounding is not None:  # LoRA: the share of the adapters' update the merged weights lost
             metrics["weight_sync/lora_merge_rounding"] = rounding
-        if self.sync_config.probe_sequences:
-            start = time.perf_counter()
-            trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
-            engine = self.engine.prompt_logprobs(self.probe)
-            worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
-            self.agree(problems, "probe forward")
-            metrics.update({"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,
-                            "time/weight_sync_probe_s": time.perf_counter() - start})
-        return metrics
+        return {**metrics, **self.probe_forward()}
+
+    def probe_forward(self) -> dict[str, float]:
+        """The probe (module docstring, step 4) after a sync; its metrics ({} without probe sequences)."""
+        if not self.sync_config.probe_sequences:
+            return {}
+        start = time.perf_counter()
+        trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)
+        engine = self.engine.prompt_logprobs(self.probe)
+        worst, mean, problems = probe_problems(trainer, engine, self.tolerances)
+        self.agree(problems, "probe forward")
+        return {"weight_sync/probe_max_abs_diff": worst, "weight_sync/probe_mean_abs_diff": mean,
+                "time/weight_sync_probe_s": time.perf_counter() - start}

@@ -28,6 +28,7 @@ import torch
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample, uses_chat_template
+from megarlhf.rollout.adapter_sync import AdapterSync, adapter_only, engine_lora
 from megarlhf.rollout.calibration import calibrate_colocated
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
@@ -63,7 +64,8 @@ def sample_seed(run_seed: int, step: int, global_offset: int, n: int) -> int:
 
 def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
     return EngineConfig.from_rollout(config.rollout, model_dtype=config.model.dtype, seed=config.seed,
-                                     max_prompt_length=config.data.max_prompt_length, in_process=in_process)
+                                     max_prompt_length=config.data.max_prompt_length, in_process=in_process,
+                                     **engine_lora(config))
 
 
 class RolloutPhase:
@@ -73,7 +75,7 @@ class RolloutPhase:
                  multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
         self.runtime, self.multi_turn = actor.runtime, multi_turn
         self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
-        self.sync = WeightSync(self.engine, actor, config)
+        self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
         self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
                                            [OffloadedModel.of(m) for m in others if not m.shares_actor])
