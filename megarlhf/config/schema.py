@@ -19,7 +19,7 @@ from megarlhf.dtypes import check_dtype_name
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossConfig
 from megarlhf.data.preference import PreferenceDataConfig
 from megarlhf.data.source import DataConfig
-from megarlhf.gates import GateConfig
+from megarlhf.gates import GateConfig, coarser_dtype
 from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig
 from parallel.config import ParallelConfig
@@ -309,8 +309,14 @@ class RunConfig:
         _check(self.rollout.tensor_parallel_size == 1,
                f"{where} verifies the engine's adapter slots of a whole (TP=1) engine: rollout.tensor_parallel_size "
                f"must be 1, got {self.rollout.tensor_parallel_size} (use weight_sync.lora='merged')")
-        _check(self.model.lora.rank <= 512, f"{where}: vLLM serves adapters of rank at most 512, model.lora.rank "
-               f"is {self.model.lora.rank}")
+        from megarlhf.rollout.engine import vllm_lora_rank
+
+        vllm_lora_rank(self.model.lora.rank)  # raises past the largest rank vLLM serves
+        engine_dtype = self.rollout.engine_dtype(self.model.dtype)
+        _check(self.rollout.weight_sync.check_checkpoint and coarser_dtype(self.model.dtype, engine_dtype) == engine_dtype,
+               f"{where} never sends the base weights, so the engine's own load of model.path must be proven equal "
+               f"to the trainer's at start-up: it needs rollout.weight_sync.check_checkpoint=true and an engine dtype "
+               f"({engine_dtype}) no finer than model.dtype ({self.model.dtype})")
 
     @property
     def eval_reward(self) -> RewardConfig | None:

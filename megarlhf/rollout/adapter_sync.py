@@ -111,19 +111,42 @@ def engine_lora(config) -> dict:
 
 
 class AdapterDirectory:
-    """Where this process writes the adapter its engine loads: a private directory in memory-backed storage
-    (``/dev/shm`` where it exists), removed when the object is collected or the process exits."""
+    """Where this process writes the adapters its engine loads: a private directory in memory-backed storage
+    (``/dev/shm`` where it exists and has room for two adapters, else the temporary directory), removed
+    when the object is collected or the process exits. Each adapter gets its own directory (vLLM may
+    reload an adapter from its path later); the previous one is removed once the next has loaded."""
 
     def __init__(self):
-        shm = Path("/dev/shm")
-        scratch = Path(tempfile.mkdtemp(prefix="megarlhf-adapter-", dir=shm if shm.is_dir() else None))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, scratch, True)
-        self.path = scratch / "policy"
+        self.scratch, self._cleanup, self.count, self.current = None, None, 0, None
+
+    def _place(self, nbytes: int) -> Path:
+        if self.scratch is None:
+            shm = Path("/dev/shm")
+            roomy = shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes + 2**26
+            self.scratch = Path(tempfile.mkdtemp(prefix="megarlhf-adapter-", dir=shm if roomy else None))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.scratch, True)
+        self.count += 1
+        return self.scratch / f"policy-{self.count}"
 
     def load_into(self, engine, tensors: dict[str, torch.Tensor], adapter_config: dict) -> dict:
         """Writes the adapter and has ``engine`` load it; returns the engine's adapter-slot report."""
-        write_peft_adapter(tensors, adapter_config, self.path)
-        return engine.load_adapter(str(self.path))
+        path = self._place(sum(t.numel() * t.element_size() for t in tensors.values()))
+        write_peft_adapter(tensors, adapter_config, path)
+        report = engine.load_adapter(str(path))
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = path
+        return report
+
+
+def load_problems(directory: AdapterDirectory, engine, tensors: dict[str, torch.Tensor], adapter_config: dict
+                  ) -> tuple[dict, list[str]]:
+    """(report, problems) of loading ``tensors`` into ``engine``: a failed load is a problem to agree on,
+    not an exception on one rank while the others wait for the verdict."""
+    try:
+        return directory.load_into(engine, tensors, adapter_config), []
+    except Exception as err:  # noqa: BLE001 - reported to every rank through the verdict
+        return {"adapters": {}, "problems": [], "seconds": 0.0}, [f"the engine failed to load the adapter: {err}"]
 
 
 def host_adapter(actor, lora) -> dict[str, torch.Tensor]:
@@ -154,13 +177,13 @@ class AdapterSync(WeightSync):
     def sync(self) -> dict[str, float]:
         start = time.perf_counter()
         host = host_adapter(self.actor, self.lora)
-        report = self.directory.load_into(self.engine, host, self.adapter_config)
+        report, problems = load_problems(self.directory, self.engine, host, self.adapter_config)
         seconds = time.perf_counter() - start
         start = time.perf_counter()
         expected = to_host(expected_slots(host, self.fused, max_rank=self.max_rank, dtype=self.engine_dtype,
                                           scale=self.lora.scale))
         trainer_seconds = time.perf_counter() - start
-        self.agree(slot_problems(expected, report), SLOTS_CHECK)
+        self.agree(problems or slot_problems(expected, report), SLOTS_CHECK)
         metrics = adapter_metrics(host, seconds)
         metrics.update({"time/weight_sync_fingerprint_trainer_s": trainer_seconds,
                         "time/weight_sync_fingerprint_engine_s": report["seconds"]})

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from megarlhf.gates import run_tolerances
 from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapter_metrics, adapter_only,
-                                           engine_lora, expected_slots, slot_problems)
+                                           engine_lora, expected_slots, load_problems, slot_problems)
 from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_problems,
                                           checks_checkpoint, floor_problems, natural_gap, natural_sampling,
                                           trainer_fingerprints, worst_of)
@@ -276,15 +276,14 @@ class DisaggregatedRollout:
     def _serve_adapter(self, adapter_config: dict) -> None:
         """Adapter-only sync: one bucket of PEFT tensors, written and loaded as the engine's adapter, its
         slots compared with the source's prediction (megarlhf.rollout.adapter_sync); then the probe."""
-        header, buffer = self._receive_bucket()
-        report, problems = {"adapters": {}, "problems": []}, []
-        try:
-            tensors = dict(_unpack(header, buffer))
-            report = self.adapter_directory.load_into(self.engine, tensors, adapter_config)
-        except Exception as err:  # keep to the protocol so that every rank reaches the verdict
-            problems.append(f"the engine failed to load the adapter: {err}")
-        problems += slot_problems(self._channel_bcast(), report)  # the source's expected slots
-        self._verdict(problems, SLOTS_CHECK)
+        bucket = self._receive_bucket()
+        if bucket is None:
+            report, problems = {}, ["the source sent no adapter tensors"]
+        else:
+            report, problems = load_problems(self.adapter_directory, self.engine, dict(_unpack(*bucket)),
+                                             adapter_config)
+        expected = self._channel_bcast()  # the source's expected slots
+        self._verdict(problems or slot_problems(expected, report), SLOTS_CHECK)
         self._serve_probe()
 
     def _serve_probe(self) -> None:
@@ -416,16 +415,20 @@ class DisaggregatedRollout:
         source, lora = self.rank == SOURCE_RANK, self.config.model.lora
         if source:
             self._engine_layout()
-        start = time.perf_counter()
+        start, problems = time.perf_counter(), []
         tensors = peft_tensors(self.actor.model, self.actor.provider, lora)  # collective over the trainer ranks
         if source:
+            try:  # predicted before anything is sent: an error here still follows the protocol below
+                host = {name: t.detach().cpu() for name, t in tensors.items()}  # host: predicted as vLLM computes
+                expected = to_host(expected_slots(host, self.fused, max_rank=vllm_lora_rank(lora.rank),
+                                                  dtype=self.engine_dtype, scale=lora.scale))
+            except Exception as err:  # noqa: BLE001 - every rank raises with it at the verdict
+                expected, problems = {}, [f"the trainer could not predict the engines' adapter slots: {err}"]
             self._channel_bcast(("adapter", peft_config(self.actor.provider, lora, self.config.model.path)))
             self._send_bucket(list(tensors.items()))  # from the trainer's device, as weight buckets travel
-            host = {name: t.detach().cpu() for name, t in tensors.items()}  # host: predicted as vLLM computes
-            self._channel_bcast(to_host(expected_slots(host, self.fused, max_rank=vllm_lora_rank(lora.rank),
-                                                       dtype=self.engine_dtype, scale=lora.scale)))
-        self._trainer_verdict([], SLOTS_CHECK)
-        return adapter_metrics(tensors, time.perf_counter() - start)
+            self._channel_bcast(expected)
+        self._trainer_verdict(problems, SLOTS_CHECK)
+        return self._trainer_bcast(adapter_metrics(tensors, time.perf_counter() - start) if source else None)
 
     def _probe_forward(self) -> dict[str, float]:
         """Trainer ranks: the probe forward after a sync (every engine against the trainers' log-probs)."""

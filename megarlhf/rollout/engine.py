@@ -276,22 +276,24 @@ class RolloutEngine:
 
     def load_adapter(self, directory: str) -> dict:
         """Makes the PEFT adapter in ``directory`` the one every generation uses (under a new adapter id, so
-        that no cached adapter or prefix-cache entry of the previous one is reused), drops the previous
-        one, and returns the fingerprints of the adapter slot the LoRA kernels now read
+        that no cached adapter or prefix-cache entry of the previous one is reused; the previous one is
+        evicted from the engine's one slot), and returns the fingerprints of the adapter slot the LoRA kernels now read
         (:func:`~megarlhf.rollout.engine_weights.adapter_report`)."""
         from vllm.lora.request import LoRARequest
 
         if not self.config.max_lora_rank:
             raise RuntimeError("rollout engine: load_adapter needs an engine built with max_lora_rank > 0")
-        previous = self.lora_request
-        number = previous.lora_int_id + 1 if previous is not None else 1
+        number = self.lora_request.lora_int_id + 1 if self.lora_request is not None else 1
         request = LoRARequest(f"policy-{number}", number, str(directory))
-        self.llm.llm_engine.add_lora(request)
+        self.lora_request = None  # until the new one is in: a failed load leaves no adapter to generate with
+        self.llm.llm_engine.add_lora(request)  # one adapter slot: the previous adapter is evicted
         self.lora_request = request
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.llm.reset_prefix_cache()
-        return self.run_in_worker(functools.partial(_adapter_report, lora_id=number))
+        report = self.run_in_worker(functools.partial(_adapter_report, lora_id=number))
+        held = self.llm.llm_engine.list_loras()
+        if held != {number}:
+            report["problems"].append(f"the engine holds LoRA adapters {sorted(held)}, not just the new {number}")
+        return report
 
     def checkpoint_report(self) -> dict:
         """Reloads the checkpoint the engine was built from, from disk through vLLM's own loader, and

@@ -9,6 +9,8 @@ previous step's adapter, and a scale vLLM failed to fold in.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -46,16 +48,20 @@ def test_slot_problems_name_every_kind_of_difference():
     ({"lora": True, "backend": "hf"}, "needs rollout.backend='vllm'"),
     ({"lora": True, "tensor_parallel_size": 2}, "rollout.tensor_parallel_size must be 1"),
     ({"lora": True, "rank": 600}, "rank at most 512"),
+    ({"lora": True, "check_checkpoint": False}, "must be proven equal to the trainer's at start-up"),
+    ({"lora": True, "engine_dtype": "float32", "model_dtype": "bfloat16"}, "no finer than model.dtype"),
 ])
 def test_adapter_sync_refuses_what_it_cannot_verify(override, message):
     from megarlhf.data.source import DataConfig
     from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
     from parallel.lora import LoRAConfig
 
-    rollout = dict(weight_sync=WeightSyncConfig(lora="adapter"), backend=override.get("backend", "vllm"),
-                   tensor_parallel_size=override.get("tensor_parallel_size", 1))
+    rollout = dict(weight_sync=WeightSyncConfig(lora="adapter", check_checkpoint=override.get("check_checkpoint", True)),
+                   backend=override.get("backend", "vllm"), tensor_parallel_size=override.get("tensor_parallel_size", 1),
+                   dtype=override.get("engine_dtype"))
     with pytest.raises((ValueError, ConfigError), match=message):
-        RunConfig(model=ModelConfig(path="m", lora=LoRAConfig(rank=override.get("rank", 8))
+        RunConfig(model=ModelConfig(path="m", dtype=override.get("model_dtype", "float32"),
+                                    lora=LoRAConfig(rank=override.get("rank", 8))
                                                     if override.get("lora") else None),
                   data=DataConfig(train_path="t.jsonl"), rollout=RolloutConfig(**rollout))
     with pytest.raises(ValueError, match="'merged' or 'adapter'"):
@@ -120,9 +126,15 @@ def test_adapter_sync_verifies_and_the_engine_generates_with_the_adapters(tmp_pa
     assert moved > 1e-2  # ... which are not the base model's
     assert metrics["weight_sync/bytes"] < 0.2 * sum(p.numel() * 4 for p in model.parameters())
 
-    _train(model, seed=2)  # a stale engine: the second sync's directory is never rewritten
-    monkeypatch.setattr(adapter_sync, "write_peft_adapter", lambda *args, **kwargs: None)
+    _train(model, seed=2)  # a stale engine: the adapter it is pointed at is the previous step's
+    previous, write = sync.directory.current, adapter_sync.write_peft_adapter
+    monkeypatch.setattr(adapter_sync, "write_peft_adapter",
+                        lambda tensors, config, path: shutil.copytree(previous, path))
     with pytest.raises(WeightSyncError, match=r"LoRA slot model\.layers\.\d\.\S+\.lora_b\.\d differs"):
+        sync.sync()
+    monkeypatch.setattr(adapter_sync, "write_peft_adapter", write)
+    monkeypatch.setattr(sync.engine, "load_adapter", lambda path: 1 / 0)  # a failed load is a verdict, not a hang
+    with pytest.raises(WeightSyncError, match="the engine failed to load the adapter: division by zero"):
         sync.sync()
 
 
