@@ -1,8 +1,9 @@
 """Environments and tools for multi-turn, tool-calling rollouts: the environment contract and registry
-(api.py), tool-call parsers (parsers.py), the built-in ``calculator`` and ``lookup`` tools, and the
+(api.py), tool-call parsers (parsers.py), the built-in ``calculator``, ``lookup`` and ``code`` tools, and the
 time-bounded runner of one turn's tool calls (runner.py). The rollout loop itself lives in the trainer.
 """
 from megarlhf.envs import calculator as _calculator  # noqa: F401  (registers the built-in environments)
+from megarlhf.envs import code as _code  # noqa: F401
 from megarlhf.envs import lookup as _lookup  # noqa: F401
 from megarlhf.envs.api import (ENVIRONMENTS, EnvConfig, Episode, ParsedCall, ParseError, StepResult, ToolEpisode,
                                ToolError, ToolSpec, load_object, resolve_environment)
