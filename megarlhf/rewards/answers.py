@@ -24,7 +24,7 @@ import math
 import re
 from fractions import Fraction
 
-from megarlhf.rewards.api import REWARDS, RewardInput
+from megarlhf.rewards.api import REWARDS, RewardInput, in_process, preload
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS = re.compile(r"(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -81,6 +81,7 @@ def parse_number(text: str) -> Fraction | float | None:
 
 
 @REWARDS.register("exact_match")
+@in_process
 def exact_match(sample: RewardInput) -> float:
     answer = extract_final_answer(sample.response)
     if answer is None or sample.ground_truth is None:
@@ -89,6 +90,7 @@ def exact_match(sample: RewardInput) -> float:
 
 
 @REWARDS.register("numeric")
+@in_process
 def numeric(sample: RewardInput, rel_tol: float = 1e-9, abs_tol: float = 1e-9) -> float:
     answer = extract_final_answer(sample.response)
     if answer is None or sample.ground_truth is None:
@@ -107,6 +109,7 @@ def _is_number_literal(parsed: list) -> bool:
 
 
 @REWARDS.register("math_verify")
+@preload("math_verify")
 def math_verify(sample: RewardInput, require_number: bool = True) -> float:
     from math_verify import parse, verify
 

@@ -5,8 +5,8 @@ Every reward in :data:`REWARDS` (and every user function named by a dotted path)
     reward_fn(sample: RewardInput, **kwargs) -> float
 
 ``kwargs`` are the ``kwargs`` of the function's :class:`RewardSpec` in the run config. A reward is
-per sample so that one failing or hanging call costs that sample only (``runner.py`` runs them in a
-bounded thread pool). The learned reward model is not a registry entry: it scores a whole batch with a
+per sample so that one failing or hanging call costs that sample only: ``runner.py`` runs each call in a
+worker process it kills past the time limit, or, for functions declared :func:`in_process`, on a thread. The learned reward model is not a registry entry: it scores a whole batch with a
 Megatron model on every rank in lockstep, so it is a separate slot, :class:`RewardModel`, that the
 trainer fills and that :class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
 """
@@ -34,6 +34,27 @@ class RewardInput:
 
 RewardFn = Callable[..., float]
 REWARDS: Registry[RewardFn] = Registry("reward function")
+
+
+def in_process(fn: RewardFn) -> RewardFn:
+    """Declares a reward function safe and cheap on any input (bounded work, no unbounded parsing or
+    symbolic maths of the response), so that it runs on a thread of the trainer's process. Every other
+    function runs in a worker process the runner can kill (:mod:`megarlhf.process_pool`)."""
+    fn.megarlhf_in_process = True
+    return fn
+
+
+def preload(*modules: str):
+    """Declares modules a reward function imports when called (e.g. a heavy parser), which a worker process
+    imports before it takes calls, so that no call's time limit pays for the import."""
+    def mark(fn: RewardFn) -> RewardFn:
+        fn.megarlhf_preload = modules
+        return fn
+    return mark
+
+
+def runs_in_process(fn: RewardFn) -> bool:
+    return getattr(fn, "megarlhf_in_process", False) is True
 
 
 class RewardModel(Protocol):
@@ -84,7 +105,8 @@ class RewardConfig:
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_verify")])
     timeout_s: float = 10.0  # per call; a call that runs longer gets failure_reward and a report
     failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
-    num_workers: int = 4  # threads running reward calls concurrently
+    num_workers: int = 4  # threads, and worker processes, running reward calls concurrently
+    worker_memory_mb: int = 4096  # address-space limit of each reward worker process
     reward_model_path: str | None = None  # HF ...ForSequenceClassification directory (e.g. `megarlhf rm`'s export)
     reward_model_weight: float = 1.0  # weight of the reward model's score when reward_model_path is set
     # standardise the reward model's scores with the mean / std stored with it (megarlhf_reward_stats.json)
@@ -97,8 +119,10 @@ class RewardConfig:
         if not self.functions and self.reward_model_path is None:
             raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
         check_timeout(self.timeout_s, "RewardConfig.timeout_s")
-        if not (isinstance(self.num_workers, int) and self.num_workers >= 1):
-            raise ValueError(f"RewardConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
+        for name in ("num_workers", "worker_memory_mb"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"RewardConfig.{name} must be an int >= 1, got {value!r}")
         names = [spec.name for spec in self.functions]
         if len(set(names)) != len(names):
             raise ValueError(f"RewardConfig.functions names a function twice: {names}")

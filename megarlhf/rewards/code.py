@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from megarlhf.rewards.api import REWARDS, RewardInput
+from megarlhf.rewards.api import REWARDS, RewardInput, in_process
 from megarlhf.sandbox import SandboxLimits, row_tests, run_tests
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -31,6 +31,7 @@ def extract_program(response: str) -> str:
 
 
 @REWARDS.register("code_tests")
+@in_process  # the program runs in the sandbox's own child process; this call only waits for it
 def code_tests(sample: RewardInput, tests_field: str = "tests", wall_s: float = 5.0, cpu_s: int = 5,
                memory_mb: int = 512, allow_assert_tests: bool = False, allow_unisolated: bool = False) -> float:
     """Fraction of the row's tests the response's program passes (module docstring)."""

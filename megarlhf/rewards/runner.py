@@ -2,14 +2,15 @@
 
 :class:`CombinedReward` turns a :class:`~megarlhf.rewards.api.RewardConfig` into a callable
 ``samples -> RewardResult``: ``reward_i = sum_f weight_f * f(sample_i) + w_rm * reward_model(samples)_i``.
-Every call ``f(sample_i)`` runs on a :class:`RewardThreadPool` worker; a call that raises, returns
+Every call ``f(sample_i)`` runs in a worker process of a :class:`~megarlhf.process_pool.TimedProcessPool`
+(killed and replaced past ``timeout_s``), or, for a function declared
+:func:`~megarlhf.rewards.api.in_process`, on a thread; a call that raises, returns
 something other than a finite number, or runs longer than ``timeout_s`` gets ``failure_reward`` for that
 term and a :class:`RewardFailure` report (batch index, truncated prompt/response, the exception), and
 the other samples are scored as usual. Metrics: ``reward/mean``, ``reward/<name>/mean`` (unweighted),
-``reward/failures`` (raised or invalid), ``reward/timeouts`` and ``reward/abandoned_threads``.
-
-The calls run on a :class:`megarlhf.timed_calls.TimedThreadPool` (its docstring says why threads and
-how a stuck call is abandoned); ``reward/abandoned_threads`` counts the threads still stuck.
+``reward/failures`` (raised or invalid), ``reward/timeouts``, ``reward/killed_workers`` (worker processes
+killed or found dead since the start) and ``reward/abandoned_threads`` (threads of in-process functions
+still stuck in a timed-out call: :class:`megarlhf.timed_calls.TimedThreadPool`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megarlhf.errors import ConfigError
-from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward
+from megarlhf.process_pool import TimedProcessPool
+from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward, runs_in_process
 from megarlhf.timed_calls import TimedCall, TimedThreadPool
 
 logger = logging.getLogger(__name__)
@@ -77,11 +79,22 @@ class CombinedReward:
                       for spec in config.functions]
         self.reward_model = reward_model
         self.pool = TimedThreadPool(config.num_workers)
+        self.processes = TimedProcessPool(config.num_workers, "megarlhf.rewards.api:resolve_reward",
+                                          [name for name, _, fn, _ in self.terms if not runs_in_process(fn)],
+                                          memory_mb=config.worker_memory_mb)
 
     def __call__(self, samples: Sequence[RewardInput]) -> RewardResult:
         samples = list(samples)
-        calls = [[TimedCall(fn, sample, kwargs) for sample in samples] for _, _, fn, kwargs in self.terms]
-        timed_out = self.pool.run([c for row in calls for c in row], self.config.timeout_s)
+        # a function declared in_process runs on a thread; any other runs in a worker process by its name
+        calls = [[TimedCall(fn, sample, kwargs) if runs_in_process(fn) else TimedCall(name, sample, kwargs)
+                  for sample in samples] for name, _, fn, kwargs in self.terms]
+        flat = [c for row in calls for c in row]
+        threaded = [i for i, call in enumerate(flat) if callable(call.fn)]
+        timed_out = [False] * len(flat)
+        for indices, pool in ((threaded, self.pool), ([i for i in range(len(flat)) if not callable(flat[i].fn)],
+                                                      self.processes)):
+            for i, late in zip(indices, pool.run([flat[i] for i in indices], self.config.timeout_s)):
+                timed_out[i] = late
         components, failures = {}, []
         for t, (name, _, _, _) in enumerate(self.terms):
             values = []
@@ -126,11 +139,13 @@ class CombinedReward:
         metrics = {"reward/mean": sum(rewards) / n,
                    "reward/failures": float(sum(f.kind != "timeout" for f in failures)),
                    "reward/timeouts": float(sum(f.kind == "timeout" for f in failures)),
-                   "reward/abandoned_threads": float(self.pool.abandoned)}
+                   "reward/abandoned_threads": float(self.pool.abandoned),
+                   "reward/killed_workers": float(self.processes.killed)}
         for name, values in components.items():
             metrics[f"reward/{name}/mean"] = sum(values) / n
         return metrics
 
     def close(self) -> None:
-        """Stops the idle workers (abandoned ones exit when their call returns)."""
+        """Stops the workers (abandoned threads exit when their call returns)."""
         self.pool.close()
+        self.processes.close()

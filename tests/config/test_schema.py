@@ -96,7 +96,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("algorithm.estimator=ppo", r"algorithm\.estimator: unknown advantage estimator 'ppo'; known: dr_grpo, gae, grpo"),
     ("algorithm.policy_loss=clip", r"algorithm\.policy_loss: unknown policy loss 'clip'; known: cispo, gspo, ppo_clip"),
     ("algorithm.kl.estimator=k4", r"algorithm\.kl\.estimator 'k4' is not one of \['k1', 'k2', 'k3'\]"),
-    ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: exact_match, "
+    ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: code_tests, exact_match, "
                                      r"math_verify, numeric, or a dotted path"),
     # checks across sections
     ("rollout.n_samples=1",

@@ -42,10 +42,10 @@ def _guess(number: int) -> list[dict]:
 
 def test_registry_lists_known_names():
     assert {"calculator", "lookup"} <= set(ENVIRONMENTS.names())
-    with pytest.raises(ValueError, match=r"^unknown environment 'chess'; known: calculator, lookup, or a dotted "
+    with pytest.raises(ValueError, match=r"^unknown environment 'chess'; known: calculator, code, lookup, or a dotted "
                                          r"path 'pkg.module:factory'$"):
         resolve_environment("chess")
-    with pytest.raises(KeyError, match="unknown environment 'chess'; known: calculator, lookup"):
+    with pytest.raises(KeyError, match="unknown environment 'chess'; known: calculator, code, lookup"):
         ENVIRONMENTS.get("chess")
     assert resolve_environment("calculator") is ENVIRONMENTS.get("calculator")
 
@@ -78,7 +78,7 @@ def test_dotted_path_errors():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"name": "chess"}, "EnvConfig.name: unknown environment 'chess'; known: calculator, lookup"),
+    ({"name": "chess"}, "EnvConfig.name: unknown environment 'chess'; known: calculator, code, lookup"),
     ({"name": ""}, "EnvConfig.name must be a non-empty string, got ''"),
     ({"name": "calculator", "max_turns": 0}, "EnvConfig.max_turns must be an int >= 1, got 0"),
     ({"name": "calculator", "max_turns": True}, "EnvConfig.max_turns must be an int >= 1, got True"),

@@ -1,4 +1,5 @@
-"""CombinedReward: weighted sum, failure reports, timeouts with bounded wall time, reward-model slot."""
+"""CombinedReward: weighted sum, failure reports, timeouts with bounded wall time (threads for functions
+declared in_process, killable worker processes for the others), reward-model slot."""
 from __future__ import annotations
 
 import threading
@@ -7,6 +8,7 @@ import time
 import pytest
 
 from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
+from megarlhf.rewards.api import in_process
 
 # test-local reward functions, named by dotted path like a user's
 def length_reward(sample, scale=1.0):
@@ -19,6 +21,7 @@ def raising_reward(sample):
     return 1.0
 
 
+@in_process  # its kwargs hold a threading.Event: it tests the thread pool
 def sleeping_reward(sample, release: threading.Event):
     if "hang" in sample.response:
         release.wait()  # set only after the test has measured the wall time: sleeps "forever"
@@ -128,3 +131,87 @@ def test_reward_model_slot():
         CombinedReward(config)
     with pytest.raises(ValueError, match="returned 1 scores for 2 samples"):
         CombinedReward(config, reward_model=lambda s: [1.0])(_samples("a", "b"))
+
+
+# ---- worker processes: what a thread cannot bound ---------------------------------------------------------
+def hostile_reward(sample):
+    """Misbehaves as the response says; scores 3.0 otherwise."""
+    import ctypes
+    import os
+    import re
+
+    if sample.response == "regex":  # catastrophic backtracking: holds the GIL in C for ages
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    elif sample.response == "hang":
+        time.sleep(1000)
+    elif sample.response == "spin":
+        while True:
+            pass
+    elif sample.response == "segfault":
+        ctypes.string_at(0)
+    elif sample.response == "exit":
+        os._exit(3)
+    elif sample.response == "memory":
+        return float(len(bytearray(2**33)))
+    return 3.0
+
+
+def _worker_pids(reward) -> set[int]:
+    return {worker.process.pid for worker in reward.processes._workers}
+
+
+def test_hostile_calls_are_killed_in_bounded_time_and_their_workers_replaced():
+    import psutil
+
+    timeout = 1.0
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")], timeout_s=timeout,
+                                         num_workers=2, worker_memory_mb=1024))
+    assert reward(_samples("fine")).rewards == [3.0]  # the workers started (not timed: start-up is excluded)
+    first = _worker_pids(reward)
+    responses = ["regex", "fine", "hang", "spin", "segfault", "exit", "memory", "fine"]
+    start = time.monotonic()
+    result = reward(_samples(*responses))
+    wall = time.monotonic() - start
+    # 3 calls time out (1 s each) on 2 workers, and every killed worker is restarted (~0.5 s each)
+    assert wall < 3 * timeout + 6 * 2.0
+    assert result.components[f"{HERE}:hostile_reward"] == [0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]
+    kinds = {f.index: f.kind for f in result.failures}
+    assert kinds == {0: "timeout", 2: "timeout", 3: "timeout", 4: "error", 5: "error", 6: "error"}
+    messages = {f.index: f.message for f in result.failures}
+    assert "died during the call" in messages[4] and "exit code 3" in messages[5]
+    assert "MemoryError" in messages[6]  # the address-space limit: the worker survives and reports it
+    assert result.metrics["reward/killed_workers"] == 5.0 and result.metrics["reward/timeouts"] == 3.0
+    assert not first & _worker_pids(reward) or len(first & _worker_pids(reward)) <= 1
+    dead = [pid for pid in first - _worker_pids(reward) if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert dead == []  # killed workers are gone, not left running
+    assert reward(_samples("fine", "fine", "fine")).rewards == [3.0] * 3  # the pool kept its size
+    reward.close()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in _worker_pids(reward))
+
+
+@pytest.mark.slow  # ~25 s: every timed-out worker is replaced by a fresh interpreter
+def test_a_hundred_hanging_calls_leave_nothing_behind():
+    import psutil
+
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")], timeout_s=0.3,
+                                         num_workers=4))
+    threads = threading.active_count()
+    start = time.monotonic()
+    result = reward(_samples(*["hang"] * 100))
+    assert result.metrics["reward/timeouts"] == 100.0
+    assert time.monotonic() - start < 100 / 4 * (0.3 + 2.0)
+    assert threading.active_count() <= threads  # no thread is abandoned
+    children = psutil.Process().children(recursive=True)
+    assert len([c for c in children if c.status() != psutil.STATUS_ZOMBIE]) <= 4  # the 4 live workers
+    reward.close()
+
+
+def test_a_function_a_worker_cannot_import_is_named():
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")]))
+    reward.processes.names = ["no_such_module:fn"]
+    result = reward(_samples("fine"))
+    assert result.failures[0].kind == "error" and "could not start" in result.failures[0].message
+    assert "no_such_module" in result.failures[0].message
+    reward.close()

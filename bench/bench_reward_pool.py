@@ -1,0 +1,58 @@
+"""Benchmark: reward calls on threads (in-process) vs in killable worker processes, side by side.
+
+The same batch (``--batch`` GSM8K-style responses) is scored by ``math_verify`` and by ``numeric`` on
+the thread pool (what a function declared ``in_process`` uses) and on the worker-process pool (every other
+function), ``--repeats`` times each after one warm-up batch (worker start-up excluded; it is printed
+once). Prints the median seconds per batch and the ratio process / thread.
+Usage:  .venv/bin/python bench/bench_reward_pool.py [--batch 64] [--workers 4] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    from megarlhf.process_pool import TimedProcessPool
+    from megarlhf.rewards import RewardInput, resolve_reward
+    from megarlhf.timed_calls import TimedCall, TimedThreadPool
+
+    samples = [RewardInput(prompt="q", response=f"Step 1: 12 * {i} = {12 * i}. #### {12 * i + i % 3}",
+                           ground_truth=str(12 * i)) for i in range(args.batch)]
+    threads = TimedThreadPool(args.workers)
+    print(f"{args.batch} samples per batch, {args.workers} workers, median of {args.repeats} batches")
+    for name in ("numeric", "math_verify"):
+        fn = resolve_reward(name)
+        processes = TimedProcessPool(args.workers, "megarlhf.rewards.api:resolve_reward", [name])
+        start = time.perf_counter()
+        processes.run([TimedCall(name, s, {}) for s in samples[:args.workers]], 60.0)
+        startup = time.perf_counter() - start
+        threads.run([TimedCall(fn, s, {}) for s in samples], 60.0)  # warm-up: imports on first use
+        times = {"thread": [], "process": []}
+        for _ in range(args.repeats):
+            for kind in times:
+                calls = [TimedCall(fn if kind == "thread" else name, s, {}) for s in samples]
+                start = time.perf_counter()
+                (threads if kind == "thread" else processes).run(calls, 60.0)
+                times[kind].append(time.perf_counter() - start)
+                assert all(c.error is None for c in calls), [c.error for c in calls if c.error][:1]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  {name:12s} thread {med['thread'] * 1e3:8.1f} ms   process {med['process'] * 1e3:8.1f} ms   "
+              f"process / thread {med['process'] / med['thread']:5.2f}x   (worker start-up {startup:.2f} s)")
+        processes.close()
+    threads.close()
+
+
+if __name__ == "__main__":
+    main()
