@@ -54,11 +54,13 @@ def _write_frame(stream, payload: bytes) -> None:
 
 
 def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
-    """``size`` bytes from ``fd`` before ``deadline`` (monotonic); None on timeout or end of file."""
-    data = b""
+    """``size`` bytes from ``fd`` before ``deadline`` (monotonic); None on timeout or end of file. (poll, not
+    select: a trainer holds many files, and select refuses descriptors past 1023.)"""
+    data, poller = b"", select.poll()
+    poller.register(fd, select.POLLIN)
     while len(data) < size:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        if remaining <= 0 or not poller.poll(remaining * 1000):
             return None
         chunk = os.read(fd, size - len(data))
         if not chunk:
@@ -84,7 +86,8 @@ class _Worker:
         """None once the worker is ready, else why it is not."""
         fd = self.process.stdout.fileno()
         header = _read_exactly(fd, _HEADER.size, time.monotonic() + STARTUP_S)
-        body = _read_exactly(fd, _HEADER.unpack(header)[0], time.monotonic() + STARTUP_S) if header else None
+        size = _HEADER.unpack(header)[0] if header else 0
+        body = _read_exactly(fd, size, time.monotonic() + STARTUP_S) if header and size <= _MAX_REPLY else None
         try:
             reply = json.loads(body) if body is not None else {"error": f"no answer within {STARTUP_S:g} s"}
         except ValueError:
@@ -172,7 +175,10 @@ class TimedProcessPool:
             while (index := todo.get()) is not None:
                 worker = self._idle.get()
                 call = calls[index]
-                outcome = worker.call(call, cpu_s, timeout_s)
+                try:
+                    outcome = worker.call(call, cpu_s, timeout_s)
+                except Exception as exc:  # noqa: BLE001 - a worker must go back to the pool whatever happens
+                    call.error, outcome = WorkerError(f"talking to the worker failed: {exc!r}"), "dead"
                 call.done = True
                 timed_out[index] = outcome == "timeout"
                 if outcome != "ok":

@@ -215,3 +215,25 @@ def test_a_function_a_worker_cannot_import_is_named():
     assert result.failures[0].kind == "error" and "could not start" in result.failures[0].message
     assert "no_such_module" in result.failures[0].message
     reward.close()
+
+
+def test_workers_are_reached_from_a_process_holding_many_files():
+    """A trainer holds well over 1,023 descriptors (engines, checkpoints, sockets); select() refuses those,
+    which once left the pool's threads dead and the next batch waiting forever."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below what the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")], num_workers=2))
+        assert reward(_samples("fine", "fine", "fine")).rewards == [3.0] * 3
+        assert reward(_samples("fine", "fine", "fine")).rewards == [3.0] * 3
+        reward.close()
+    finally:
+        for fd in files:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
