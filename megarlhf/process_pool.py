@@ -11,8 +11,9 @@ what they declare they need (``megarlhf_preload``) before it reports ready, then
 * **wall clock**, from the moment the call is sent to a ready worker: past ``timeout_s`` the parent kills the worker
   (SIGKILL) and starts a replacement; nothing is abandoned, so nothing leaks;
 * **CPU time** per call, as many seconds as the wall clock allows (``RLIMIT_CPU`` moved forward before
-  each call; SIGXCPU ends a worker that spins past it) and **address space** per worker (``RLIMIT_AS``): a worker that dies (a limit, a
-  segfault, ``os._exit``) is replaced and its call reported as an error.
+  each call; SIGXCPU ends a worker that spins past it) and **address space** per worker
+  (``RLIMIT_AS``): a worker that dies (a limit, a segfault, ``os._exit``) is replaced and its call
+  reported as an error.
 
 Requests travel pickled (parent to worker: trusted data it made); replies are JSON (a number, or an
 error's type and message), so a compromised worker cannot send the parent a pickle to run. ``killed``

@@ -57,14 +57,15 @@ HARNESS = Path(__file__).with_name("sandbox_harness.py")
 MAX_TESTS = 1000
 _CHANNEL_BYTES = 2**20  # the most of the child's report the parent reads
 
-# Inside the new namespaces, before the program starts: every mount read-only, private tmpfs over the
+# Inside the new namespaces, before the program starts: every file system mount read-only (the kernel's
+# own, /proc, /sys, cgroups and device nodes, are not for ordinary users to write), private tmpfs over the
 # world-writable directories, /tmp as the working directory. The shell stays the namespace's first
 # process (PID 1, which ignores signals it has no handler for) and runs the program as its child, so the
 # program's own signals and limits end it as anywhere else and the shell reports how (128 + signal).
-_PREPARE = ("awk '{print $2}' /proc/self/mounts | while read -r m; do mount -o remount,bind,ro \"$m\" "
-            "2>/dev/null; done; for d in /tmp /var/tmp /dev/shm /run/lock; do if [ -d \"$d\" ] && "
-            "[ ! -L \"$d\" ]; then mount -t tmpfs -o size=32m,mode=1777 tmpfs \"$d\" || exit 97; fi; done; "
-            "cd /tmp || exit 97; ")
+_PREPARE = ("awk '$4 ~ /^rw/ && $3 !~ /^(proc|sysfs|cgroup2?|devpts|devtmpfs|mqueue)$/ {print $2}' /proc/self/mounts "
+            "| while read -r m; do mount -o remount,bind,ro \"$m\" 2>/dev/null; done; "
+            "for d in /tmp /var/tmp /dev/shm /run/lock; do if [ -d \"$d\" ] && [ ! -L \"$d\" ]; then "
+            "mount -t tmpfs -o size=32m,mode=1777 tmpfs \"$d\" || exit 97; fi; done; cd /tmp || exit 97; ")
 
 
 class SandboxUnavailable(RuntimeError):

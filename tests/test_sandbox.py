@@ -1,7 +1,7 @@
 """The code sandbox (megarlhf.sandbox), the ``code_tests`` reward and the ``code`` environment.
 
 The hostile programs each run in the sandbox against the same three tests (~0.2 s each; the ones that
-must be stopped by the wall clock take its 1.5 s): each must be contained and reported, no process may
+must be stopped by the wall clock take its 3 s): each must be contained and reported, no process may
 be left behind, and the caller's files and network stay out of reach (where the machine allows the
 namespaces: ``isolation() == "namespaces"``; the test says so and checks less where it does not).
 """
@@ -19,7 +19,7 @@ from megarlhf.sandbox import CodeResult, SandboxLimits, isolation, row_tests, ru
 
 TESTS = [{"call": "square(2)", "expected": 4}, {"call": "square(-3)", "expected": 9},
          {"call": "square(0)", "expected": 0}]
-LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256, file_mb=1)
+LIMITS = SandboxLimits(wall_s=3, cpu_s=1, memory_mb=256, file_mb=1)  # room for a start on a loaded machine
 NAMESPACES = isolation() == "namespaces"
 SOLVES = "def square(x):\n    return x * x\n"
 
@@ -116,10 +116,10 @@ def test_without_namespaces_it_refuses_unless_allowed(monkeypatch):
     monkeypatch.setattr(sandbox, "_sandbox", lambda: ("none", sys.executable))
     with pytest.raises(sandbox.SandboxUnavailable, match="allow_unisolated"):
         run_tests(SOLVES, TESTS, LIMITS)
-    result = run_tests(SOLVES, TESTS, SandboxLimits(wall_s=1.5, cpu_s=1, allow_unisolated=True))
+    unisolated = SandboxLimits(wall_s=8, cpu_s=1, allow_unisolated=True)
+    result = run_tests(SOLVES, TESTS, unisolated)
     assert (result.passed, result.isolation) == (3, "none")
-    assert run_tests("while True:\n    pass\n", TESTS, SandboxLimits(wall_s=1.5, cpu_s=1,
-                                                                     allow_unisolated=True)).status == "cpu_limit"
+    assert run_tests("while True:\n    pass\n", TESTS, unisolated).status == "cpu_limit"
     _no_process_left()
 
 
@@ -139,7 +139,8 @@ def test_the_namespaces_keep_the_program_in(name, program, tmp_path):
     result = run_tests(program + SOLVES, TESTS, LIMITS)
     assert result.isolation == "namespaces"
     for directory in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/etc", "/usr"):
-        assert not Path(directory, "megarlhf-sandbox-escape").exists() and not Path(directory, "megarlhf-escape").exists()
+        for name in ("megarlhf-sandbox-escape", "megarlhf-escape"):
+            assert not Path(directory, name).exists()
     if name == "opens a socket" or name == "lists the machine's processes":
         assert result.solution_error is not None and result.passed == 0  # no network; only its own processes
     else:
@@ -162,9 +163,10 @@ def test_as_root_the_program_cannot_read_private_files():
 def test_concurrent_runs_finish_within_their_bound():
     programs = [SOLVES, "while True:\n    pass\n", "import time\ntime.sleep(1000)\n", SOLVES] * 2
     start = time.monotonic()
+    limits = SandboxLimits(wall_s=4, cpu_s=1)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda p: run_tests(p, TESTS, LIMITS), programs))
-    assert time.monotonic() - start < 2 * (LIMITS.wall_s + 2.0)
+        results = list(pool.map(lambda p: run_tests(p, TESTS, limits), programs))
+    assert time.monotonic() - start < 2 * (limits.wall_s + 2.0)
     assert [r.passed for r in results] == [3, 0, 0, 3] * 2
     _no_process_left()
 

@@ -4,11 +4,12 @@ Every reward in :data:`REWARDS` (and every user function named by a dotted path)
 
     reward_fn(sample: RewardInput, **kwargs) -> float
 
-``kwargs`` are the ``kwargs`` of the function's :class:`RewardSpec` in the run config. A reward is
-per sample so that one failing or hanging call costs that sample only: ``runner.py`` runs each call in a
-worker process it kills past the time limit, or, for functions declared :func:`in_process`, on a thread. The learned reward model is not a registry entry: it scores a whole batch with a
-Megatron model on every rank in lockstep, so it is a separate slot, :class:`RewardModel`, that the
-trainer fills and that :class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
+``kwargs`` are the ``kwargs`` of the function's :class:`RewardSpec` in the run config. A reward is per
+sample so that one failing or hanging call costs that sample only: ``runner.py`` runs each call in a
+worker process it kills past the time limit, or, for functions declared :func:`in_process`, on a thread.
+The learned reward model is not a registry entry: it scores a whole batch with a Megatron model on every
+rank in lockstep, so it is a separate slot, :class:`RewardModel`, that the trainer fills and that
+:class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
 """
 from __future__ import annotations
 
