@@ -139,8 +139,8 @@ def test_the_namespaces_keep_the_program_in(name, program, tmp_path):
     result = run_tests(program + SOLVES, TESTS, LIMITS)
     assert result.isolation == "namespaces"
     for directory in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/etc", "/usr"):
-        for name in ("megarlhf-sandbox-escape", "megarlhf-escape"):
-            assert not Path(directory, name).exists()
+        for leftover in ("megarlhf-sandbox-escape", "megarlhf-escape"):
+            assert not Path(directory, leftover).exists()
     if name == "opens a socket" or name == "lists the machine's processes":
         assert result.solution_error is not None and result.passed == 0  # no network; only its own processes
     else:
