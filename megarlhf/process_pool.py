@@ -70,6 +70,18 @@ def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
     return data
 
 
+def _read_frame(fd: int, deadline: float) -> bytes | str | None:
+    """One reply from ``fd`` before ``deadline``: its bytes, None on timeout or end of file, or why it is
+    refused (a text) when it is larger than _MAX_REPLY."""
+    header = _read_exactly(fd, _HEADER.size, deadline)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > _MAX_REPLY:
+        return f"the worker's reply has {size} bytes (at most {_MAX_REPLY})"
+    return _read_exactly(fd, size, deadline)
+
+
 class _Worker:
     """One child process and its pipes. It resolves every name and imports what the functions declare they
     need (``megarlhf_preload``) before it reports ready, so that no call's clock pays for imports."""
@@ -85,12 +97,10 @@ class _Worker:
 
     def _wait_ready(self) -> str | None:
         """None once the worker is ready, else why it is not."""
-        fd = self.process.stdout.fileno()
-        header = _read_exactly(fd, _HEADER.size, time.monotonic() + STARTUP_S)
-        size = _HEADER.unpack(header)[0] if header else 0
-        body = _read_exactly(fd, size, time.monotonic() + STARTUP_S) if header and size <= _MAX_REPLY else None
+        body = _read_frame(self.process.stdout.fileno(), time.monotonic() + STARTUP_S)
         try:
-            reply = json.loads(body) if body is not None else {"error": f"no answer within {STARTUP_S:g} s"}
+            late = f"no answer within {STARTUP_S:g} s"
+            reply = json.loads(body) if isinstance(body, bytes) else {"error": body or late}
         except ValueError:
             reply = {"error": "an unreadable start-up reply"}
         if reply.get("error"):
@@ -110,17 +120,12 @@ class _Worker:
         except (BrokenPipeError, OSError):
             call.error = WorkerError("the worker process had died before the call")
             return "dead"
-        fd = self.process.stdout.fileno()
-        header = _read_exactly(fd, _HEADER.size, deadline)
-        if header is None:
-            return "timeout" if time.monotonic() >= deadline else self._died(call)
-        (size,) = _HEADER.unpack(header)
-        if size > _MAX_REPLY:
-            call.error = WorkerError(f"the worker's reply has {size} bytes (at most {_MAX_REPLY})")
-            return "dead"
-        body = _read_exactly(fd, size, deadline)
+        body = _read_frame(self.process.stdout.fileno(), deadline)
         if body is None:
             return "timeout" if time.monotonic() >= deadline else self._died(call)
+        if isinstance(body, str):
+            call.error = WorkerError(body)
+            return "dead"
         try:
             reply = json.loads(body)
             if "value" in reply:

@@ -86,20 +86,18 @@ class CombinedReward:
     def __call__(self, samples: Sequence[RewardInput]) -> RewardResult:
         samples = list(samples)
         # a function declared in_process runs on a thread; any other runs in a worker process by its name
-        calls = [[TimedCall(fn, sample, kwargs) if runs_in_process(fn) else TimedCall(name, sample, kwargs)
-                  for sample in samples] for name, _, fn, kwargs in self.terms]
-        flat = [c for row in calls for c in row]
-        threaded = [i for i, call in enumerate(flat) if callable(call.fn)]
-        timed_out = [False] * len(flat)
-        for indices, pool in ((threaded, self.pool), ([i for i in range(len(flat)) if not callable(flat[i].fn)],
-                                                      self.processes)):
-            for i, late in zip(indices, pool.run([flat[i] for i in indices], self.config.timeout_s)):
-                timed_out[i] = late
+        threaded = [runs_in_process(fn) for _, _, fn, _ in self.terms]
+        calls = [[TimedCall(fn if thread else name, sample, kwargs) for sample in samples]
+                 for (name, _, fn, kwargs), thread in zip(self.terms, threaded)]
+        timed_out = {}
+        for pool, thread in ((self.pool, True), (self.processes, False)):
+            batch = [call for row, in_thread in zip(calls, threaded) if in_thread == thread for call in row]
+            timed_out.update(zip(map(id, batch), pool.run(batch, self.config.timeout_s)))
         components, failures = {}, []
-        for t, (name, _, _, _) in enumerate(self.terms):
+        for name, row in zip((term[0] for term in self.terms), calls):
             values = []
-            for i, call in enumerate(calls[t]):
-                failure = self._failure(name, i, call, timed_out[t * len(samples) + i])
+            for i, call in enumerate(row):
+                failure = self._failure(name, i, call, timed_out[id(call)])
                 if failure is not None:
                     failures.append(failure)
                 values.append(self.config.failure_reward if failure else float(call.value))

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.rollout.fingerprint import fingerprint, to_host
-from megarlhf.rollout.weight_sync import WeightSync, sync_metrics
+from megarlhf.rollout.weight_sync import WeightSync, hex_fingerprint, sync_metrics
 from model_providers import get_provider
 from model_providers.peft_adapter import PEFT_PREFIX, peft_config, peft_tensors, target_modules, write_peft_adapter
 
@@ -89,9 +89,8 @@ def slot_problems(expected: dict[str, tuple[int, int]], report: dict) -> list[st
         want = expected.get(name, (0, 0))
         if tuple(value) != tuple(want):
             what = "holds an adapter the trainer did not send" if name not in expected else "differs from the trainer's"
-            problems.append(f"engine LoRA slot {name} {what}: fingerprint "
-                            f"{'/'.join(f'{int(v):08x}' for v in value)}, trainer "
-                            f"{'/'.join(f'{int(v):08x}' for v in want)}")
+            problems.append(f"engine LoRA slot {name} {what}: fingerprint {hex_fingerprint(value)}, trainer "
+                            f"{hex_fingerprint(want)}")
     problems += [f"no engine LoRA slot holds the trainer's {name}" for name in expected if name not in held]
     return problems
 
@@ -167,7 +166,6 @@ class AdapterSync(WeightSync):
     def __init__(self, engine, actor, config):
         super().__init__(engine, actor, config)
         self.lora = config.model.lora
-        self.fused = engine.fused_parameters()
         self.max_rank = engine.config.max_lora_rank
         if not self.max_rank:
             raise ValueError("adapter sync: the rollout engine was built without LoRA (max_lora_rank=0)")

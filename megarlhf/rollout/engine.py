@@ -277,8 +277,8 @@ class RolloutEngine:
     def load_adapter(self, directory: str) -> dict:
         """Makes the PEFT adapter in ``directory`` the one every generation uses (under a new adapter id, so
         that no cached adapter or prefix-cache entry of the previous one is reused; the previous one is
-        evicted from the engine's one slot), and returns the fingerprints of the adapter slot the LoRA kernels now read
-        (:func:`~megarlhf.rollout.engine_weights.adapter_report`)."""
+        evicted from the engine's one slot), and returns the fingerprints of the adapter slot the LoRA
+        kernels now read (:func:`~megarlhf.rollout.engine_weights.adapter_report`)."""
         from vllm.lora.request import LoRARequest
 
         if not self.config.max_lora_rank:

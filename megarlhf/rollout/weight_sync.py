@@ -100,7 +100,7 @@ class ExpectedFingerprints:
         return host
 
 
-def _hex(value) -> str:
+def hex_fingerprint(value) -> str:
     return "/".join(f"{int(v):08x}" for v in value)
 
 
@@ -117,7 +117,7 @@ def compare_fingerprints(expected: dict[str, tuple[int, int]], report: dict) -> 
                 problems.append(f"engine parameter {name} ({how}) matches no tensor the trainer sent")
             elif tuple(value) != tuple(want):
                 problems.append(f"engine parameter {name} ({how}) differs from the trainer's: fingerprint "
-                                f"{_hex(value)}, trainer {_hex(want)}")
+                                f"{hex_fingerprint(value)}, trainer {hex_fingerprint(want)}")
     problems += [f"no engine parameter holds the trainer's {name}" for name in expected if name not in held]
     return problems
 
@@ -245,7 +245,8 @@ class WeightSync:
         self.runtime = actor.runtime
         hf_shapes = actor.provider.hf_tensor_shapes("lm")
         self.expected = set(hf_shapes)
-        self.placement = engine_placement(hf_shapes, engine.fused_parameters())
+        self.fused = engine.fused_parameters()
+        self.placement = engine_placement(hf_shapes, self.fused)
         self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                      longest_probe_length(config))
