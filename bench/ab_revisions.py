@@ -58,7 +58,7 @@ def worktree(revision: str, out: Path) -> Path:
 
 def run(tree: Path, recipe: str, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
     """Trains from scratch in ``run_dir``; returns the metrics records and the wall seconds."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megarlhf", "train",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "megarlhf", "train",
                str((ROOT / recipe).resolve()), f"train.steps={steps}", f"logging.run_dir={run_dir}",
                "checkpoint.resume=none", f"checkpoint.every={steps}", "eval.every=0", *overrides]
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -27,10 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 def run(args, staleness: int) -> list[dict]:
     from megarlhf.metrics import read_metrics
-    from parallel.runtime import free_port
 
     run_dir = Path(args.out).absolute() / f"staleness{staleness}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megarlhf", "train", str(ROOT / "examples/recipes/demo_grpo.yaml"), f"model.path={args.model}",
            f"data.train_path={Path(args.data) / 'train.jsonl'}", f"logging.run_dir={run_dir}",
            "rollout.placement={mode: disaggregated, num_engine_ranks: 1}", f"rollout.max_staleness={staleness}",

@@ -38,10 +38,8 @@ MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
 
 def megarlhf_command(command: str, recipe: str, overrides: list[str], nproc: int) -> list[str]:
     """``torchrun -m megarlhf COMMAND examples/recipes/RECIPE overrides`` on ``nproc`` local ranks."""
-    from parallel.runtime import free_port
-
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(free_port()), "-m", "megarlhf", command, str(RECIPES / recipe), *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            "-m", "megarlhf", command, str(RECIPES / recipe), *overrides]
 
 
 QUIET = {"PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import random
 import re
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -40,7 +39,7 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     master_addr: str
-    master_port: int
+    master_port: int  # 0 for a single process: its store binds a free port itself
     launcher: str  # "torchrun", "slurm" or "none"
 
 
@@ -51,12 +50,6 @@ def _first_slurm_host(nodelist: str) -> str:
         return "127.0.0.1"
     prefix, ranges = match.groups()
     return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -81,7 +74,7 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "none")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", 0, "none")
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> LaunchEnv:
@@ -98,19 +91,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    store = None
+    if launch.launcher == "none":
+        # Bind port 0 and keep the socket: choosing a free port first and binding it later races with any
+        # other process on the machine taking it in between (seen as EADDRINUSE in CI).
+        store = dist.TCPStore(launch.master_addr, 0, world_size=1, is_master=True,
+                              timeout=timedelta(seconds=timeout_s))
+        launch = dataclasses.replace(launch, master_port=store.port)
     # Export the rendezvous so that libraries reading env:// (vLLM, Megatron) agree with us.
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     os.environ.setdefault("RANK", str(launch.rank))
     os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
     os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    rendezvous = {"store": store} if store else {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}
+    dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timedelta(seconds=timeout_s), **rendezvous)
     return launch
 
 

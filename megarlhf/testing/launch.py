@@ -11,14 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel.runtime import free_port
-
 
 def run_torchrun(script: str | Path, nproc: int, args: list[str] | None = None,
                  timeout_s: float = 600.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Launches ``script`` on ``nproc`` local ranks; raises with the ranks' output if any rank fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(script), *(args or [])]
+           "--standalone", str(script), *(args or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env)
     if proc.returncode != 0:

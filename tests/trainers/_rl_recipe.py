@@ -10,7 +10,6 @@ from pathlib import Path
 import psutil
 
 from megarlhf.checkpoint.distributed import is_complete_checkpoint
-from parallel.runtime import free_port
 
 WORKER = Path(__file__).with_name("_worker_rl.py")
 RECIPE = """
@@ -39,8 +38,8 @@ def kill_after_checkpoint(worker: Path, args: list[str], checkpoint: Path, too_l
     """Runs ``worker args`` on 2 ranks and SIGKILLs the launcher and every worker (torchrun starts its
     workers in sessions of their own, so killing its process group alone leaves them running) as soon as
     ``checkpoint`` is complete; asserts that it was written and ``too_late`` was not."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(worker), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(worker), *args]
     job = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 900
