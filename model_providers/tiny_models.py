@@ -24,6 +24,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# CHAT_TEMPLATE with tool support as Qwen2.5's has it: tools= are written into the system turn and tool results
+# come back as a user turn in <tool_response> (for tests and demos of tool-calling prompts).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n{% elif message['role'] != 'system' %}<|im_start|>"
+    "{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 _COMMON = dict(vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-6,
                initializer_range=0.05, hidden_act="silu")
 

@@ -7,13 +7,21 @@ With a chat template (``data.chat_template``: ``auto`` uses the tokenizer's temp
 (after ``data.system_prompt`` and a blank line, if set). Prompts longer than
 ``data.max_prompt_length`` tokens are dropped, and the number dropped is logged and kept.
 
+Tools. A multi-turn run describes its environment's tools in each prompt (``describe_tools``: the row's
+metadata -> :class:`ToolDescription`). A chat template that renders tools gets them as
+``apply_chat_template(..., tools=schemas)``, the way the model saw tools in its own post-training (Qwen2.5's
+writes them into its system turn); a template that ignores ``tools=`` (SmolLM2's, the tiny models') gets
+the description's text appended to the system message (one is added if the row has none); a plain
+prompt starts with that text and a blank line. The schemas are kept on the example (``tools``), so that
+every later rendering of the conversation passes the same ``tools=``.
+
 Hand-written because this is the project's own glue between its data settings and the tokenizer.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megarlhf.data.source import DataConfig, read_records
 from megarlhf.errors import DataError
@@ -29,6 +37,19 @@ class PromptExample:
     ground_truth: Any  # the row's answer field, None if absent
     metadata: dict[str, Any] = field(default_factory=dict)  # the row's other fields
     messages: list[dict[str, str]] | None = None  # chat mode: the messages the prompt renders (None: plain)
+    tools: list[dict[str, Any]] | None = None  # the tool schemas described in the prompt (None: no tools)
+
+
+@dataclass(frozen=True)
+class ToolDescription:
+    """A row's tools: OpenAI-style function schemas (a template's ``tools=``) and the same tools as text
+    for prompts whose template does not render them."""
+
+    schemas: list[dict[str, Any]]
+    text: str
+
+
+ToolDescriber = Callable[[dict[str, Any]], ToolDescription]  # the row's metadata -> its tools
 
 
 @dataclass
@@ -83,30 +104,71 @@ def text_field(row: dict, key: str, setting: str, where: str) -> str:
     return value
 
 
-def render_prompt(row: dict, tokenizer, config: DataConfig, chat: bool, where: str) -> str:
-    """The prompt text of one row (chat template with a generation prompt, or plain text)."""
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes ``tools=`` into the prompt (a probe rendered with and
+    without a tool differs); a template that fails on ``tools=`` does not render them."""
+    probe = [{"role": "user", "content": "probe"}]
+    tool = {"type": "function", "function": {"name": "probe_tool", "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+    except Exception:  # jinja's TemplateError or a template's own raise_exception: it has no tool support
+        return False
+    return with_tools != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+
+
+def with_tool_text(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """``messages`` with ``text`` appended to the system message (inserted first when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def render_prompt(row: dict, tokenizer, config: DataConfig, chat: bool, where: str,
+                  tools: ToolDescription | None = None, template_tools: bool = False
+                  ) -> tuple[str, list[dict[str, str]] | None]:
+    """The prompt text of one row (chat template with a generation prompt, or plain text) and, in chat
+    mode, the messages it renders. ``tools``: described as the module docstring says (``template_tools``:
+    the template renders ``tools=``)."""
     if chat:
-        return tokenizer.apply_chat_template(row_messages(row, config, where), tokenize=False,
-                                             add_generation_prompt=True)
+        messages = row_messages(row, config, where)
+        if tools is not None and not template_tools:
+            messages = with_tool_text(messages, tools.text)
+        schemas = {"tools": tools.schemas} if tools is not None and template_tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **schemas), messages
     if config.messages_key is not None:
         raise DataError(f"{where}: data.messages_key is set but prompts are plain text (data.chat_template="
                         f"{config.chat_template!r}, tokenizer template: "
                         f"{'yes' if getattr(tokenizer, 'chat_template', None) else 'none'})")
     text = text_field(row, config.prompt_key, "prompt_key", where)
-    return text if config.system_prompt is None else f"{config.system_prompt}\n\n{text}"
+    if tools is not None:
+        text = f"{tools.text}\n\n{text}"
+    return (text if config.system_prompt is None else f"{config.system_prompt}\n\n{text}"), None
 
 
-def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source: str = "<rows>") -> PromptDataset:
+def _row_tools(describe_tools: ToolDescriber, metadata: dict[str, Any], where: str) -> ToolDescription:
+    try:
+        return describe_tools(dict(metadata))
+    except Exception as exc:  # the environment is user code: say which row it failed on
+        raise DataError(f"{where}: the environment could not describe its tools: {type(exc).__name__}: {exc}") from exc
+
+
+def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source: str = "<rows>",
+                         describe_tools: ToolDescriber | None = None) -> PromptDataset:
     """Renders, tokenizes and length-filters ``rows`` (see the module docstring)."""
     chat = uses_chat_template(tokenizer, config)
-    texts = [render_prompt(row, tokenizer, config, chat, f"{source} row {i}") for i, row in enumerate(rows)]
-    messages = [row_messages(row, config, f"{source} row {i}") if chat else None for i, row in enumerate(rows)]
-    # a chat template writes its own special tokens; plain text gets the tokenizer's usual ones (BOS)
-    ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
+    template_tools = chat and describe_tools is not None and template_renders_tools(tokenizer)
     skip = {config.prompt_key, config.answer_key, config.messages_key}
-    examples = [PromptExample(i, text, list(tokens), row.get(config.answer_key),
-                              {k: v for k, v in row.items() if k not in skip}, messages[i])
-                for i, (row, text, tokens) in enumerate(zip(rows, texts, ids))
+    metadata = [{k: v for k, v in row.items() if k not in skip} for row in rows]
+    tools = [None if describe_tools is None else _row_tools(describe_tools, fields, f"{source} row {i}")
+             for i, fields in enumerate(metadata)]
+    rendered = [render_prompt(row, tokenizer, config, chat, f"{source} row {i}", tools[i], template_tools)
+                for i, row in enumerate(rows)]
+    # a chat template writes its own special tokens; plain text gets the tokenizer's usual ones (BOS)
+    ids = tokenizer([text for text, _ in rendered], add_special_tokens=not chat)["input_ids"] if rendered else []
+    examples = [PromptExample(i, text, list(tokens), row.get(config.answer_key), metadata[i], messages,
+                              None if tools[i] is None else tools[i].schemas)
+                for i, (row, (text, messages), tokens) in enumerate(zip(rows, rendered, ids))
                 if len(tokens) <= config.max_prompt_length]
     dropped = len(rows) - len(examples)
     if dropped:
@@ -121,6 +183,7 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     return PromptDataset(examples, dropped, source)
 
 
-def load_prompt_dataset(path: str, tokenizer, config: DataConfig) -> PromptDataset:
+def load_prompt_dataset(path: str, tokenizer, config: DataConfig,
+                        describe_tools: ToolDescriber | None = None) -> PromptDataset:
     """The prompts of a local JSONL / Parquet / ``save_to_disk`` source."""
-    return build_prompt_dataset(read_records(path, config.split), tokenizer, config, source=str(path))
+    return build_prompt_dataset(read_records(path, config.split), tokenizer, config, str(path), describe_tools)

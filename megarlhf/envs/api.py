@@ -157,6 +157,9 @@ class EnvConfig:
     max_observation_chars: int = 2048  # longer observations are cut to this many characters
     parser: str = "tokenizer"  # tool-call format, a name in megarlhf.envs.parsers.PARSERS
     num_workers: int = 4  # threads running tool calls concurrently
+    # describe the tools in every prompt (the chat template's tools= where it renders them, else text in the
+    # system message); off when the data already describes them (megarlhf.envs.prompting)
+    describe_tools: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):
@@ -169,6 +172,8 @@ class EnvConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.describe_tools, bool):
+            raise ValueError(f"EnvConfig.describe_tools must be true or false, got {self.describe_tools!r}")
         check_timeout(self.timeout_s, "EnvConfig.timeout_s")
         from megarlhf.envs.parsers import PARSERS  # parsers import this module's types
 

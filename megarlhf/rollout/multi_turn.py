@@ -22,7 +22,8 @@ Observation tokens. Chat mode (the prompt rendered with the tokenizer's chat tem
 is re-rendered with the tool's message (``{"role": "tool", ...}``) and a generation prompt, and the
 observation is the text between the end of the model's turn and the next generation prompt's end, i.e.
 exactly what the template puts there (the end-of-turn marker when the turn stopped on a tool-call token,
-the tool turn, the assistant header). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
+the tool turn, the assistant header); every rendering passes the ``tools=`` the prompt was rendered with
+(:mod:`megarlhf.envs.prompting`). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
 
 Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn ``t`` of that episode
 uses that seed + ``t * TURN_SEED_STRIDE``, so every episode's samples depend on the run seed, the step
@@ -37,14 +38,16 @@ the environment interface.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from jinja2 import TemplateError
 
-from megarlhf.data.prompts import PromptExample
-from megarlhf.envs.api import EnvConfig, ParsedCall
+from megarlhf.data.prompts import PromptExample, template_renders_tools
+from megarlhf.envs.api import EnvConfig, ParsedCall, ToolSpec
 from megarlhf.envs.parsers import PARSERS, added_tokens
+from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import StepBatch, ToolRunner
 from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
@@ -69,6 +72,7 @@ class _Episode:
     turns: int = 0
     calls: int = 0
     turn_ids: list[int] = field(default_factory=list)  # the last turn's tokens
+    tools: list[dict] | None = None  # the tool schemas its prompt was rendered with (the template's tools=)
 
 
 class MultiTurnRollout:
@@ -87,6 +91,8 @@ class MultiTurnRollout:
         self.kept_special_ids = set(parser.special_marker_ids)
         special = {i for i, is_special in added_tokens(tokenizer).values() if is_special}
         self.dropped_special_ids = (special | set(tokenizer.all_special_ids)) - self.kept_special_ids
+        # tools= go to the template only where it renders them (one that rejects them got them as text)
+        self.template_tools = chat and config.describe_tools and template_renders_tools(tokenizer)
         if chat:
             self._check_template()
 
@@ -103,9 +109,10 @@ class MultiTurnRollout:
         sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + tuple(self.call_end_ids))
         turn = generate([p.prompt_ids for p in prompts], sampling)
         episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
-                             messages=self._start_messages(prompts[p]))
+                             messages=self._start_messages(prompts[p]), tools=prompts[p].tools)
                     for p, j in _sample_positions(turn, sampling.n)]
         handles = self.runner.start([prompts[e.prompt].metadata for e in episodes])
+        _check_described_tools(episodes, handles, prompts)
         sums = dict.fromkeys(RUNNER_METRICS, 0.0)
         running = list(range(len(episodes)))
         while True:
@@ -136,9 +143,10 @@ class MultiTurnRollout:
         every turn will be, so that a template that rewrites the model's text (trims it, adds or strips
         reasoning tags) stops the run at start-up rather than in the middle of a rollout."""
         turn = "Let me use a tool.\n"
+        tools = [ToolSpec("probe_tool", "a probe").schema()] if self.template_tools else None
         probe = _Episode(prompt=0, seed=None, messages=[{"role": "user", "content": "probe"},
                                                          {"role": "assistant", "content": turn}],
-                         turn_ids=self.tokenizer.encode(turn, add_special_tokens=False))
+                         turn_ids=self.tokenizer.encode(turn, add_special_tokens=False), tools=tools)
         try:
             self._observation_ids(probe, "probe observation")
         except (ValueError, TemplateError) as exc:  # TemplateError: the template itself refuses a tool message
@@ -214,12 +222,12 @@ class MultiTurnRollout:
         if not self.chat:
             text = f"\n<tool_response>\n{observation}\n</tool_response>\n"
             return self.tokenizer.encode(text, add_special_tokens=False)
-        template = self.tokenizer.apply_chat_template
+        tools = {"tools": episode.tools} if self.template_tools and episode.tools else {}  # as the prompt was
+        template = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **tools)
         before, turn = episode.messages[:-1], episode.messages[-1]
-        head = template(before, tokenize=False, add_generation_prompt=True)
-        closed = template(before + [turn], tokenize=False)
-        full = template(before + [turn, {"role": "tool", "content": observation}], tokenize=False,
-                        add_generation_prompt=True)
+        head = template(before, add_generation_prompt=True)
+        closed = template(before + [turn])
+        full = template(before + [turn, {"role": "tool", "content": observation}], add_generation_prompt=True)
         if not (closed.startswith(head + turn["content"]) and full.startswith(closed)):
             raise ValueError("the chat template does not render the conversation incrementally (the model's turn "
                              "re-rendered differs from its text, or adding a tool message changes earlier "
@@ -252,6 +260,18 @@ class MultiTurnRollout:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _check_described_tools(episodes: list[_Episode], handles, prompts: Sequence[PromptExample]) -> None:
+    """Each episode offers the tools its prompt describes (an environment whose tools change between the
+    prompt's rendering and the rollout would have the model call tools it was never shown)."""
+    for episode, handle in zip(episodes, handles):
+        if episode.tools is not None and tool_schemas(handle.episode.tools) != episode.tools:
+            offered = [spec.name for spec in handle.episode.tools]
+            described = [schema["function"]["name"] for schema in episode.tools]
+            raise ValueError(f"the episode of data row {prompts[episode.prompt].index} offers tools {offered} "
+                             f"that differ from those its prompt describes ({described}): an environment's tools "
+                             f"must depend on the row only")
 
 
 def _sample_positions(batch: RolloutBatch, n: int) -> list[tuple[int, int]]:

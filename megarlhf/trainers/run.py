@@ -14,6 +14,7 @@ from megarlhf.config import save_config
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
+from megarlhf.envs.prompting import tool_describer
 from megarlhf.errors import CheckpointError, DataError
 from megarlhf.training.step import prefix_sharing_notice
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
@@ -68,7 +69,9 @@ class RunContext:
         return sampler, resumed["step"]
 
     def load_prompts(self, path: str) -> PromptDataset:
-        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data)
+        env = self.config.rollout.env
+        describe = None if env is None else tool_describer(env, self.tokenizer)
+        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe)
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")

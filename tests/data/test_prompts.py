@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megarlhf.data import DataConfig, build_prompt_dataset, load_prompt_dataset
+from model_providers.tiny_models import TOOLS_CHAT_TEMPLATE
 
 ROWS = [{"question": "What is 2 + 3?", "gold": "5", "source": "hand"},
         {"question": "What is 4 * 4? " + "Think hard. " * 40, "gold": "16", "source": "hand"}]
@@ -60,3 +61,53 @@ def test_missing_field_named(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"d\.jsonl row 1: the row has no field 'question' \(data\.prompt_key\); "
                                          r"its fields: \['prompt'\]"):
         load_prompt_dataset(str(path), tokenizer, config)
+
+
+SCHEMA = {"type": "function", "function": {"name": "add", "description": "adds two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}
+
+
+def _describe(metadata):
+    from megarlhf.data.prompts import ToolDescription
+
+    return ToolDescription([SCHEMA], f"TOOLS: add ({metadata['source']})")
+
+
+def test_tools_rendered_by_a_template_that_takes_them(tokenizer):
+    import copy
+
+    from megarlhf.data.prompts import template_renders_tools
+
+    tools_tokenizer = copy.deepcopy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    assert template_renders_tools(tools_tokenizer) and not template_renders_tools(tokenizer)
+    config = DataConfig(train_path="-", prompt_key="question", answer_key="gold", system_prompt="Be brief.")
+    [example] = build_prompt_dataset(ROWS[:1], tools_tokenizer, config, describe_tools=_describe).examples
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert example.prompt == tools_tokenizer.apply_chat_template(messages, tools=[SCHEMA], tokenize=False,
+                                                                 add_generation_prompt=True)
+    assert example.prompt.startswith('<|im_start|>system\nBe brief.\n\n# Tools\n<tools>{"type": "function"')
+    assert example.messages == messages and example.tools == [SCHEMA] and "TOOLS:" not in example.prompt
+
+
+def test_tools_described_in_text_where_the_template_ignores_them(tokenizer, plain_tokenizer):
+    config = DataConfig(train_path="-", prompt_key="question", answer_key="gold")
+    [example] = build_prompt_dataset(ROWS[:1], tokenizer, config, describe_tools=_describe).examples
+    assert example.prompt.startswith("<|im_start|>system\nTOOLS: add (hand)<|im_end|>\n<|im_start|>user\n")
+    assert example.tools == [SCHEMA] and example.messages[0] == {"role": "system", "content": "TOOLS: add (hand)"}
+    briefed = DataConfig(train_path="-", prompt_key="question", answer_key="gold", system_prompt="Be brief.")
+    [example] = build_prompt_dataset(ROWS[:1], tokenizer, briefed, describe_tools=_describe).examples
+    assert example.prompt.startswith("<|im_start|>system\nBe brief.\n\nTOOLS: add (hand)<|im_end|>\n")
+    plain = DataConfig(train_path="-", prompt_key="question", answer_key="gold", chat_template="never")
+    [example] = build_prompt_dataset(ROWS[:1], plain_tokenizer, plain, describe_tools=_describe).examples
+    assert example.prompt == "TOOLS: add (hand)\n\nWhat is 2 + 3?" and example.messages is None
+
+
+def test_a_failing_tool_description_names_the_row(tokenizer):
+    def broken(metadata):
+        raise KeyError("table")
+
+    with pytest.raises(ValueError, match=r"rows\.jsonl row 0: the environment could not describe its tools: "
+                                         r"KeyError: 'table'"):
+        build_prompt_dataset(ROWS[:1], tokenizer, DataConfig(train_path="-", prompt_key="question"),
+                             source="rows.jsonl", describe_tools=broken)

@@ -3,6 +3,7 @@ loaded by dotted path and played through the runner, EnvConfig validation naming
 the config loader's key paths), ToolSpec and ToolEpisode."""
 from __future__ import annotations
 
+import json
 import pytest
 
 from megarlhf.config.loader import ConfigError, from_dict
@@ -89,6 +90,7 @@ def test_dotted_path_errors():
     ({"name": "calculator", "parser": "xml"},
      "EnvConfig.parser: unknown tool-call parser 'xml'; known: hermes, mistral, tokenizer"),
     ({"name": "calculator", "kwargs": {1: 2}}, "EnvConfig.kwargs must be a mapping with string keys, got {1: 2}"),
+    ({"name": "calculator", "describe_tools": "yes"}, "EnvConfig.describe_tools must be true or false, got 'yes'"),
 ])
 def test_env_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError) as info:
@@ -138,3 +140,13 @@ def test_timeouts_have_an_upper_bound():
         EnvConfig("calculator", timeout_s=1e300)
     with pytest.raises(ValueError, match=r"RewardConfig.timeout_s must be a finite number in \(0, 3600\]"):
         RewardConfig(functions=[RewardSpec("exact_match")], timeout_s=1e300)
+
+
+def test_tool_describer_gives_the_episode_tools_and_the_format():
+    from megarlhf.envs.prompting import tool_describer
+
+    assert tool_describer(EnvConfig("calculator", describe_tools=False), None) is None
+    description = tool_describer(EnvConfig("calculator", parser="hermes"), None)({})
+    [schema] = description.schemas
+    assert schema["type"] == "function" and schema["function"]["name"] == "calculator"
+    assert json.dumps(schema) in description.text and "<tool_call>" in description.text

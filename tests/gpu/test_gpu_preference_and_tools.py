@@ -111,7 +111,7 @@ def test_multi_turn_rollouts_bf16(runtime, tiny_llama, task, tmp_path, report):
         ENVIRONMENTS.register("gpu_scripted")(Scripted)
     records = run_rl(tiny_llama, task, tmp_path, "model.dtype=bfloat16", "rollout.max_new_tokens=16",
                      "rollout.max_response_tokens=150",
-                     "rollout.env={name: gpu_scripted, parser: gpu_every_turn, max_turns: 3}")
+                     "rollout.env={name: gpu_scripted, parser: gpu_every_turn, max_turns: 3, describe_tools: false}")
     step0 = [r for r in records if r.get("actor/loss") is not None][0]
     report("multi-turn bf16: step-0 gap max / turns per sample", f"{step0['mismatch/step0_logprob_gap_max']:.2e}/"
            f"{step0['tools/turns_mean']:.1f}", "", "observations masked")

@@ -215,3 +215,39 @@ def test_a_template_that_rewrites_the_models_turn_is_refused_at_start_up(tmp_pat
     _rollout(tokenizer)  # the plain ChatML template passes
     with pytest.raises(ConfigError, match="rollout.env: the tokenizer's chat template cannot run multi-turn"):
         _rollout(trimming)
+
+
+def test_tools_in_the_template_and_every_turn_rendered_with_them(tokenizer):
+    """With a template that renders tools= (Qwen2.5-style), the prompt holds the environment's schemas and
+    the whole sample is exactly the template's rendering of the conversation with the same tools=."""
+    import copy
+
+    from megarlhf.data import DataConfig, build_prompt_dataset
+    from megarlhf.envs.prompting import tool_describer
+    from model_providers.tiny_models import TOOLS_CHAT_TEMPLATE
+
+    tools_tokenizer = copy.deepcopy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    config = EnvConfig(name="test_add", max_turns=3, parser="hermes", timeout_s=2.0)
+    [prompt] = build_prompt_dataset([{"prompt": "What is 2 + 3?", "answer": "5"}], tools_tokenizer,
+                                    DataConfig(train_path="-"), describe_tools=tool_describer(config, tools_tokenizer))
+    schema = AddEpisode.tools[0].schema()
+    assert prompt.tools == [schema] and json.dumps(schema) in prompt.prompt
+    rollout = MultiTurnRollout(config, tools_tokenizer, chat=True, max_new_tokens=128, budget=600)
+    batch, _ = rollout.run(Script(tools_tokenizer, 0, {(0, 0): CALL}), [prompt],
+                           SamplingConfig(n=1, temperature=1.0, max_new_tokens=64, seed=0))
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5."}]
+    rendered = tools_tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False).removesuffix("\n")
+    assert tools_tokenizer.decode(batch.prompt_ids[0] + batch.response_ids[0]) == rendered
+    observation = [t for t, m in zip(batch.response_ids[0], batch.loss_masks[0]) if not m]
+    assert tools_tokenizer.decode(observation) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+                                                   "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_an_episode_offering_other_tools_than_its_prompt_describes_is_refused(tokenizer):
+    prompt = _prompts(tokenizer, 1)[0]
+    prompt.tools = [ToolSpec("multiply", "multiplies").schema()]
+    with pytest.raises(ValueError, match=r"the episode of data row 0 offers tools \['add'\] that differ from those "
+                                         r"its prompt describes \(\['multiply'\]\)"):
+        _rollout(tokenizer).run(Script(tokenizer, 0, {}), [prompt], SamplingConfig(n=1, temperature=1.0, max_new_tokens=8, seed=0))

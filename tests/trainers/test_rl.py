@@ -103,7 +103,7 @@ def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, layout, ranks,
 
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
     run_torchrun(Path(__file__).with_name("_worker_multi_turn.py"), ranks,
-                 [str(recipe), "rollout.env={name: scripted, parser: every_turn, max_turns: 3}",
+                 [str(recipe), "rollout.env={name: scripted, parser: every_turn, max_turns: 3, describe_tools: false}",
                   "rollout.max_new_tokens=8", "rollout.max_response_tokens=160", *overrides], timeout_s=1200)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     step0 = records[0]
