@@ -107,6 +107,19 @@ EnvFactory = Callable[..., Episode]  # factory(metadata: dict, **kwargs) -> Epis
 ENVIRONMENTS: Registry[EnvFactory] = Registry("environment")
 
 
+def stateless(factory: EnvFactory) -> EnvFactory:
+    """Declares that an environment's episodes keep no state between steps: ``step``'s result depends on
+    the row's metadata, the factory's kwargs, the conversation and the call only. Its calls then run in
+    worker processes the runner can kill, each on an episode made afresh for the call
+    (:mod:`megarlhf.envs.runner`); every other environment keeps its episodes in the trainer's process."""
+    factory.megarlhf_stateless = True
+    return factory
+
+
+def is_stateless(factory: EnvFactory) -> bool:
+    return getattr(factory, "megarlhf_stateless", False) is True
+
+
 class ToolEpisode:
     """An episode of stateless tools: ``functions[name](**arguments)`` returns the observation string.
 
@@ -156,7 +169,8 @@ class EnvConfig:
     timeout_s: float = 5.0  # per tool call; a call that runs longer becomes "error: ... timed out"
     max_observation_chars: int = 2048  # longer observations are cut to this many characters
     parser: str = "tokenizer"  # tool-call format, a name in megarlhf.envs.parsers.PARSERS
-    num_workers: int = 4  # threads running tool calls concurrently
+    num_workers: int = 4  # tool calls run concurrently (worker processes of a stateless environment, else threads)
+    worker_memory_mb: int = 4096  # address space of each worker process (a stateless environment's)
     # describe the tools in every prompt (the chat template's tools= where it renders them, else text in the
     # system message); off when the data already describes them (megarlhf.envs.prompting)
     describe_tools: bool = True
@@ -168,7 +182,7 @@ class EnvConfig:
             raise ValueError(f"EnvConfig.name: {_unknown_environment(self.name)}")
         if not (isinstance(self.kwargs, dict) and all(isinstance(k, str) for k in self.kwargs)):
             raise ValueError(f"EnvConfig.kwargs must be a mapping with string keys, got {self.kwargs!r}")
-        for name in ("max_turns", "max_observation_chars", "num_workers"):
+        for name in ("max_turns", "max_observation_chars", "num_workers", "worker_memory_mb"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")

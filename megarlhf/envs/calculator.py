@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec
+from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec, stateless
 
 Number = int | float
 
@@ -215,6 +215,7 @@ CALCULATOR_TOOL = ToolSpec(
 
 
 @ENVIRONMENTS.register("calculator")
+@stateless
 def calculator_env(metadata: dict, max_chars: int = 500, max_exponent10: int = 100,
                    time_limit_s: float = 0.5) -> ToolEpisode:
     """A stateless episode with one tool, ``calculator(expression)``; kwargs set the limits."""

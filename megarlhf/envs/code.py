@@ -10,7 +10,7 @@ default), so that the sandbox ends a long program before the runner gives up on 
 """
 from __future__ import annotations
 
-from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec
+from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec, stateless
 from megarlhf.sandbox import SandboxLimits, row_tests, run_tests
 
 RUN_TESTS_TOOL = ToolSpec(
@@ -22,6 +22,7 @@ RUN_TESTS_TOOL = ToolSpec(
 
 
 @ENVIRONMENTS.register("code")
+@stateless
 def code_env(metadata: dict, tests_field: str = "tests", wall_s: float = 4.0, cpu_s: int = 4, memory_mb: int = 512,
              report_chars: int = 1000, allow_unisolated: bool = False) -> ToolEpisode:
     """An episode with one tool, ``run_tests(code)``, over this row's tests (module docstring)."""

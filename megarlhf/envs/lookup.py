@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec
+from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec, stateless
 from megarlhf.errors import ConfigError, DataError
 
 
@@ -99,6 +99,7 @@ LOOKUP_TOOL = ToolSpec(
 
 
 @ENVIRONMENTS.register("lookup")
+@stateless
 def lookup_env(metadata: dict, table: Mapping[str, Any] | None = None, path: str | None = None,
                key_field: str = "key", value_field: str = "value") -> ToolEpisode:
     """A stateless episode with one tool, ``lookup(key)``, over ``table`` (a dict) or the file ``path``."""

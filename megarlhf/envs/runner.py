@@ -11,14 +11,23 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
 
 * no tool call: the episode is done (the turn is the model's answer), no observation;
 * a malformed call (:class:`~megarlhf.envs.api.ParseError`): observation ``"error: <why>"``, not done;
-* a call: ``episode.step(messages, call)`` runs on a thread of the reward runner's
-  :class:`~megarlhf.timed_calls.TimedThreadPool` (see its docstring for why threads and how a stuck
-  thread is abandoned and replaced), limited to ``timeout_s`` from the moment it starts. A step that
-  raises, returns something other than a valid :class:`~megarlhf.envs.api.StepResult` (a non-string
-  observation, a non-finite reward, ...), or times out becomes the observation ``"error: ..."`` plus a
-  :class:`ToolFailure` report; the other samples carry on. While a timed-out step is still running in
-  its abandoned thread, further calls on *that* episode are refused ("busy") rather than run
-  concurrently on the same state.
+* a call: ``episode.step(messages, call)`` runs limited to ``timeout_s`` from the moment it starts:
+
+  - an environment declared :func:`~megarlhf.envs.api.stateless` (the built-ins are): in a worker
+    process of a :class:`~megarlhf.process_pool.TimedProcessPool`, on an episode its factory makes
+    afresh for the call from the row's metadata and ``kwargs``. A call past its time, one that holds the
+    GIL, exhausts the worker's CPU time or address space (``worker_memory_mb``), crashes or exits has its
+    worker killed and replaced; nothing is left behind. Results come back as JSON, so ``info`` must be
+    JSON data;
+  - any other environment keeps its episodes (their state) in this process, and the call runs on a
+    thread of a :class:`~megarlhf.timed_calls.TimedThreadPool` (see its docstring for how a stuck
+    thread is abandoned and replaced; a thread cannot stop a call that holds the GIL). While a timed-out
+    step is still running in its abandoned thread, further calls on *that* episode are refused ("busy")
+    rather than run concurrently on the same state.
+
+  A step that raises, returns something other than a valid :class:`~megarlhf.envs.api.StepResult` (a
+  non-string observation, a non-finite reward, ...), or times out becomes the observation
+  ``"error: ..."`` plus a :class:`ToolFailure` report; the other samples carry on.
 
 Every observation is cut to ``max_observation_chars`` (a marker saying so included), and an episode is
 done after its ``max_turns``-th turn whatever the environment says. A call in that last turn is not run:
@@ -28,8 +37,9 @@ call tools it cannot use. Its outcome is done, without observation or reward, ``
 it. Metrics of one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls``
 (well-formed calls run), ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
 invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
-with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; and ``tools/abandoned_threads``
-(threads stuck right now).
+with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; ``tools/abandoned_threads``
+(threads stuck right now) and ``tools/killed_workers`` (worker processes killed or found dead since the
+runner started).
 """
 from __future__ import annotations
 
@@ -39,8 +49,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megarlhf.envs.api import EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, resolve_environment
+from megarlhf.envs.api import (EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, is_stateless,
+                               resolve_environment)
 from megarlhf.envs.parsers import PARSERS, ToolCallParser
+from megarlhf.process_pool import TimedProcessPool
 from megarlhf.timed_calls import TimedCall, TimedThreadPool
 
 logger = logging.getLogger(__name__)
@@ -56,6 +68,7 @@ class EpisodeHandle:
     index: int  # the sample's position in the list given to ToolRunner.start
     episode: Episode
     parser: ToolCallParser
+    metadata: dict[str, Any] = field(default_factory=dict)  # the row's fields the episode was made from
     turns: int = 0  # model turns seen so far
     done: bool = False
     running: Any = None  # a timed-out call whose abandoned thread may still be inside episode.step
@@ -98,6 +111,38 @@ def _run_step(episode: Episode, messages: list[Message], call: ParsedCall) -> An
     return episode.step(messages, call)
 
 
+def stateless_step(name: str):
+    """The worker-process side of a stateless environment (the pool's resolver): a function of one call
+    ``{"metadata", "kwargs", "messages", "call": {"name", "arguments"}}`` that makes the episode, runs the
+    step and returns the result's fields as JSON data, or ``{"problem": what is wrong with it}``."""
+    factory = resolve_environment(name)
+
+    def step(item: dict[str, Any]) -> dict[str, Any]:
+        episode = factory(item["metadata"], **item["kwargs"])
+        result = episode.step(item["messages"], ParsedCall(**item["call"]))
+        if (problem := _check_result(result)) is not None:
+            return {"problem": problem}
+        return {"observation": result.observation, "done": result.done, "reward": result.reward,
+                "info": result.info}
+
+    step.megarlhf_preload = getattr(factory, "megarlhf_preload", ())
+    return step
+
+
+_RESULT_FIELDS = {"observation", "done", "reward", "info"}
+
+
+def _reply_result(value: Any) -> tuple[StepResult | None, str | None]:
+    """A worker's reply (JSON data from another process: checked again) as a StepResult, or the problem."""
+    if isinstance(value, dict) and isinstance(value.get("problem"), str) and len(value) == 1:
+        return None, value["problem"]
+    if not (isinstance(value, dict) and set(value) == _RESULT_FIELDS):
+        return None, "sent a reply that is not a step result"
+    result = StepResult(**value)
+    problem = _check_result(result)
+    return (None, problem) if problem is not None else (result, None)
+
+
 def _check_result(result: Any) -> str | None:
     """None if ``result`` is a valid StepResult, else what is wrong with it."""
     if not isinstance(result, StepResult):
@@ -124,7 +169,10 @@ class ToolRunner:
         self.tokenizer = tokenizer
         self.factory = resolve_environment(config.name)
         self.make_parser = PARSERS.get(config.parser)
-        self.pool = TimedThreadPool(config.num_workers)
+        self.stateless = is_stateless(self.factory)
+        self.pool = TimedThreadPool(config.num_workers)  # a stateless environment's calls use processes
+        self.processes = TimedProcessPool(config.num_workers, f"{__name__}:stateless_step", [config.name],
+                                          memory_mb=config.worker_memory_mb)
 
     def start(self, metadata: Sequence[dict[str, Any]]) -> list[EpisodeHandle]:
         """One episode per sample (``metadata[i]`` is sample i's dataset fields). Errors name the sample."""
@@ -139,7 +187,7 @@ class ToolRunner:
             except Exception as exc:  # user code: report which environment and sample
                 raise ValueError(f"environment {self.config.name!r} could not start the episode of sample "
                                  f"{index}: {type(exc).__name__}: {exc}") from exc
-            handles.append(EpisodeHandle(index, episode, parser))
+            handles.append(EpisodeHandle(index, episode, parser, dict(fields)))
         return handles
 
     def step(self, handles: Sequence[EpisodeHandle], conversations: Sequence[list[Message]]) -> StepBatch:
@@ -164,15 +212,15 @@ class ToolRunner:
                 failures.append(ToolFailure(handle.index, parsed.name, "busy", message, _truncate(turn)))
                 outcomes[slot] = TurnOutcome(self._fit(f"error: {message}"), False, call=parsed)
             else:
-                kwargs = {"messages": [dict(m) for m in messages], "call": parsed}
-                calls.append(TimedCall(_run_step, handle.episode, kwargs))
-                slots.append(slot)
-        timed_out = self.pool.run(calls, self.config.timeout_s)
-        for call, slot, late in zip(calls, slots, timed_out):
+                calls.append(self._call(handle, messages, parsed))
+                slots.append((slot, parsed))
+        pool = self.processes if self.stateless else self.pool
+        timed_out = pool.run(calls, self.config.timeout_s)
+        for call, (slot, parsed), late in zip(calls, slots, timed_out):
             handle = handles[slot]
-            if late:
+            if late and not self.stateless:  # its thread goes on with the episode's state
                 handle.running = call
-            outcomes[slot], failure = self._outcome(handle, call, late, turns[slot])
+            outcomes[slot], failure = self._outcome(handle, call, parsed, late, turns[slot])
             if failure is not None:
                 failures.append(failure)
         for handle, outcome in zip(handles, outcomes):
@@ -182,6 +230,14 @@ class ToolRunner:
             logger.warning("%s", failure)
         return StepBatch(outcomes, failures, self._metrics(outcomes, failures))
 
+    def _call(self, handle: EpisodeHandle, messages: list[Message], parsed: ParsedCall) -> TimedCall:
+        messages = [dict(m) for m in messages]
+        if not self.stateless:
+            return TimedCall(_run_step, handle.episode, {"messages": messages, "call": parsed})
+        item = {"metadata": handle.metadata, "kwargs": self.config.kwargs, "messages": messages,
+                "call": {"name": parsed.name, "arguments": parsed.arguments}}
+        return TimedCall(self.config.name, item, {})
+
     def _model_turn(self, handle: EpisodeHandle, messages: list[Message]) -> str:
         if handle.done:
             raise ValueError(f"the episode of sample {handle.index} is done; step only running episodes")
@@ -190,17 +246,21 @@ class ToolRunner:
                              f"({{'role': 'assistant', 'content': str}}), got {messages[-1] if messages else None!r}")
         return messages[-1]["content"]
 
-    def _outcome(self, handle: EpisodeHandle, call: TimedCall, timed_out: bool,
+    def _outcome(self, handle: EpisodeHandle, call: TimedCall, parsed: ParsedCall, timed_out: bool,
                  turn: str) -> tuple[TurnOutcome, ToolFailure | None]:
-        parsed: ParsedCall = call.kwargs["call"]
+        if self.stateless:
+            result, problem = _reply_result(call.value)
+        else:
+            result, problem = call.value, _check_result(call.value)
         if timed_out:
             kind, message = "timeout", f"the call of tool {parsed.name!r} timed out after {self.config.timeout_s} s"
+        elif call.error is not None and self.stateless:  # raised in the worker, or the worker died
+            kind, message = "error", f"tool {parsed.name!r} failed: {call.error}"
         elif call.error is not None:
             kind, message = "error", f"tool {parsed.name!r} raised {type(call.error).__name__}: {call.error}"
-        elif (problem := _check_result(call.value)) is not None:
+        elif problem is not None:
             kind, message = "invalid", f"tool {parsed.name!r} {problem}"
         else:
-            result: StepResult = call.value
             observation = None if result.observation is None else self._fit(result.observation)
             reward = None if result.reward is None else float(result.reward)
             info = dict(result.info)
@@ -229,11 +289,13 @@ class ToolRunner:
             "tools/refused": float(sum("tool_error" in o.info for o in outcomes)),
             "tools/truncated": float(sum("truncated_from" in o.info for o in outcomes)),
             "tools/abandoned_threads": float(self.pool.abandoned),
+            "tools/killed_workers": float(self.processes.killed),
         }
 
     def close(self) -> None:
-        """Stops the idle workers (abandoned ones exit when their call returns)."""
+        """Stops the workers (abandoned threads exit when their call returns)."""
         self.pool.close()
+        self.processes.close()
 
 
 def _truncate(text: str) -> str:

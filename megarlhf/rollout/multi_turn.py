@@ -54,7 +54,7 @@ from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
-                  "tools/refused", "tools/truncated", "tools/abandoned_threads")
+                  "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers")
 TURN_SEED_STRIDE = 7_919_993  # a prime above any batch x samples: turn seeds never meet turn-1 seeds
 TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
 
@@ -189,7 +189,8 @@ class MultiTurnRollout:
             return []
         step = run_once(lambda: self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live]))
         for name, value in step.metrics.items():
-            sums[name] = value if name == "tools/abandoned_threads" else sums.get(name, 0.0) + value
+            gauge = name in ("tools/abandoned_threads", "tools/killed_workers")  # states, not counts per turn
+            sums[name] = value if gauge else sums.get(name, 0.0) + value
         going = []
         for i, outcome in zip(live, step.outcomes):
             episode = episodes[i]

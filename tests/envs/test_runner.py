@@ -2,11 +2,13 @@
 work), a non-string observation, a too-long observation, parse errors, answers, max_turns, and metrics."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from megarlhf.envs import EnvConfig, ParsedCall, ParseError, StepResult, ToolEpisode, ToolRunner, ToolSpec
+from megarlhf.envs.api import stateless
 
 
 def _tool(name: str, *arguments: str) -> ToolSpec:
@@ -81,7 +83,7 @@ def test_a_batch_of_every_kind(runner):
     assert batch.failures[0].turn == conversations[1][-1]["content"]
     assert batch.metrics == {"tools/calls": 4.0, "tools/errors": 2.0, "tools/timeouts": 0.0, "tools/parse_errors": 1.0,
                              "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0,
-                             "tools/not_run": 0.0}
+                             "tools/not_run": 0.0, "tools/killed_workers": 0.0}
     assert [h.done for h in handles] == [False] * 5 + [True]
     with pytest.raises(ValueError, match="the episode of sample 5 is done"):
         runner.step(handles[5:], [_call("echo", '{"text": "again"}')])
@@ -187,3 +189,116 @@ def test_calculator_end_to_end_with_the_tokenizer_parser():
         "42", "error: division by zero", str(7 ** 100)[:40 - 19] + " ...[cut: 85 chars]"]  # the marker has 19 chars
     assert batch.metrics["tools/refused"] == 1.0 and batch.metrics["tools/truncated"] == 1.0
     runner.close()
+
+
+# ---- stateless environments: their calls run in worker processes the runner kills -------------------------
+def _act(what):
+    """Misbehaves as ``what`` says; answers "fine" otherwise."""
+    import ctypes
+    import os
+    import re
+
+    if what == "regex":  # catastrophic backtracking: holds the GIL in C for ages
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    elif what == "hang":
+        time.sleep(1000)
+    elif what == "spin":
+        while True:
+            pass
+    elif what == "segfault":
+        ctypes.string_at(0)
+    elif what == "exit":
+        os._exit(3)
+    elif what == "memory":
+        return str(len(bytearray(2**33)))
+    elif what == "pid":
+        return str(os.getpid())
+    return "fine"
+
+
+@stateless
+def hostile_tools(metadata):
+    """A stateless user environment (dotted path) whose one tool misbehaves on request; ``info`` carries
+    the row's metadata, which the worker only knows from the call it was sent."""
+    episode = ToolEpisode([_tool("act", "what")], {"act": _act})
+    step = episode.step
+
+    def step_with_row(messages, call):
+        result = step(messages, call)
+        result.info["row"] = metadata["row"]
+        if call.arguments["what"] == "unjsonable":
+            result.info["set"] = {1}
+        return result
+
+    episode.step = step_with_row
+    return episode
+
+
+def _acts(*whats):
+    return [_call("act", json.dumps({"what": w})) for w in whats]
+
+
+def _worker_pids(runner) -> set[int]:
+    return {worker.process.pid for worker in runner.processes._workers}
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_stateless_tools_run_in_worker_processes_that_are_killed_in_bounded_time():
+    timeout = 1.0
+    runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", timeout_s=timeout, parser="hermes", num_workers=2,
+                                  worker_memory_mb=1024))
+    [handle] = runner.start([{"row": 7}])
+    [outcome] = runner.step([handle], _acts("pid")).outcomes
+    assert int(outcome.observation) in _worker_pids(runner) and outcome.info == {"row": 7}
+    first = _worker_pids(runner)
+    whats = ["regex", "fine", "hang", "spin", "segfault", "exit", "memory", "unjsonable", "fine"]
+    handles = runner.start([{"row": i} for i in range(len(whats))])
+    start = time.monotonic()
+    batch = runner.step(handles, _acts(*whats))
+    # 3 calls time out (1 s each) on 2 workers, and every killed worker is restarted (~0.5 s each)
+    assert time.monotonic() - start < 3 * timeout + 6 * 2.0
+    assert [o.observation for o in batch.outcomes if "failure" not in o.info] == ["fine", "fine"]
+    kinds = {f.index: f.kind for f in batch.failures}
+    assert kinds == {0: "timeout", 2: "timeout", 3: "timeout", 4: "error", 5: "error", 6: "error", 7: "error"}
+    messages = {f.index: f.message for f in batch.failures}
+    assert "died during the call" in messages[4] and "exit code 3" in messages[5]
+    assert "MemoryError" in messages[6]  # the address-space limit: the worker survives and reports it
+    assert "not JSON serializable" in messages[7]
+    assert batch.outcomes[2].observation == "error: the call of tool 'act' timed out after 1.0 s"
+    assert batch.metrics["tools/killed_workers"] == 5.0 and batch.metrics["tools/timeouts"] == 3.0
+    assert batch.metrics["tools/abandoned_threads"] == 0.0
+    assert not any(_alive(pid) for pid in first - _worker_pids(runner))  # killed workers are gone
+    again = runner.start([{"row": 1}, {"row": 2}])
+    assert [o.observation for o in runner.step(again, _acts("fine", "fine")).outcomes] == ["fine", "fine"]
+    runner.close()
+    assert not any(_alive(pid) for pid in _worker_pids(runner))
+
+
+@pytest.mark.slow  # ~25 s: every timed-out worker is replaced by a fresh interpreter
+def test_a_hundred_hanging_tool_calls_leave_nothing_behind():
+    import psutil
+    import threading
+
+    runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", timeout_s=0.3, parser="hermes", num_workers=4))
+    threads = threading.active_count()
+    start = time.monotonic()
+    batch = runner.step(runner.start([{"row": i} for i in range(100)]), _acts(*["hang"] * 100))
+    assert batch.metrics["tools/timeouts"] == 100.0 and batch.metrics["tools/killed_workers"] == 100.0
+    assert time.monotonic() - start < 100 / 4 * (0.3 + 2.0)
+    assert threading.active_count() <= threads  # no thread is abandoned
+    children = psutil.Process().children(recursive=True)
+    assert len([c for c in children if c.status() != psutil.STATUS_ZOMBIE]) <= 4  # the 4 live workers
+    runner.close()
+
+
+def test_built_in_environments_are_stateless_and_user_ones_keep_their_state_in_process():
+    from megarlhf.envs import ENVIRONMENTS
+    from megarlhf.envs.api import is_stateless
+
+    assert all(is_stateless(ENVIRONMENTS.get(name)) for name in ("calculator", "lookup", "code"))
+    assert not ToolRunner(EnvConfig(f"{HERE}:Finisher")).stateless
