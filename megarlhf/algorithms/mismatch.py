@@ -10,6 +10,16 @@ The rollout engine (vLLM) and the trainer (Megatron) compute different log-probs
   (they are constants that multiply the per-token policy loss; ``PolicyLossInputs.rollout_is_weights``)
   and 0 on padding. They are computed in log space (``exp(min(x, log cap))``) so they cannot overflow.
 * Gap masking: response tokens with ``|delta_t| > mask_threshold`` are dropped from the mask.
+
+What the weights correct, exactly. ``exp(delta_t)`` is the ratio of the trainer's (proximal) policy to
+the policy that sampled the token: kernel noise, and with ``rollout.max_staleness >= 1`` also the
+updates the trainers made since the engines' weights (``megarlhf.trainers.pipeline``). Untruncated,
+sequence-level weights would make the policy-gradient estimate unbiased for the proximal policy;
+token-level weights use the per-token ratio only (the ratios of earlier tokens are left out: lower
+variance, biased). Truncation at ``cap`` is biased whenever a true ratio exceeds ``cap`` (those samples
+count as if their ratio were ``cap``, i.e. the estimate leans towards the sampling policy), and so is gap
+masking (masked tokens give no gradient). The bias grows with the lag; ``mismatch/is_weight_mean``
+and ``mismatch/logprob_abs_diff_*`` show how far the samples are.
 * Metrics over response tokens only: ``mismatch/logprob_abs_diff_max``, ``mismatch/logprob_abs_diff_mean``,
   ``mismatch/exp_abs_diff_mean`` (mean of ``exp(|delta_t|)``), ``mismatch/masked_fraction`` (share of
   response tokens removed by gap masking) and ``mismatch/is_weight_mean`` (mean TIS weight, 1 without

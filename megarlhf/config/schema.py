@@ -284,17 +284,16 @@ class RunConfig:
                f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
                f"the response budget ({self.rollout.response_budget}: rollout.max_new_tokens, or "
                f"rollout.max_response_tokens in multi-turn rollouts)")
-        _check(self.rollout.max_staleness == 0 or not self.algorithm.dynamic_sampling.enabled,
-               "rollout.max_staleness=1 with algorithm.dynamic_sampling: DAPO's extra rounds generate with the "
-               "current weights inside the step, which the one batch in flight cannot overlap; use one or the other")
         _check(self.rollout.env is None or not self.algorithm.dynamic_sampling.enabled,
                "rollout.env (multi-turn rollouts) with algorithm.dynamic_sampling is not supported: DAPO's rounds "
                "regroup single-turn samples; turn dynamic sampling off for tool-calling runs")
         _check(self.rollout.max_staleness == 0 or self.algorithm.mismatch.tis_level is not None,
-               "rollout.max_staleness=1 samples with the policy one update behind: algorithm.mismatch.tis_level "
+               f"rollout.max_staleness={self.rollout.max_staleness} samples with weights up to that many updates "
+               "behind: algorithm.mismatch.tis_level "
                "must be 'token' or 'sequence' so that the update corrects for it (it is null)")
         _check(self.rollout.max_staleness == 0 or not self.algorithm.needs.greedy_baseline,
-               f"rollout.max_staleness=1 with algorithm.estimator={self.algorithm.estimator!r}: its greedy "
+               f"rollout.max_staleness={self.rollout.max_staleness} with algorithm.estimator="
+               f"{self.algorithm.estimator!r}: its greedy "
                f"baseline is generated inside the step with the current weights; use max_staleness=0")
         self._check_adapter_sync()
 

@@ -27,6 +27,7 @@ from megarlhf.envs.api import EnvConfig
 from megarlhf.errors import ConfigError
 
 ROLLOUT_BACKENDS = ("vllm", "hf")
+MAX_STALENESS = 16  # rollout.max_staleness: beyond this the samples say little about the trained policy
 
 
 def _check(condition: bool, message: str) -> None:
@@ -123,8 +124,9 @@ class RolloutConfig:
     # colocate (engines on every rank, trainer state offloaded around rollouts) or disaggregated
     # (engines on the last placement.num_engine_ranks ranks, weights broadcast to them)
     placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
-    # one-step off-policy training (disaggregated placement): 1 lets the engines generate the next batch
-    # with the previous weights while the trainers update; 0 is synchronous (see megarlhf.trainers.pipeline)
+    # off-policy training (disaggregated placement): k >= 1 lets the engines generate the next batch while
+    # the trainers update, with weights at most k updates older than those that train on it (the weights
+    # are synced only when the next batch would be staler); 0 is synchronous (megarlhf.trainers.pipeline)
     max_staleness: int = 0
     # multi-turn, tool-calling rollouts (megarlhf.rollout.multi_turn); None: one model turn per sample
     env: EnvConfig | None = None
@@ -147,12 +149,13 @@ class RolloutConfig:
         _check(self.temperature >= 0.0, f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
         if self.dtype is not None:
             check_dtype_name(self.dtype, "RolloutConfig.dtype")
-        _check(self.max_staleness in (0, 1),
-               f"RolloutConfig.max_staleness must be 0 (synchronous) or 1 (one-step off-policy), got "
-               f"{self.max_staleness!r}: one batch in flight is what one generation stream can overlap")
+        _check(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
+               and 0 <= self.max_staleness <= MAX_STALENESS,
+               f"RolloutConfig.max_staleness must be an int in [0, {MAX_STALENESS}] (0: synchronous; k: samples "
+               f"at most k updates old), got {self.max_staleness!r}")
         _check(self.max_staleness == 0 or self.placement.mode == "disaggregated",
-               "RolloutConfig.max_staleness=1 needs rollout.placement.mode='disaggregated': colocated engines "
-               "share the devices with the trainers, so generation and training cannot overlap")
+               f"RolloutConfig.max_staleness={self.max_staleness} needs rollout.placement.mode='disaggregated': "
+               f"colocated engines share the devices with the trainers, so generation and training cannot overlap")
         _check(self.max_staleness == 0 or self.env is None,
                "RolloutConfig.max_staleness=1 with rollout.env: one-step off-policy rollouts are single-turn (the "
                "tools of a multi-turn episode run on the trainer ranks between its turns); use max_staleness=0")

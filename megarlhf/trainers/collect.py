@@ -80,10 +80,21 @@ def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runti
     got = score_round(examples, rollout, metrics, reward, tokenizer, config, runtime)
     if not config.algorithm.dynamic_sampling.enabled:
         return got
-    rewards, metrics = got.rewards, got.metrics
+    return fill_groups(got, phase, sampler, prompts, reward, tokenizer, config, runtime, step, stop)
+
+
+def fill_groups(got: Collected, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
+                step: int, stop: tuple[int, ...], before_extra_rounds=dict) -> Collected:
+    """Dynamic sampling after the first round ``got``: the extra rounds (with the weights the engines
+    hold; collective over the trainer ranks) and the chosen groups (see the module docstring).
+    ``before_extra_rounds()`` runs once before the first extra round, if one is needed; its metrics join."""
+    offset, n = replica_offset(config, runtime), config.rollout.n_samples
+    examples, rollout, rewards, metrics = got.examples, got.rollout, got.rewards, got.metrics
     rounds = [_groups(examples, rollout, rewards, runtime)]
     found = sum(g[0] for g in rounds[0])
     while found < config.train.global_batch_size and len(rounds) <= config.algorithm.dynamic_sampling.max_extra_rounds:
+        if len(rounds) == 1:
+            metrics.update(before_extra_rounds())
         examples = [prompts[i] for i in sampler.next_batch()]
         seed = sample_seed(config.seed + len(rounds) * ROUND_SEED_STRIDE, step, offset, n)
         rollout, _ = _generate(phase, examples, config, stop, seed, False)

@@ -3,19 +3,27 @@
 ``rollout.max_staleness=0`` (:class:`SynchronousBatches`): steps 1-6 run inside the step
 (:func:`megarlhf.trainers.collect.collect`), with the weights the step starts from.
 
-``rollout.max_staleness=1`` (:class:`OffPolicyBatches`, disaggregated placement only): the engines
-generate the next step's batch while the trainers update on this one. In step ``k`` the trainers take
-batch ``k`` (launched during step ``k-1``), push their weights (those after ``k`` updates) to the engines,
-launch batch ``k+1`` and return; scoring and the update of step ``k`` then run while the engines
-generate. So batch ``k`` is sampled by the policy one update behind the one that trains on it (step 0's
-by the same one: there is no earlier step), and the weight sync is the only time generation and training
-wait for each other. The update corrects for the lag exactly as for any rollout/trainer mismatch: the
-PPO "old" log-probs are the trainer's own (the proximal policy) and the behaviour log-probs the engines
-report feed the importance-sampling correction (``algorithm.mismatch``); ``mismatch/*`` then measure the
-off-policy gap.
+``rollout.max_staleness=k >= 1`` (:class:`OffPolicyBatches`, disaggregated placement only): the engines
+generate the next step's batch while the trainers update on this one. In step ``t`` the trainers take
+batch ``t`` (launched during step ``t-1``), launch batch ``t+1`` and return; scoring and the update of
+step ``t`` then run while the engines generate. Before the launch the trainers push their weights (those
+after ``t`` updates) to the engines only if the engines' weights would otherwise be more than ``k``
+updates older than the weights that train on batch ``t+1`` (those after ``t+1`` updates). So ``k`` is a
+bound, not a fixed lag: batch ``t`` is sampled with weights between 1 and ``k`` updates behind (step 0's
+with the same ones: there is no earlier step), and with ``k=1`` the weights are synced every step, with
+``k=2`` every other step. One batch is in flight whatever ``k``: a larger ``k`` saves syncs (the only time
+generation and training wait for each other), it does not queue more batches. The update corrects for
+the lag exactly as for any rollout/trainer mismatch: the PPO "old" log-probs are the trainer's own (the
+proximal policy) and the behaviour log-probs the engines report feed the importance-sampling correction
+(``algorithm.mismatch``; its docstring says what that correction does and where it is biased);
+``mismatch/*`` then measure the off-policy gap.
 
-Metrics: ``rollout/staleness`` (updates between the sampling policy and the trained one: 0 or 1),
-``time/rollout_wait_s`` (trainers waiting for the batch), ``time/engine_generate_s`` and
+Dynamic sampling (DAPO) off-policy: batch ``t`` is scored first; its extra rounds (when too few of its
+groups are informative) are generated at once, with the engines' weights brought up to the trainers'
+(staleness 0 for those samples), and batch ``t+1`` is launched after them.
+
+Metrics: ``rollout/staleness`` (updates between the weights that sampled the batch and those that train
+on it), ``time/rollout_wait_s`` (trainers waiting for the batch), ``time/engine_generate_s`` and
 ``time/rollout_overlap_s`` (the part of the generation that ran while the trainers worked).
 
 Resume. The batch in flight when a checkpoint is written is taken from the engines first and saved in
@@ -33,7 +41,7 @@ import logging
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.rollout.config import rollout_sampling
-from megarlhf.trainers.collect import Collected, collect, replica_offset, score_round
+from megarlhf.trainers.collect import Collected, collect, fill_groups, replica_offset, score_round
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
@@ -75,28 +83,46 @@ class OffPolicyBatches:
         if self.launched is None or self.launched[0] != step:  # step 0, or a resume without the batch in flight
             again = self.regenerate[1] if self.regenerate is not None and self.regenerate[0] == step else None
             self.regenerate = None
-            metrics = self._launch(step, version=step, indices=again)
+            metrics = self._launch(step, trainer_version=step, indices=again)
         (_, version, indices), self.launched = self.launched, None
         rollout, timing = self.taken if self.taken is not None else self.phase.receive()
         self.taken = None
-        if step + 1 < self.config.train.steps:
-            metrics.update(self._launch(step + 1, version=step))  # the trainers' weights: after `step` updates
+        dynamic = self.config.algorithm.dynamic_sampling.enabled
+        if not dynamic and step + 1 < self.config.train.steps:  # launched now: it overlaps the scoring too
+            metrics.update(self._launch(step + 1, trainer_version=step))
         wait, generate = timing.get("time/rollout_wait_s", 0.0), timing.get("time/engine_generate_s", 0.0)
         metrics.update({**timing, "rollout/staleness": float(step - version),
                         "time/rollout_overlap_s": max(generate - wait, 0.0)})
         examples = [self.prompts[i] for i in indices]
-        return score_round(examples, rollout, metrics, self.reward, self.tokenizer, self.config, self.runtime)
+        got = score_round(examples, rollout, metrics, self.reward, self.tokenizer, self.config, self.runtime)
+        if not dynamic:
+            return got
+        got = fill_groups(got, self.phase, self.sampler, self.prompts, self.reward, self.tokenizer, self.config,
+                          self.runtime, step, self.stop, before_extra_rounds=lambda: self._sync_to(step))
+        if step + 1 < self.config.train.steps:
+            got.metrics.update(self._launch(step + 1, trainer_version=step))
+        return got
 
-    def _launch(self, step: int, version: int, indices: list[int] | None = None) -> dict[str, float]:
-        """Starts batch ``step`` (``indices``: its prompts, else the sampler's next batch) with the weights
-        after ``version`` updates (synced unless the engines already hold them: the batch before was
-        launched with the same version); the sync's metrics."""
-        sync = self.last_version != version
+    def _sync_to(self, version: int) -> dict[str, float]:
+        """Gives the engines the trainers' weights (after ``version`` updates) unless they hold them."""
+        if self.last_version == version:
+            return {}
+        metrics, self.last_version = self.phase.sync(), version
+        return metrics
+
+    def _launch(self, step: int, trainer_version: int, indices: list[int] | None = None) -> dict[str, float]:
+        """Starts batch ``step`` (``indices``: its prompts, else the sampler's next batch). The engines keep
+        their weights if those are at most ``max_staleness`` updates behind the weights that train on it
+        (after ``step`` updates), else they get the trainers' (after ``trainer_version`` updates); returns
+        the sync's metrics (none without a sync)."""
+        sync = self.last_version is None or step - self.last_version > self.config.rollout.max_staleness
         indices = self.sampler.next_batch() if indices is None else indices
         offset, n = replica_offset(self.config, self.runtime), self.config.rollout.n_samples
         metrics = self.phase.launch([self.prompts[i] for i in indices], rollout_sampling(self.config.rollout, self.stop),
                                     sample_seed(self.config.seed, step, offset, n), sync_weights=sync)
-        self.launched, self.last_version = (step, version, indices), version
+        if sync:
+            self.last_version = trainer_version
+        self.launched = (step, self.last_version, indices)
         return metrics
 
     def state(self, next_step: int) -> dict:

@@ -176,6 +176,12 @@ class DisaggregatedPhase:
             raise error
         return result
 
+    def sync(self) -> dict[str, float]:
+        """Pushes the trainers' weights to the engines (nothing may be in flight); the sync's metrics."""
+        if self.in_flight is not None:
+            raise RuntimeError("DisaggregatedPhase.sync: a batch is in flight; receive it first")
+        return self.rollout.sync()
+
     def launch(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                sync_weights: bool) -> dict[str, float]:
         """Syncs (unless ``sync_weights=False``) and starts generating ``prompts``; returns at once, with

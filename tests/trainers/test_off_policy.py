@@ -1,7 +1,8 @@
-"""One-step off-policy training (rollout.max_staleness=1) at 1 trainer + 1 engine rank: the engines
-generate step k+1's batch while the trainers update on step k's, every batch after step 0 is one update
-stale and the importance weights see it, the overlap is measured, and a resumed run trains on exactly the
-batch the uninterrupted one trained on (the batch in flight is saved in the checkpoint)."""
+"""Off-policy training (rollout.max_staleness=k) at 1 trainer + 1 engine rank: the engines generate step
+t+1's batch while the trainers update on step t's; with k=1 every batch after step 0 is one update stale
+and the importance weights see it, the overlap is measured, and a resumed run trains on exactly the batch
+the uninterrupted one trained on (the batch in flight is saved in the checkpoint); k=2 bounds the
+staleness and skips syncs; dynamic sampling's extra rounds sample with fresh weights."""
 import pytest
 
 from megarlhf.metrics import read_metrics
@@ -55,3 +56,31 @@ def test_resumed_run_trains_on_the_saved_batch_in_flight(uninterrupted, rl_asset
     for a, b in zip(uninterrupted, resumed):
         assert {k: v for k, v in a.items() if not k.startswith(TIMING)} == \
             {k: v for k, v in b.items() if not k.startswith(TIMING)}, a["step"]
+
+
+@pytest.mark.slow  # a 2-rank off-policy run (~50 s): make test-slow
+def test_staleness_is_a_bound_that_saves_syncs(rl_assets, tmp_path):
+    """max_staleness=2: the engines keep their weights while the next batch would be at most 2 updates
+    stale, so batch 2 is sampled with step 0's weights and the weights are pushed every other step."""
+    _run.assets = rl_assets
+    records = _run(tmp_path, "k2", "rollout.max_staleness=2")
+    assert [r["rollout/staleness"] for r in records] == [0.0, 1.0, 2.0, 1.0]
+    assert ["weight_sync/tensors" in r for r in records] == [True, False, True, False]
+    gap = records[0]["mismatch/step0_logprob_gap_max"]
+    assert all(r["mismatch/logprob_abs_diff_max"] > 100 * gap and r["mismatch/is_weight_mean"] != 1.0
+               for r in records[1:])
+
+
+@pytest.mark.slow  # a 2-rank off-policy run (~60 s): make test-slow
+def test_dynamic_sampling_off_policy_syncs_before_its_extra_rounds(rl_assets, tmp_path):
+    """exact_match on a random model: every group is uniform, so every step runs its extra round, which
+    samples with the trainers' weights (pushed first), and the next batch is launched after it."""
+    _run.assets = rl_assets
+    records = _run(tmp_path, "dapo", "algorithm.dynamic_sampling={enabled: true, max_extra_rounds: 1}",
+                   "reward.functions=[{name: exact_match}]", "algorithm.kl_mode=none")
+    assert [r["dapo/rounds"] for r in records] == [2.0] * 4
+    assert [r["rollout/staleness"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    # step 0 syncs for batch 0 (its extra round and batch 1 reuse those weights); steps 1-3 sync before
+    # their extra rounds, and batches 2-3 are launched with those weights
+    assert ["weight_sync/tensors" in r for r in records] == [True, True, True, True]
+    assert all(r["dapo/informative_groups"] == 0 and r["actor/skipped_steps"] == 1 for r in records)
