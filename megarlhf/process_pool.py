@@ -95,7 +95,7 @@ class _Worker:
                                         start_new_session=True)
         self.ready = False
 
-    def _wait_ready(self) -> str | None:
+    def wait_ready(self) -> str | None:
         """None once the worker is ready, else why it is not."""
         body = _read_frame(self.process.stdout.fileno(), time.monotonic() + STARTUP_S)
         try:
@@ -110,7 +110,7 @@ class _Worker:
 
     def call(self, call: TimedCall, cpu_s: int, timeout_s: float) -> str:
         """Runs ``call`` in this worker; sets its value or error; returns "ok", "timeout" or "dead"."""
-        if not self.ready and (problem := self._wait_ready()) is not None:
+        if not self.ready and (problem := self.wait_ready()) is not None:
             call.error = WorkerError(problem)
             return "dead"
         call.started = time.monotonic()
@@ -122,7 +122,7 @@ class _Worker:
             return "dead"
         body = _read_frame(self.process.stdout.fileno(), deadline)
         if body is None:
-            return "timeout" if time.monotonic() >= deadline else self._died(call)
+            return "timeout" if time.monotonic() >= deadline else self._died(call, deadline)
         if isinstance(body, str):
             call.error = WorkerError(body)
             return "dead"
@@ -137,8 +137,14 @@ class _Worker:
             return "dead"
         return "ok"
 
-    def _died(self, call: TimedCall) -> str:
-        code = self.process.wait()
+    def _died(self, call: TimedCall, deadline: float) -> str:
+        """The reply pipe closed before ``deadline``: the worker died, or closed its end and went on (it is
+        then given until the deadline to exit, and killed by the pool after)."""
+        try:
+            code = self.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            call.error = WorkerError("the worker process closed its reply pipe during the call")
+            return "dead"
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         call.error = WorkerError(f"the worker process died during the call ({why}: a CPU or memory limit, a crash "
                                  f"or an exit in the called function)")
@@ -163,6 +169,15 @@ class TimedProcessPool:
         self._lock = threading.Lock()
         self._idle: SimpleQueue[_Worker] = SimpleQueue()
         self._workers: list[_Worker] = []  # started when a run first needs them
+
+    def check_start(self) -> str | None:
+        """Starts a worker now and waits until it is ready: None, or why it could not start (an import, a
+        function it cannot resolve, its memory limit), for a caller to refuse before any call fails."""
+        if not self._workers:
+            self._workers.append(_Worker(self.resolver, self.names, self.memory_mb))
+            self._idle.put(self._workers[0])
+        worker = self._workers[0]
+        return None if worker.ready else worker.wait_ready()
 
     def run(self, calls: Sequence[TimedCall], timeout_s: float) -> list[bool]:
         """Runs ``calls`` (``fn``: a name for the resolver), each limited to ``timeout_s`` of wall time and

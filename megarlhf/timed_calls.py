@@ -13,12 +13,35 @@ all its threads at interpreter exit, so one hung call would stall the pool and t
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 import threading
 import time
 from queue import SimpleQueue
 from typing import Any, Callable, Sequence
 
 MAX_TIMEOUT_S = 3600.0  # the longest per-call limit a config may set (threading refuses past TIMEOUT_MAX)
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether a user call's result is a usable number: a real (bools count) whose float is finite. An int
+    too large for a float (``10**400``) is not one: ``float()`` would raise OverflowError."""
+    if not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters; an int past Python's digit limit (whose
+    repr raises ValueError) is described instead."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of more than {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_timeout(value: Any, key: str) -> None:

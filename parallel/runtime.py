@@ -98,9 +98,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
         store = dist.TCPStore(launch.master_addr, 0, world_size=1, is_master=True,
                               timeout=timedelta(seconds=timeout_s))
         launch = dataclasses.replace(launch, master_port=store.port)
-    # Export the rendezvous so that libraries reading env:// (vLLM, Megatron) agree with us.
-    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    # Export the rendezvous so that libraries reading env:// (vLLM, Megatron) agree with us; a single
+    # process's own store replaces whatever an outer job left in the environment.
+    export = os.environ.__setitem__ if store is not None else os.environ.setdefault
+    export("MASTER_ADDR", launch.master_addr)
+    export("MASTER_PORT", str(launch.master_port))
     os.environ.setdefault("RANK", str(launch.rank))
     os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
     os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))

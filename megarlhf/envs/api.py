@@ -170,10 +170,10 @@ class EnvConfig:
     max_observation_chars: int = 2048  # longer observations are cut to this many characters
     parser: str = "tokenizer"  # tool-call format, a name in megarlhf.envs.parsers.PARSERS
     num_workers: int = 4  # tool calls run concurrently (worker processes of a stateless environment, else threads)
-    worker_memory_mb: int = 4096  # address space of each worker process (a stateless environment's)
     # describe the tools in every prompt (the chat template's tools= where it renders them, else text in the
     # system message); off when the data already describes them (megarlhf.envs.prompting)
     describe_tools: bool = True
+    worker_memory_mb: int = 4096  # address space of each worker process (a stateless environment's)
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):

@@ -16,9 +16,11 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
   - an environment declared :func:`~megarlhf.envs.api.stateless` (the built-ins are): in a worker
     process of a :class:`~megarlhf.process_pool.TimedProcessPool`, on an episode its factory makes
     afresh for the call from the row's metadata and ``kwargs``. A call past its time, one that holds the
-    GIL, exhausts the worker's CPU time or address space (``worker_memory_mb``), crashes or exits has its
-    worker killed and replaced; nothing is left behind. Results come back as JSON, so ``info`` must be
-    JSON data;
+    GIL, exhausts the worker's CPU time, crashes or exits has its worker killed and replaced; nothing is
+    left behind (an allocation past ``worker_memory_mb`` raises MemoryError in the call, an error like any
+    other). Results come back as JSON, so ``info`` must be JSON data; the observation is cut in the worker.
+    A worker that cannot start (the environment does not import by its name there, or the memory limit
+    is too small for its imports) stops the run when the runner is made;
   - any other environment keeps its episodes (their state) in this process, and the call runs on a
     thread of a :class:`~megarlhf.timed_calls.TimedThreadPool` (see its docstring for how a stuck
     thread is abandoned and replaced; a thread cannot stop a call that holds the GIL). While a timed-out
@@ -44,16 +46,15 @@ runner started).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megarlhf.envs.api import (EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, is_stateless,
                                resolve_environment)
 from megarlhf.envs.parsers import PARSERS, ToolCallParser
+from megarlhf.errors import ConfigError
 from megarlhf.process_pool import TimedProcessPool
-from megarlhf.timed_calls import TimedCall, TimedThreadPool
+from megarlhf.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,13 @@ def stateless_step(name: str):
         result = episode.step(item["messages"], ParsedCall(**item["call"]))
         if (problem := _check_result(result)) is not None:
             return {"problem": problem}
-        return {"observation": result.observation, "done": result.done, "reward": result.reward,
-                "info": result.info}
+        observation, info = result.observation, dict(result.info)
+        if observation is not None:  # cut here: the reply must fit its frame, and the parent cuts alike
+            observation = fit_observation(result.observation, item["max_chars"])
+            if observation != result.observation:
+                info["truncated_from"] = len(result.observation)
+        reward = None if result.reward is None else float(result.reward)  # e.g. a numpy scalar: JSON takes floats
+        return {"observation": observation, "done": result.done, "reward": reward, "info": info}
 
     step.megarlhf_preload = getattr(factory, "megarlhf_preload", ())
     return step
@@ -135,7 +141,7 @@ _RESULT_FIELDS = {"observation", "done", "reward", "info"}
 def _reply_result(value: Any) -> tuple[StepResult | None, str | None]:
     """A worker's reply (JSON data from another process: checked again) as a StepResult, or the problem."""
     if isinstance(value, dict) and isinstance(value.get("problem"), str) and len(value) == 1:
-        return None, value["problem"]
+        return None, _truncate(value["problem"])
     if not (isinstance(value, dict) and set(value) == _RESULT_FIELDS):
         return None, "sent a reply that is not a step result"
     result = StepResult(**value)
@@ -152,10 +158,9 @@ def _check_result(result: Any) -> str | None:
     if result.observation is None and not result.done:
         return "returned no observation without ending the episode"
     if not isinstance(result.done, bool):
-        return f"returned done={result.done!r}, expected a bool"
-    if result.reward is not None and not (isinstance(result.reward, numbers.Real)
-                                          and math.isfinite(float(result.reward))):
-        return f"returned reward={result.reward!r}, expected a finite number or None"
+        return f"returned done={shown(result.done)}, expected a bool"
+    if result.reward is not None and not is_finite_number(result.reward):
+        return f"returned reward={shown(result.reward)}, expected a finite number or None"
     if not isinstance(result.info, dict):
         return f"returned info of type {type(result.info).__name__}, expected a dict"
     return None
@@ -173,6 +178,11 @@ class ToolRunner:
         self.pool = TimedThreadPool(config.num_workers)  # a stateless environment's calls use processes
         self.processes = TimedProcessPool(config.num_workers, f"{__name__}:stateless_step", [config.name],
                                           memory_mb=config.worker_memory_mb)
+        if self.stateless and (problem := self.processes.check_start()) is not None:
+            self.processes.close()  # refused now: otherwise every call would fail the same way, as observations
+            raise ConfigError(f"rollout.env: environment {config.name!r} is declared stateless, so its calls run in "
+                              f"worker processes, but {problem} (a worker imports the environment by its registered "
+                              f"name or dotted path, within rollout.env.worker_memory_mb={config.worker_memory_mb})")
 
     def start(self, metadata: Sequence[dict[str, Any]]) -> list[EpisodeHandle]:
         """One episode per sample (``metadata[i]`` is sample i's dataset fields). Errors name the sample."""
@@ -235,7 +245,8 @@ class ToolRunner:
         if not self.stateless:
             return TimedCall(_run_step, handle.episode, {"messages": messages, "call": parsed})
         item = {"metadata": handle.metadata, "kwargs": self.config.kwargs, "messages": messages,
-                "call": {"name": parsed.name, "arguments": parsed.arguments}}
+                "call": {"name": parsed.name, "arguments": parsed.arguments},
+                "max_chars": self.config.max_observation_chars}
         return TimedCall(self.config.name, item, {})
 
     def _model_turn(self, handle: EpisodeHandle, messages: list[Message]) -> str:
@@ -271,13 +282,12 @@ class ToolRunner:
         return TurnOutcome(self._fit(f"error: {message}"), False, info={"failure": kind}, call=parsed), failure
 
     def _fit(self, text: str) -> str:
-        """``text`` cut to max_observation_chars, the cut marked within that budget."""
-        limit = self.config.max_observation_chars
-        if len(text) <= limit:
-            return text
-        marker = f" ...[cut: {len(text)} chars]"
-        keep = limit - len(marker)
-        return text[:limit] if keep <= 0 else text[:keep] + marker
+        return fit_observation(text, self.config.max_observation_chars)
+
+    def gauges(self) -> dict[str, float]:
+        """The runner's state (not per-turn counts): threads stuck, workers killed since it started."""
+        return {"tools/abandoned_threads": float(self.pool.abandoned),
+                "tools/killed_workers": float(self.processes.killed)}
 
     def _metrics(self, outcomes: list[TurnOutcome], failures: list[ToolFailure]) -> dict[str, float]:
         return {
@@ -288,14 +298,22 @@ class ToolRunner:
             "tools/parse_errors": float(sum(isinstance(o.call, ParseError) for o in outcomes)),
             "tools/refused": float(sum("tool_error" in o.info for o in outcomes)),
             "tools/truncated": float(sum("truncated_from" in o.info for o in outcomes)),
-            "tools/abandoned_threads": float(self.pool.abandoned),
-            "tools/killed_workers": float(self.processes.killed),
+            **self.gauges(),
         }
 
     def close(self) -> None:
         """Stops the workers (abandoned threads exit when their call returns)."""
         self.pool.close()
         self.processes.close()
+
+
+def fit_observation(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, the cut marked within that budget."""
+    if len(text) <= limit:
+        return text
+    marker = f" ...[cut: {len(text)} chars]"
+    keep = limit - len(marker)
+    return text[:limit] if keep <= 0 else text[:keep] + marker
 
 
 def _truncate(text: str) -> str:

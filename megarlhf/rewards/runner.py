@@ -15,15 +15,13 @@ still stuck in a timed-out call: :class:`megarlhf.timed_calls.TimedThreadPool`).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megarlhf.errors import ConfigError
 from megarlhf.process_pool import TimedProcessPool
 from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward, runs_in_process
-from megarlhf.timed_calls import TimedCall, TimedThreadPool
+from megarlhf.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +59,9 @@ class RewardResult:
 
 def _check_value(value: Any) -> str | None:
     """None if ``value`` is a usable reward, else why not."""
-    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+    if is_finite_number(value):
         return None
-    return f"returned {value!r} ({type(value).__name__}), expected a finite number"
+    return f"returned {shown(value)} ({type(value).__name__}), expected a finite number"
 
 
 class CombinedReward:

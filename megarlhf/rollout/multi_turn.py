@@ -44,8 +44,8 @@ from typing import Callable, Sequence
 
 from jinja2 import TemplateError
 
-from megarlhf.data.prompts import PromptExample, template_renders_tools
-from megarlhf.envs.api import EnvConfig, ParsedCall, ToolSpec
+from megarlhf.data.prompts import PROBE_TOOL, PromptExample, template_renders_tools
+from megarlhf.envs.api import EnvConfig, ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import StepBatch, ToolRunner
@@ -113,7 +113,7 @@ class MultiTurnRollout:
                     for p, j in _sample_positions(turn, sampling.n)]
         handles = self.runner.start([prompts[e.prompt].metadata for e in episodes])
         _check_described_tools(episodes, handles, prompts)
-        sums = dict.fromkeys(RUNNER_METRICS, 0.0)
+        sums = {**dict.fromkeys(RUNNER_METRICS, 0.0), **self.runner.gauges()}
         running = list(range(len(episodes)))
         while True:
             self._take_turns([episodes[i] for i in running], turn)
@@ -143,7 +143,7 @@ class MultiTurnRollout:
         every turn will be, so that a template that rewrites the model's text (trims it, adds or strips
         reasoning tags) stops the run at start-up rather than in the middle of a rollout."""
         turn = "Let me use a tool.\n"
-        tools = [ToolSpec("probe_tool", "a probe").schema()] if self.template_tools else None
+        tools = [PROBE_TOOL] if self.template_tools else None
         probe = _Episode(prompt=0, seed=None, messages=[{"role": "user", "content": "probe"},
                                                          {"role": "assistant", "content": turn}],
                          turn_ids=self.tokenizer.encode(turn, add_special_tokens=False), tools=tools)
@@ -223,7 +223,7 @@ class MultiTurnRollout:
         if not self.chat:
             text = f"\n<tool_response>\n{observation}\n</tool_response>\n"
             return self.tokenizer.encode(text, add_special_tokens=False)
-        tools = {"tools": episode.tools} if self.template_tools and episode.tools else {}  # as the prompt was
+        tools = {"tools": episode.tools} if self.template_tools and episode.tools is not None else {}  # as the prompt
         template = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, **tools)
         before, turn = episode.messages[:-1], episode.messages[-1]
         head = template(before, add_generation_prompt=True)

@@ -213,6 +213,8 @@ def _act(what):
         return str(len(bytearray(2**33)))
     elif what == "pid":
         return str(os.getpid())
+    elif what == "huge":  # ~2.4 MB of JSON: more than a reply frame may carry, unless cut first
+        return "\u4e00" * 400_000
     return "fine"
 
 
@@ -302,3 +304,45 @@ def test_built_in_environments_are_stateless_and_user_ones_keep_their_state_in_p
 
     assert all(is_stateless(ENVIRONMENTS.get(name)) for name in ("calculator", "lookup", "code"))
     assert not ToolRunner(EnvConfig(f"{HERE}:Finisher")).stateless
+
+
+def test_a_long_observation_is_cut_in_the_worker_not_lost_with_it():
+    runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", parser="hermes", max_observation_chars=50))
+    [outcome] = runner.step(runner.start([{"row": 0}]), _acts("huge")).outcomes
+    assert len(outcome.observation) == 50 and outcome.observation.endswith("...[cut: 400000 chars]")
+    assert outcome.info == {"row": 0, "truncated_from": 400_000} and runner.processes.killed == 0
+    runner.close()
+
+
+def test_a_stateless_environment_whose_workers_cannot_start_is_refused_when_the_runner_is_made():
+    from megarlhf.envs import ENVIRONMENTS
+    from megarlhf.errors import ConfigError
+
+    ENVIRONMENTS.register("made_at_run_time")(stateless(hostile_tools))  # unknown in a fresh interpreter
+    try:
+        with pytest.raises(ConfigError, match=r"environment 'made_at_run_time' is declared stateless, so its calls "
+                                              r"run in worker processes, but the worker process could not start: "
+                                              r".*unknown environment 'made_at_run_time'"):
+            ToolRunner(EnvConfig("made_at_run_time", parser="hermes"))
+    finally:
+        ENVIRONMENTS._entries.pop("made_at_run_time", None)
+
+
+class HugeReward:
+    """Rewards every call with an int too large for a float."""
+
+    tools = [_tool("finish")]
+
+    def __init__(self, metadata):
+        pass
+
+    def step(self, messages, call):
+        return StepResult("ok", reward=10**5000)
+
+
+def test_an_integer_reward_too_large_for_a_float_is_an_invalid_result():
+    # float() of such an int raises OverflowError and its repr ValueError: the result check crashed the rollout
+    runner = ToolRunner(EnvConfig(f"{HERE}:HugeReward", parser="hermes"))
+    batch = runner.step(runner.start([{}]), [_call("finish")])
+    assert [f.kind for f in batch.failures] == ["invalid"] and "reward=an int of more than" in batch.failures[0].message
+    runner.close()

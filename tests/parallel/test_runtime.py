@@ -73,23 +73,23 @@ def test_single_process_init_and_reproducible_seeding():
     assert proc.stdout.strip().endswith("OK")
 
 
-def test_single_process_init_survives_its_port_being_taken():
-    # CI failed once with EADDRINUSE: runtime.free_port chose a free port that was taken before init bound
-    # it. Making free_port return a taken port makes that race certain; the store must bind its own port
-    # (free_port no longer exists, so the patch below only matters to the code it once failed on).
+def test_single_process_init_binds_its_own_port_and_exports_it():
+    # CI failed once with EADDRINUSE: the old runtime chose a free port and bound it later, and another
+    # process took it in between. A single process now binds port 0; a MASTER_PORT left by an outer job
+    # (here: a port that is taken) neither stops it nor stays exported for env:// readers (vLLM).
     script = textwrap.dedent("""
         import os, socket
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
             os.environ.pop(k, None)
-        import parallel.runtime as runtime
         taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        runtime.free_port = lambda: taken.getsockname()[1]
-        launch = runtime.init_distributed()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "10.255.255.1", str(taken.getsockname()[1])
+        from parallel.runtime import init_distributed
+        launch = init_distributed()
         import torch.distributed as dist
         assert dist.get_world_size() == 1 and launch.master_port not in (0, taken.getsockname()[1])
-        assert os.environ["MASTER_PORT"] == str(launch.master_port)
+        assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", str(launch.master_port))
         dist.destroy_process_group()
         print("OK")
     """)

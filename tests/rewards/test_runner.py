@@ -237,3 +237,35 @@ def test_workers_are_reached_from_a_process_holding_many_files():
         for fd in files:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def closing_reward(sample):
+    """Closes the worker's reply pipe (fd 1) and stays alive."""
+    import os
+
+    os.close(1)
+    time.sleep(1000)
+
+
+def test_a_worker_that_closes_its_reply_pipe_is_killed_at_the_deadline():
+    # the parent read end-of-file and waited for the worker to exit, with no time limit: forever
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:closing_reward")], timeout_s=1.0))
+    done = []
+    thread = threading.Thread(target=lambda: done.append(reward(_samples("any"))), daemon=True)
+    thread.start()
+    thread.join(timeout=20.0)
+    assert done, "the reward call did not return"
+    [failure] = done[0].failures
+    assert failure.kind == "error" and "closed its reply pipe" in failure.message
+    assert done[0].metrics["reward/killed_workers"] == 1.0
+    reward.close()
+
+
+def huge_reward(sample):
+    return 10**400
+
+
+def test_an_integer_too_large_for_a_float_is_an_invalid_reward():
+    # float(10**400) raises OverflowError: the check itself crashed the runner
+    result = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:huge_reward")]))(_samples("any"))
+    assert result.rewards == [0.0] and result.failures[0].kind == "invalid"

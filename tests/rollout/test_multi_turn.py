@@ -234,8 +234,12 @@ def test_tools_in_the_template_and_every_turn_rendered_with_them(tokenizer):
     schema = AddEpisode.tools[0].schema()
     assert prompt.tools == [schema] and json.dumps(schema) in prompt.prompt
     rollout = MultiTurnRollout(config, tools_tokenizer, chat=True, max_new_tokens=128, budget=600)
+    render, seen = tools_tokenizer.apply_chat_template, []
+    tools_tokenizer.apply_chat_template = lambda *args, **kwargs: seen.append(kwargs.get("tools")) or render(
+        *args, **kwargs)
     batch, _ = rollout.run(Script(tools_tokenizer, 0, {(0, 0): CALL}), [prompt],
                            SamplingConfig(n=1, temperature=1.0, max_new_tokens=64, seed=0))
+    assert seen and all(tools == [schema] for tools in seen)  # every re-rendering as the prompt was rendered
     messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": CALL},
                 {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5."}]
     rendered = tools_tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False).removesuffix("\n")
