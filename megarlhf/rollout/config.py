@@ -156,9 +156,6 @@ class RolloutConfig:
         _check(self.max_staleness == 0 or self.placement.mode == "disaggregated",
                f"RolloutConfig.max_staleness={self.max_staleness} needs rollout.placement.mode='disaggregated': "
                f"colocated engines share the devices with the trainers, so generation and training cannot overlap")
-        _check(self.max_staleness == 0 or self.env is None,
-               "RolloutConfig.max_staleness=1 with rollout.env: one-step off-policy rollouts are single-turn (the "
-               "tools of a multi-turn episode run on the trainer ranks between its turns); use max_staleness=0")
         _check(self.env is None or self.tensor_parallel_size == 1,
                f"RolloutConfig.env (multi-turn rollouts) runs one engine per rank or per engine rank: "
                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")

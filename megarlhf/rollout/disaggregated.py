@@ -41,7 +41,13 @@ trainer rank calls :meth:`calibrate` / :meth:`sync` / :meth:`generate` / :meth:`
   and ``receive`` gives each trainer rank the :class:`RolloutBatch` of its
   replica's prompts. Each prompt keeps the seeds its own replica gave it (:func:`merged_sampling`,
   ``SamplingConfig.for_prompts``), so the samples depend neither on the number of engine ranks nor on
-  the other replicas.
+  the other replicas. With ``rollout.env`` the requests carry the prompts' :class:`PromptExample`\ s
+  and each engine rank runs its share's whole multi-turn episodes (:mod:`megarlhf.rollout.multi_turn`):
+  it generates every turn and runs the tools between turns, so a tool runs once per call whatever the
+  trainers' layout, the trainers wait for finished episodes only, and multi-turn batches can be in
+  flight while the trainers update (off-policy). The tool counts come back summed over the engines and
+  are reported by the first data-parallel replica's ranks (the others report zeros, so that the usual
+  sum over replicas gives the totals).
 
 Hand-written because the rank layout, the wire protocol and the command loop are megarlhf's own; vLLM
 generates and loads weights, torch.distributed moves the bytes.
@@ -49,12 +55,14 @@ generates and loads weights, torch.distributed moves the bytes.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.gates import run_tolerances
 from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapter_metrics, adapter_only,
                                            engine_lora, expected_slots, load_problems, slot_problems)
@@ -66,6 +74,7 @@ from megarlhf.dtypes import torch_dtype
 from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, vllm_lora_rank
 from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
 from megarlhf.rollout.fingerprint import to_host
+from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, compare_fingerprints,
                                           engine_placement, layout_problems, longest_probe_length, probe_floor,
@@ -82,8 +91,9 @@ class InFlight:
     """A generation request the engines are working on (:meth:`DisaggregatedRollout.launch`)."""
 
     order: list[tuple[int, int]]  # (data-parallel replica, prompt) of every prompt sent, in sending order
-    replicas: dict[int, list[list[int]]]  # each replica's prompts
+    replicas: dict[int, list]  # each replica's prompts (token ids, or PromptExamples of multi-turn episodes)
     max_new_tokens: dict[int, int]  # each replica's own limit (the engines generate for the largest)
+    episodes: bool = False  # whole multi-turn episodes of PromptExamples, not single samples of token ids
 
 
 def merged_sampling(samplings: dict[int, SamplingConfig], order: list[tuple[int, int]]) -> SamplingConfig:
@@ -177,7 +187,7 @@ class DisaggregatedRollout:
         # group over the same ranks (weight buckets as device tensors: NCCL on CUDA, gloo on CPU)
         self.trainers, self.channel = runtime.trainers.group, runtime.channel.group
         self.payload = runtime.payload.group
-        self.engine = self.actor = None
+        self.engine = self.actor = self.multi_turn = None
         # LoRA adapters reach the engines instead of merged weights (megarlhf.rollout.adapter_sync)
         self.adapter_only = adapter_only(config)
         if self.is_engine_rank:
@@ -189,6 +199,7 @@ class DisaggregatedRollout:
                 config.rollout, model_dtype=config.model.dtype, seed=config.seed,
                 max_prompt_length=config.data.max_prompt_length, in_process=False, **engine_lora(config)))
             self.adapter_directory = AdapterDirectory() if self.adapter_only else None
+            self.multi_turn = _engine_multi_turn(config)
         else:
             if actor is None:
                 raise ValueError(f"DisaggregatedRollout: trainer rank {self.rank} needs the actor")
@@ -230,6 +241,8 @@ class DisaggregatedRollout:
         while True:
             command = self._channel_bcast()
             if command[0] == "stop":
+                if self.multi_turn is not None:
+                    self.multi_turn.close()
                 return
             if command[0] == "sync":
                 self._serve_sync()
@@ -298,15 +311,23 @@ class DisaggregatedRollout:
         """The calibration's bitwise check: the engine reloads model.path from disk and compares."""
         self._verdict(checkpoint_problems(expected, self.engine.checkpoint_report()), CHECKPOINT_CHECK)
 
-    def _serve_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+    def _serve_generate(self, prompts: list, sampling: SamplingConfig, episodes: bool) -> None:
+        """This engine rank's share of a request: samples of token-id prompts, or (``episodes``) whole
+        multi-turn episodes of PromptExamples, with their tool counts."""
         index = self.engine_ranks.index(self.rank)
         mine = list(range(index, len(prompts), len(self.engine_ranks)))
-        samples, start = [], time.perf_counter()
+        samples, tools, start = [], {}, time.perf_counter()
         if mine:
-            batch = self.engine.generate([prompts[i] for i in mine], sampling.for_prompts(mine))
-            samples = [(mine[p], r, lp, f) for p, r, lp, f in
-                       zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons)]
-        self._from_engines((samples, time.perf_counter() - start))
+            share, local = [prompts[i] for i in mine], sampling.for_prompts(mine)
+            if episodes:
+                batch, tools = self.multi_turn.run(self.engine.generate, share, local)
+            else:
+                batch = self.engine.generate(share, local)
+            extras = (zip(batch.loss_masks, batch.env_rewards, batch.tool_calls) if episodes
+                      else itertools.repeat((None, None, None)))  # (loss mask, env reward, tool calls) of an episode
+            samples = [(mine[p], r, lp, f, *extra) for p, r, lp, f, extra in
+                       zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, extras)]
+        self._from_engines((samples, time.perf_counter() - start, tools))
 
     def _verdict(self, problems: list[str], what: str, metric=None) -> None:
         """Engine ranks: report problems to the source and raise if any engine had one."""
@@ -455,16 +476,19 @@ class DisaggregatedRollout:
         """
         return self.receive(self.launch(prompts, sampling))[0]
 
-    def launch(self, prompts: list[list[int]], sampling: SamplingConfig) -> "InFlight":
+    def launch(self, prompts: list, sampling: SamplingConfig, episodes: bool = False) -> "InFlight":
         """Trainer ranks (all together): sends the request of :meth:`generate` to the engines and returns
         at once; the engines generate while the trainers go on. Nothing else may use the engines until
-        :meth:`receive` took the batch."""
+        :meth:`receive` took the batch. ``episodes``: ``prompts`` are PromptExamples whose whole multi-turn
+        episodes (``rollout.env``) the engine ranks run; else token ids, one model turn per sample."""
         self._require(False, "launch")
         sampling.validate(len(prompts))
+        if episodes and (self.config.rollout.env is None or not all(isinstance(p, PromptExample) for p in prompts)):
+            raise TypeError("DisaggregatedRollout.launch: episodes need rollout.env and PromptExamples")
         dp_rank = self.runtime.dp.rank
         everyone = [None] * self.num_trainers
-        dist.all_gather_object(everyone, (dp_rank, [list(map(int, p)) for p in prompts], sampling),
-                               group=self.trainers)
+        sent = list(prompts) if episodes else [list(map(int, p)) for p in prompts]  # PromptExamples pickle whole
+        dist.all_gather_object(everyone, (dp_rank, sent, sampling), group=self.trainers)
         replicas: dict[int, list[list[int]]] = {}
         samplings: dict[int, SamplingConfig] = {}
         for rank, (dp, theirs, their_sampling) in enumerate(everyone):
@@ -475,8 +499,8 @@ class DisaggregatedRollout:
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
         merged = merged_sampling(samplings, order)  # on every trainer rank: a refusal raises on all of them
         if self.rank == SOURCE_RANK:
-            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], merged))
-        return InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()})
+            self._channel_bcast(("generate", [replicas[dp][i] for dp, i in order], merged, episodes))
+        return InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()}, episodes)
 
     def receive(self, request: "InFlight") -> tuple[RolloutBatch, dict[str, float]]:
         """Trainer ranks (all together): waits for the batch :meth:`launch` asked for; returns this rank's
@@ -486,25 +510,49 @@ class DisaggregatedRollout:
         start, samples = time.perf_counter(), None
         if self.rank == SOURCE_RANK:
             parts = self._from_engines()
-            generate_s = max(seconds for _, seconds in parts)
-            samples = (sorted((s for part, _ in parts for s in part), key=lambda s: s[0]), generate_s)
-        samples, generate_s = self._trainer_bcast(samples)
-        dp_rank, batch = self.runtime.dp.rank, RolloutBatch()
+            generate_s = max(seconds for _, seconds, _ in parts)
+            tools: dict[str, float] = {}
+            for _, _, part in parts:
+                for name, value in part.items():
+                    tools[name] = tools.get(name, 0.0) + value
+            samples = (sorted((s for part, _, _ in parts for s in part), key=lambda s: s[0]), generate_s, tools)
+        samples, generate_s, tools = self._trainer_bcast(samples)
+        dp_rank, batch, episodes = self.runtime.dp.rank, RolloutBatch(), request.episodes
         limit = request.max_new_tokens.get(dp_rank)
-        for item, response, logprobs, finish in samples:  # stable sort keeps each prompt's sample order
+        for item, response, logprobs, finish, mask, env_reward, calls in samples:  # stable sort: sample order kept
             dp, i = request.order[item]
-            if dp == dp_rank:
-                if len(response) > limit:  # generated for another replica's larger limit: the same tokens, cut
-                    response, logprobs, finish = response[:limit], logprobs[:limit], "length"
-                batch.prompt_index.append(i)
-                batch.prompt_ids.append(request.replicas[dp][i])
-                batch.response_ids.append(list(response))
-                batch.logprobs.append(list(logprobs))
-                batch.finish_reasons.append(finish)
-        return batch, {"time/rollout_wait_s": time.perf_counter() - start, "time/engine_generate_s": generate_s}
+            if dp != dp_rank:
+                continue
+            if not episodes and len(response) > limit:  # generated for another replica's larger limit: cut
+                response, logprobs, finish = response[:limit], logprobs[:limit], "length"
+            prompt = request.replicas[dp][i]
+            batch.prompt_index.append(i)
+            batch.prompt_ids.append(list(prompt.prompt_ids) if episodes else prompt)
+            batch.response_ids.append(list(response))
+            batch.logprobs.append(list(logprobs))
+            batch.finish_reasons.append(finish)
+            if episodes:
+                batch.loss_masks.append(list(mask))
+                batch.env_rewards.append(env_reward)
+                batch.tool_calls.append(calls)
+        # the engines' totals, reported once: replica 0's ranks carry them, the others zeros (summed over replicas)
+        tools = {name: value if dp_rank == 0 else 0.0 for name, value in tools.items()}
+        return batch, {"time/rollout_wait_s": time.perf_counter() - start, "time/engine_generate_s": generate_s,
+                       **tools}
 
     def stop_engines(self) -> None:
         """Trainer ranks: ends the engines' :meth:`serve` loop (call once, from every trainer rank)."""
         self._require(False, "stop_engines")
         if self.rank == SOURCE_RANK:
             self._channel_bcast(("stop",))
+
+
+def _engine_multi_turn(config) -> MultiTurnRollout | None:
+    """An engine rank's multi-turn episode runner (with the run's tokenizer), None for single-turn runs."""
+    if config.rollout.env is None:
+        return None
+    from transformers import AutoTokenizer  # the trainers loaded the same directory already
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    return MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
+                            config.rollout.max_new_tokens, config.rollout.response_budget)

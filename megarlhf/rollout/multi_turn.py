@@ -1,8 +1,9 @@
 """Multi-turn, tool-calling rollouts: generate a turn, run the tool it calls, append the observation, go on.
 
 One sample is one episode of ``rollout.env`` (:mod:`megarlhf.envs`). :class:`MultiTurnRollout` drives a
-batch of episodes over a *turn generator* ``generate(prompts, sampling) -> RolloutBatch`` (a rank's
-engine, or the disaggregated engines), which it calls once per turn for the episodes still running:
+batch of episodes over a *turn generator* ``generate(prompts, sampling) -> RolloutBatch`` (the process's
+own engine: a colocated rank's, or an engine rank's in the disaggregated placement), which it calls once
+per turn for the episodes still running:
 
 1. turn 1 samples ``sampling.n`` responses per prompt, exactly as a single-turn rollout does;
 2. each turn's text is parsed for a tool call (the episode's parser, ``rollout.env.parser``) and
@@ -48,7 +49,7 @@ from megarlhf.data.prompts import PROBE_TOOL, PromptExample, template_renders_to
 from megarlhf.envs.api import EnvConfig, ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
-from megarlhf.envs.runner import StepBatch, ToolRunner
+from megarlhf.envs.runner import ToolRunner
 from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine import RolloutBatch
@@ -96,16 +97,11 @@ class MultiTurnRollout:
         if chat:
             self._check_template()
 
-    def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig,
-            keep_going: Callable[[bool], bool] = lambda running: running,
-            run_once: Callable[[Callable[[], StepBatch]], StepBatch] = lambda step: step()
+    def run(self, generate: TurnGenerator, prompts: Sequence[PromptExample], sampling: SamplingConfig
             ) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of whole episodes (prompt-major, ``loss_masks`` and ``env_rewards`` filled) and the
-        tool metrics. ``keep_going(any episode of mine running)``: whether to generate another turn; ranks
-        whose generator is collective pass an all-ranks "any", and then generate with no prompt.
-        ``run_once(step)``: how a turn's tool calls run; ranks that run the same episodes (the
-        model-parallel peers of a replica, in the disaggregated placement) run them on one rank and share
-        its outcomes, so that a tool runs once per call and every peer sees the same observations."""
+        tool metrics. ``generate`` is this process's own engine (a colocated rank's, or an engine rank's in
+        the disaggregated placement): nothing here is collective."""
         sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + tuple(self.call_end_ids))
         turn = generate([p.prompt_ids for p in prompts], sampling)
         episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
@@ -117,8 +113,8 @@ class MultiTurnRollout:
         running = list(range(len(episodes)))
         while True:
             self._take_turns([episodes[i] for i in running], turn)
-            running = self._run_tools(episodes, handles, running, sums, run_once)
-            if not keep_going(bool(running)):
+            running = self._run_tools(episodes, handles, running, sums)
+            if not running:
                 break
             turn = generate([prompts[episodes[i].prompt].prompt_ids + episodes[i].response for i in running],
                             self._turn_sampling(sampling, [episodes[i] for i in running]))
@@ -174,8 +170,7 @@ class MultiTurnRollout:
             episode.messages.append({"role": "assistant", "content": self._turn_text(turn)})
             episode.turn_ids = list(turn)
 
-    def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float],
-                   run_once: Callable[[Callable[[], StepBatch]], StepBatch]) -> list[int]:
+    def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float]) -> list[int]:
         """Runs the tools of the turns just taken; returns the episodes that go on. A turn cut by the
         per-turn limit is still parsed (a complete call in it runs); an episode whose response filled the
         budget ends there, truncated."""
@@ -187,7 +182,7 @@ class MultiTurnRollout:
                 live.append(i)
         if not live:
             return []
-        step = run_once(lambda: self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live]))
+        step = self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live])
         for name, value in step.metrics.items():
             gauge = name in ("tools/abandoned_threads", "tools/killed_workers")  # states, not counts per turn
             sums[name] = value if gauge else sums.get(name, 0.0) + value

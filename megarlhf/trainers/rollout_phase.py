@@ -135,11 +135,11 @@ class DisaggregatedPhase:
     update (one-step off-policy training, :mod:`megarlhf.trainers.pipeline`). A :meth:`generate` (an
     evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
 
-    def __init__(self, config: RunConfig, actor: TrainModel, multi_turn: MultiTurnRollout | None = None,
-                 calibration: Calibration = Calibration()):
+    def __init__(self, config: RunConfig, actor: TrainModel, calibration: Calibration = Calibration()):
         self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
         self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
-        self.runtime, self.multi_turn = actor.runtime, multi_turn
+        self.runtime = actor.runtime
+        self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
         self.in_flight = None  # the InFlight request of the launched batch
         self.received = None  # (RolloutBatch, metrics) taken early
 
@@ -152,29 +152,13 @@ class DisaggregatedPhase:
         if self.in_flight is not None:
             self.received = self.receive()
         metrics = self.rollout.sync() if sync_weights else {}
-        sampling = dataclasses.replace(sampling, seed=seed)
-        if self.multi_turn is None:
-            return self.rollout.generate([p.prompt_ids for p in prompts], sampling), metrics
-        # every turn is collective over the trainer ranks: they go on while any rank has a running episode;
-        # a replica's model-parallel peers run the same episodes, whose tools run on its first rank only
-        batch, tools = self.multi_turn.run(self.rollout.generate, prompts, sampling,
-                                           keep_going=lambda running: self.runtime.any_rank(running),
-                                           run_once=self._on_replica_leader)
-        return batch, {**metrics, **tools}
+        request = self.rollout.launch(self._requests(prompts), dataclasses.replace(sampling, seed=seed), self.episodes)
+        batch, timing = self.rollout.receive(request)
+        return batch, {**metrics, **{k: v for k, v in timing.items() if k.startswith("tools/")}}
 
-    def _on_replica_leader(self, step):
-        """``step()`` run by the replica's first rank; its result on every rank of the replica, or its error
-        raised on every rank (a peer must not be left waiting in the gather)."""
-        outcome = None
-        if self.runtime.replica.rank == 0:
-            try:
-                outcome = (step(), None)
-            except Exception as exc:  # re-raised below, on every rank of the replica
-                outcome = (None, exc)
-        result, error = self.runtime.all_gather_objects(outcome, over="replica")[0]
-        if error is not None:
-            raise error
-        return result
+    def _requests(self, prompts: list[PromptExample]) -> list:
+        """What the engines are sent: token ids, or the examples whose episodes they run (multi-turn)."""
+        return list(prompts) if self.episodes else [p.prompt_ids for p in prompts]
 
     def sync(self) -> dict[str, float]:
         """Pushes the trainers' weights to the engines (nothing may be in flight); the sync's metrics."""
@@ -186,13 +170,11 @@ class DisaggregatedPhase:
                sync_weights: bool) -> dict[str, float]:
         """Syncs (unless ``sync_weights=False``) and starts generating ``prompts``; returns at once, with
         the sync's metrics."""
-        if self.multi_turn is not None:
-            raise ValueError("one-step off-policy rollouts (rollout.max_staleness=1) are single-turn: the tools "
-                             "of a multi-turn episode run on the trainer ranks between its turns")
         if self.in_flight is not None or self.received is not None:
             raise RuntimeError("DisaggregatedPhase.launch: a batch is already in flight; receive it first")
         metrics = self.rollout.sync() if sync_weights else {}
-        self.in_flight = self.rollout.launch([p.prompt_ids for p in prompts], dataclasses.replace(sampling, seed=seed))
+        self.in_flight = self.rollout.launch(self._requests(prompts), dataclasses.replace(sampling, seed=seed),
+                                             self.episodes)
         return metrics
 
     def receive(self) -> tuple[RolloutBatch, dict[str, float]]:
@@ -209,8 +191,6 @@ class DisaggregatedPhase:
         if self.in_flight is not None:  # the engines answer before they can be stopped
             self.receive()
         self.rollout.stop_engines()
-        if self.multi_turn is not None:
-            self.multi_turn.close()
 
 
 def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
@@ -223,12 +203,12 @@ def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[Train
     """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated, with
     ``calibration``'s prompts for the natural floor); with ``rollout.env`` its rollouts are multi-turn
     episodes (``tokenizer`` renders the observations)."""
+    if config.rollout.placement.mode == "disaggregated":  # the engine ranks run the episodes
+        return DisaggregatedPhase(config, actor, calibration)
     multi_turn = None
     if config.rollout.env is not None:
         if tokenizer is None:
             raise ValueError("build_rollout_phase: rollout.env (multi-turn rollouts) needs the tokenizer")
         multi_turn = MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
                                       config.rollout.max_new_tokens, config.rollout.response_budget)
-    if config.rollout.placement.mode == "disaggregated":
-        return DisaggregatedPhase(config, actor, multi_turn, calibration)
     return RolloutPhase(config, actor, others, multi_turn, calibration)

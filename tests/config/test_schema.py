@@ -115,11 +115,14 @@ def test_bad_values_name_the_key(recipe, override, message):
         load_config(RunConfig, recipe, [override])
 
 
-def test_off_policy_with_multi_turn_is_refused_at_config_time(recipe):
-    with pytest.raises(ConfigError, match=r"max_staleness=1 with rollout\.env: one-step off-policy rollouts are single-turn"):
-        load_config(RunConfig, recipe, ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
-                                        "rollout.max_staleness=1", "algorithm.mismatch.tis_level=token",
-                                        "rollout.env={name: calculator}"])
+def test_off_policy_with_multi_turn_and_dynamic_sampling_is_accepted(recipe):
+    config = load_config(RunConfig, recipe, ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                                             "rollout.max_staleness=2", "algorithm.mismatch.tis_level=token",
+                                             "rollout.env={name: calculator}"])
+    assert config.rollout.max_staleness == 2 and config.rollout.env.name == "calculator"
+    config = load_config(RunConfig, recipe, ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                                             "rollout.max_staleness=1", "algorithm.dynamic_sampling.enabled=true"])
+    assert config.algorithm.dynamic_sampling.enabled
 
 
 def test_required_keys(tmp_path, capsys):

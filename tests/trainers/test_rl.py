@@ -92,6 +92,11 @@ DISAGGREGATED = "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"
     pytest.param("disaggregated DP2", 3, [DISAGGREGATED, "rollout.env.kwargs={random: true}"], marks=pytest.mark.slow),
     pytest.param("disaggregated TP2", 3, [DISAGGREGATED, "rollout.env.kwargs={random: true}",
                                           "parallel.tensor_model_parallel_size=2"], marks=pytest.mark.slow),
+    # the engine rank runs whole episodes, tools included, while the trainers update on the previous batch
+    # (a reward that varies, so that the update moves the weights the next batch is one update behind)
+    pytest.param("disaggregated off-policy", 2, [DISAGGREGATED, "rollout.max_staleness=1", "optim.lr=1.0e-3",
+                                                 "reward.functions=[{name: '_rewards:even_length'}]"],
+                 marks=pytest.mark.slow),
 ])
 def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, layout, ranks, overrides):
     """Every turn of the random model 'calls' a scripted tool (tests/trainers/_worker_multi_turn.py), so
@@ -113,3 +118,8 @@ def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, layout, ranks,
     assert step0["response_len/mean"] > 3 * 8  # three turns of 8 tokens plus the observations
     assert step0["mismatch/step0_logprob_gap_max"] < 1e-4
     assert step0["eval/tools/call_rate"] == 1.0 and records[-1]["step"] == 2
+    if "rollout.max_staleness=1" in overrides:
+        steps = records[:2]  # the last record holds the final evaluation only
+        assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0]
+        assert all(r["tools/call_rate"] == 1.0 and r["tools/not_run"] == r["tools/samples"] for r in steps)
+        assert steps[1]["mismatch/is_weight_mean"] != 1.0  # sampled one update behind, and corrected for it
