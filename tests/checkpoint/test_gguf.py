@@ -3,6 +3,8 @@ written from (the independent reference: their logits, weights and tokenizers) a
 quantizer / dequantizer; and the refusals, each naming the file and leaving nothing behind."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
 
 import gguf
@@ -19,6 +21,7 @@ from megarlhf.checkpoint.gguf import (
     llama3_rope_factors,
     llama3_rope_from_factors,
 )
+from megarlhf.checkpoint.output_dir import MARKER_FILE
 from megarlhf.errors import CheckpointError
 from model_providers.tiny_models import make_tiny_model
 
@@ -202,19 +205,47 @@ def test_unsupported_tensor_type_and_unknown_tensors_are_refused(sources, tmp_pa
     _refused(tmp_path / "short.gguf", tmp_path / "out", "missing: blk.2.ffn_up.weight")
 
 
-def test_existing_output_needs_overwrite_and_is_replaced_whole(llama_gguf, tmp_path):
+def test_overwrite_replaces_only_a_directory_fetch_wrote(llama_gguf, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     with pytest.raises(CheckpointError, match=f"output {out} already exists and is not empty"):
         gguf_to_hf(llama_gguf, out)
+    # --overwrite used to delete any directory (`megarlhf fetch --overwrite --out .` deleted the working one)
+    with pytest.raises(CheckpointError, match=f"output {out} is not empty and was not written by megarlhf fetch"):
+        gguf_to_hf(llama_gguf, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["precious.txt"]
-    gguf_to_hf(llama_gguf, out, overwrite=True)
-    assert not (out / "precious.txt").exists() and (out / "model.safetensors").is_file()
-    assert _leftovers(tmp_path, "out") == []
     shutil.rmtree(out)
     out.mkdir()  # an existing empty directory is fine
     assert gguf_to_hf(llama_gguf, out) == out and (out / "config.json").is_file()
+    assert json.loads((out / MARKER_FILE).read_text())["gguf"] == str(llama_gguf)
+    (out / "notes.txt").write_text("stale")
+    gguf_to_hf(llama_gguf, out, overwrite=True)  # fetch's own directory is replaced whole
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_overwrite_refuses_the_working_directory(llama_gguf, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    gguf_to_hf(llama_gguf, out)
+    monkeypatch.chdir(out)
+    with pytest.raises(CheckpointError, match=r"holds the current working directory"):
+        gguf_to_hf(llama_gguf, ".", overwrite=True)
+    assert (out / "model.safetensors").is_file()
+
+
+def test_leftovers_of_dead_processes_are_swept(llama_gguf, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    for kind in ("partial", "old"):
+        (tmp_path / f".out.{kind}-{dead.pid}-0a1b").mkdir()
+    (tmp_path / f".out.partial-{os.getpid()}-beef").mkdir()  # a build of a live process stays
+    (tmp_path / f".other.partial-{dead.pid}-0a1b").mkdir()  # another destination's stays
+    gguf_to_hf(llama_gguf, tmp_path / "out")
+    assert _leftovers(tmp_path, "out") == [f".out.partial-{os.getpid()}-beef"]
+    assert (tmp_path / f".other.partial-{dead.pid}-0a1b").is_dir()
 
 
 def test_a_failure_while_writing_leaves_nothing(llama_gguf, tmp_path, monkeypatch):
