@@ -38,6 +38,10 @@ PRESETS: dict[str, dict] = {
     "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          tie_word_embeddings=False, max_position_embeddings=131072),
+    # what `megarlhf fetch smollm2-135m-instruct` writes (the shipped SmolLM2 recipes plan before the fetch)
+    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
 }
 
 

@@ -67,3 +67,22 @@ def test_cpu_recipes_plan_on_cpu(capsys, tmp_path, recipe):
                         "--device", "cpu", "--gpu-mem-gib", "24")
     assert status == 0, out
     assert ("reward model weights" in out) == bool(learned), out
+
+
+@pytest.mark.parametrize("recipe", sorted(r for r in CPU_RECIPES if r.startswith("smollm2")))
+def test_smollm2_recipes_plan_on_a_fresh_clone(capsys, tmp_path, monkeypatch, recipe):
+    """Before `megarlhf fetch` wrote checkpoints/smollm2-135m-instruct, the recipe plans from the preset (the
+    same numbers as the fetched config.json)."""
+    import json as json_module
+
+    monkeypatch.chdir(tmp_path)  # no checkpoints/ here
+    status, out = _plan(capsys, RECIPES / recipe, 2, ["data.train_path=x.jsonl"], "--device", "cpu",
+                        "--gpu-mem-gib", "24")
+    assert status == 0 and "preset smollm2-135m-instruct" in out, out
+    fetched = Path(__file__).parents[2] / "checkpoints" / "smollm2-135m-instruct" / "config.json"
+    if fetched.is_file():  # where the model was fetched, the preset and its config agree
+        from megarlhf.planner.shapes import ModelShape, preset_for
+
+        config = json_module.loads(fetched.read_text())
+        assert ModelShape.from_hf_config(preset_for("smollm2-135m-instruct"), "x") == \
+            ModelShape.from_hf_config(config, "x")
