@@ -72,7 +72,8 @@ from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibr
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.dtypes import torch_dtype
 from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, vllm_lora_rank
-from megarlhf.rollout.engine_weights import ProcessingCapture, parameter_report, reprocess_tied, tied_modules
+from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, parameter_report,
+                                             reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import to_host
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
@@ -134,6 +135,7 @@ def _worker_begin(worker) -> None:
     model = worker.model_runner.model
     worker.megarlhf_tied_modules = tied_modules(model)  # before the layerwise reload moves params to meta
     worker.megarlhf_capture = ProcessingCapture(model).__enter__()
+    worker.megarlhf_notices = ExpectedReloadNotices(model).__enter__()
     initialize_layerwise_reload(model)
 
 
@@ -155,6 +157,7 @@ def _worker_finish(worker) -> dict:
         reprocess_tied(worker.megarlhf_tied_modules)  # see engine_weights.tied_modules: vLLM skips tied heads
     finally:
         capture.__exit__(None, None, None)
+        worker.megarlhf_notices.__exit__(None, None, None)
     return parameter_report(model, capture)
 
 

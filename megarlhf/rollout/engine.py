@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megarlhf.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
-from megarlhf.rollout.engine_weights import (ProcessingCapture, adapter_report, arrival_report, fused_parameters,
+from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report, fused_parameters,
                                              parameter_report, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
 
@@ -340,7 +340,7 @@ def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], shard
                 arrived[name] = fingerprint(tensor)
             yield name, tensor
 
-    with ProcessingCapture(model) as capture:
+    with ProcessingCapture(model) as capture, ExpectedReloadNotices(model):
         worker.reload_weights(weights_iterator=arriving())
         reprocess_tied(tied)
     return arrival_report(arrived, capture) if sharded else parameter_report(model, capture)

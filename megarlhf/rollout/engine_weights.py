@@ -21,6 +21,7 @@ vLLM's process boundary (disaggregated placement) as it is.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -50,6 +51,36 @@ def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             tied.append(module)
         seen.update(id(p) for p in params)
     return tied
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
+_NOT_LOADED = "%s: Failed to load weights"
+
+
+class ExpectedReloadNotices(logging.Filter):
+    """Drops vLLM's ``<Layer>: Failed to load weights`` warning, printed on every in-place reload, for the
+    layers a weight sync never addresses: tied LM heads (their weight is the embedding's, sent once) and
+    layers holding buffers only (RotaryEmbedding's cos/sin cache, computed by vLLM, not loaded). vLLM puts
+    their tensors back as they were, and the sync then fingerprints every parameter the kernels read and
+    compares it bit for bit with the trainer's, so a layer that really failed to load fails the sync
+    instead. The warning for any other layer is kept. Use as a context manager around the reload (in the
+    process that runs it: vLLM's worker)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        buffers_only = {type(m).__name__ for m in model.modules()
+                        if next(m.parameters(recurse=False), None) is None and next(m.buffers(recurse=False), None) is not None}
+        self.layers = buffers_only | {type(m).__name__ for m in tied_modules(model)}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOT_LOADED and record.args and record.args[0] in self.layers)
+
+    def __enter__(self) -> "ExpectedReloadNotices":
+        logging.getLogger(RELOAD_LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(RELOAD_LOGGER).removeFilter(self)
 
 
 def reprocess_tied(modules: list[torch.nn.Module]) -> None:

@@ -15,6 +15,7 @@ shared engine), and records
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -280,6 +281,26 @@ def run_config(model_dir: str, engine_tp: int):
                                            weight_sync=WeightSyncConfig(bucket_mb=0.25)))
 
 
+class ReloadWarnings(logging.Handler):
+    """Collects the warnings of vLLM's in-place reload logger (engine_weights.RELOAD_LOGGER) while entered."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
 def main() -> None:
     trainer_tp, engine_tp, model_dir, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -299,10 +320,13 @@ def main() -> None:
     prompt_list = prompts(provider.hf_config.vocab_size)
     converter = converter_fault(sync, "embedding.word_embeddings.weight")  # before the engine holds other weights
     calibration = calibrate_colocated(sync, prompt_list[:2], ())
-    result = {"converter_fault": converter, "calibration": calibration, "sync0": sync.sync(), "naive_logprobs": logprobs_vs_naive(actor, config)}
-    result["before"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=3)
-    result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
-    result["sync1"] = sync.sync()
+    with ReloadWarnings() as reload_warnings:  # what vLLM's in-place reload warns about in correct syncs
+        result = {"converter_fault": converter, "calibration": calibration, "sync0": sync.sync(),
+                  "naive_logprobs": logprobs_vs_naive(actor, config)}
+        result["before"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=3)
+        result["losses"] = train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=3)
+        result["sync1"] = sync.sync()
+    result["reload_warnings"] = reload_warnings.messages
     result["after"] = rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp, seed=4)
     result["seeded"] = seeded_repeat(engine, prompt_list)
     result["colocate"] = colocate_round_trip(engine, sync, model, provider, model_dir, prompt_list)

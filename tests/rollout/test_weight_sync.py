@@ -31,6 +31,8 @@ def test_training_changed_weights_and_resync_verified(rollout_run, layout):
         assert calibration["gates/calibration_probe_max"] < 1e-4 and calibration["gates/probe_max"] == 1e-4
         assert calibration["gates/calibration_checkpoint_bitwise"] == 1.0
         assert 0 < calibration["gates/calibration_natural_max"] < 1e-4 and calibration["gates/step0_max"] == 1e-3
+        # vLLM warned "RotaryEmbedding / ParallelLMHead: Failed to load weights" on every correct sync
+        assert rank["reload_warnings"] == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -158,3 +160,14 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
     lengths, (worst, _, problems) = verdict(WeightSyncConfig())
     assert lengths == [64] * 4 + [159]
     assert problems and "(gates.probe_max)" in problems[0] and "probe sequence 4 of 159 tokens" in problems[0]
+
+
+def test_the_reload_logger_is_the_one_vllm_warns_on():
+    from _worker_rollout import ReloadWarnings
+
+    from megarlhf.rollout.engine_weights import RELOAD_LOGGER
+
+    assert ReloadWarnings.LOGGER == RELOAD_LOGGER
+    import vllm.model_executor.model_loader.reload.layerwise as layerwise
+
+    assert layerwise.logger.name == RELOAD_LOGGER
