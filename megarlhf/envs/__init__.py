@@ -1,6 +1,7 @@
 """Environments and tools for multi-turn, tool-calling rollouts: the environment contract and registry
-(api.py), tool-call parsers (parsers.py), the tools' description in prompts (prompting.py), the built-in ``calculator``, ``lookup`` and ``code`` tools, and the
-time-bounded runner of one turn's tool calls (runner.py). The rollout loop itself lives in the trainer.
+(api.py), tool-call parsers (parsers.py), the tools' description in prompts (prompting.py), the
+built-in ``calculator``, ``lookup`` and ``code`` tools, and the time-bounded runner of one turn's tool
+calls (runner.py). The rollout loop itself lives in the trainer.
 """
 from megarlhf.envs import calculator as _calculator  # noqa: F401  (registers the built-in environments)
 from megarlhf.envs import code as _code  # noqa: F401

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from megarlhf.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
-from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report, fused_parameters,
-                                             parameter_report, reprocess_tied, tied_modules)
+from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report,
+                                             fused_parameters, parameter_report, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
 
 FINISH_REASONS = ("stop", "length")

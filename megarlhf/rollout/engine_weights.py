@@ -68,8 +68,8 @@ class ExpectedReloadNotices(logging.Filter):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        buffers_only = {type(m).__name__ for m in model.modules()
-                        if next(m.parameters(recurse=False), None) is None and next(m.buffers(recurse=False), None) is not None}
+        buffers_only = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is None
+                        and next(m.buffers(recurse=False), None) is not None}
         self.layers = buffers_only | {type(m).__name__ for m in tied_modules(model)}
 
     def filter(self, record: logging.LogRecord) -> bool:
