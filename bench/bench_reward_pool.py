@@ -1,9 +1,12 @@
-"""Benchmark: reward calls on threads (in-process) vs in killable worker processes, side by side.
+"""Benchmark: reward calls and tool calls on threads (in-process) vs in killable worker processes.
 
-The same batch (``--batch`` GSM8K-style responses) is scored by ``math_verify`` and by ``numeric`` on
-the thread pool (what a function declared ``in_process`` uses) and on the worker-process pool (every other
-function), ``--repeats`` times each after one warm-up batch (worker start-up excluded; it is printed
-once). Prints the median seconds per batch and the ratio process / thread.
+Rewards: the same batch (``--batch`` GSM8K-style responses) is scored by ``math_verify`` and by
+``numeric`` on the thread pool (what a function declared ``in_process`` uses) and on the worker-process
+pool (every other function). Tools: one turn of ``--batch`` calculator calls (``ToolRunner.step``,
+parsing included) with the ``calculator`` environment as shipped (stateless: worker processes, each call
+on an episode made afresh) and with the runner told to keep the episodes in-process (threads, as a
+stateful environment runs). Each ``--repeats`` times after a warm-up (worker start-up excluded; printed
+once). Prints the median milliseconds per batch and the ratio process / thread.
 Usage:  .venv/bin/python bench/bench_reward_pool.py [--batch 64] [--workers 4] [--repeats 5]
 """
 from __future__ import annotations
@@ -52,6 +55,37 @@ def main() -> None:
               f"process / thread {med['process'] / med['thread']:5.2f}x   (worker start-up {startup:.2f} s)")
         processes.close()
     threads.close()
+    bench_tools(args)
+
+
+def bench_tools(args) -> None:
+    import json
+
+    from megarlhf.envs import EnvConfig, ToolRunner
+
+    config = EnvConfig("calculator", parser="hermes", num_workers=args.workers)
+    conversations = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "<tool_call>" + json.dumps(
+        {"name": "calculator", "arguments": {"expression": f"({i} * 37 + 12) // 5 - sqrt({i})"}}) + "</tool_call>"}]
+        for i in range(args.batch)]
+    times, startup = {}, 0.0
+    for kind in ("thread", "process"):
+        runner = ToolRunner(config)
+        runner.stateless = kind == "process"
+        start = time.perf_counter()
+        runner.step(runner.start([{}] * args.batch), conversations)  # warm-up
+        startup = time.perf_counter() - start if kind == "process" else startup
+        times[kind] = []
+        for _ in range(args.repeats):
+            handles = runner.start([{}] * args.batch)
+            start = time.perf_counter()
+            batch = runner.step(handles, conversations)
+            times[kind].append(time.perf_counter() - start)
+            assert not batch.failures and all(o.observation for o in batch.outcomes), batch.failures[:1]
+        runner.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"  {'calculator':12s} thread {med['thread'] * 1e3:8.1f} ms   process {med['process'] * 1e3:8.1f} ms   "
+          f"process / thread {med['process'] / med['thread']:5.2f}x   (one turn of {args.batch} tool calls; "
+          f"first turn with worker start-up {startup:.2f} s)")
 
 
 if __name__ == "__main__":
