@@ -31,7 +31,7 @@ def test_preset_parameter_count_matches_transformers(name):
 def test_published_sizes():
     billions = {name: ModelShape.from_hf_config(v, name).total_params() / 1e9 for name, v in PRESETS.items()}
     assert billions == pytest.approx({"Qwen2.5-0.5B": 0.494, "Qwen2.5-1.5B": 1.544, "Qwen2.5-7B": 7.616,
-                                      "Llama-3.1-8B": 8.030}, abs=1e-3)
+                                      "Llama-3.1-8B": 8.030, "SmolLM2-135M": 0.1345}, abs=1e-3)
 
 
 def test_resolve_shape_sources(tmp_path):
