@@ -29,6 +29,7 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow  # ~28 s of 2-rank saves and loads; resharded resumes also run in tests/trainers
 def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(tiny, tmp_path):
     run_torchrun(WORKER, 2, ["reshard", str(tiny / "qwen2"), str(tmp_path)], timeout_s=600)
     ranks = read_rank_results(tmp_path / "results", 2)

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.engine import RolloutBatch
 from megarlhf.sample_log import SampleLog
@@ -43,6 +45,7 @@ def _read(path):
     return [(r["step"], r["response"], r["reward"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
+@pytest.mark.slow  # a 2-rank run (~16 s)
 def test_first_samples_of_the_whole_batch_at_dp2_once_at_tp2(tmp_path):
     """At DP=2 rank 0 held only 2 of the first 3 samples (an evaluation split over replicas recorded too
     few samples, and none at all when rank 0's share was empty); at TP=2 the peers do not write twice."""

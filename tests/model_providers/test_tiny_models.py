@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
@@ -62,6 +63,7 @@ def test_loaded_tokenizer_splits_as_trained(tmp_path):
         assert tok.decode(ids) == "Tom has 12 apples and 30 pears."
 
 
+@pytest.mark.slow  # a CLI subprocess (~11 s)
 def test_cli_with_overrides(tmp_path):
     out = tmp_path / "cli"
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch", "llama", "--out", str(out),
