@@ -90,7 +90,7 @@ def test_first_slurm_host_handles_bracketed_lists():
     assert _first_slurm_host("") == "127.0.0.1"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # DP2 groups: every 2-rank run uses them
 def test_runtime_groups_and_collectives_on_two_ranks(tmp_path, tp):
     run_torchrun(WORKER, 2, [str(tp), str(tmp_path)], timeout_s=300)
     ranks = read_rank_results(tmp_path, 2)
