@@ -9,6 +9,7 @@ import pytest
 
 from megarlhf.envs import EnvConfig, ParsedCall, ParseError, StepResult, ToolEpisode, ToolRunner, ToolSpec
 from megarlhf.envs.api import stateless
+from megarlhf.testing.hostile import alive, live_children, misbehave
 
 
 def _tool(name: str, *arguments: str) -> ToolSpec:
@@ -193,29 +194,15 @@ def test_calculator_end_to_end_with_the_tokenizer_parser():
 
 # ---- stateless environments: their calls run in worker processes the runner kills -------------------------
 def _act(what):
-    """Misbehaves as ``what`` says; answers "fine" otherwise."""
-    import ctypes
+    """Misbehaves as ``what`` says (megarlhf.testing.hostile); answers "fine" otherwise."""
     import os
-    import re
 
-    if what == "regex":  # catastrophic backtracking: holds the GIL in C for ages
-        re.match(r"(a+)+$", "a" * 64 + "b")
-    elif what == "hang":
-        time.sleep(1000)
-    elif what == "spin":
-        while True:
-            pass
-    elif what == "segfault":
-        ctypes.string_at(0)
-    elif what == "exit":
-        os._exit(3)
-    elif what == "memory":
-        return str(len(bytearray(2**33)))
-    elif what == "pid":
+    if what == "pid":
         return str(os.getpid())
     elif what == "huge":  # ~2.4 MB of JSON: more than a reply frame may carry, unless cut first
         return "\u4e00" * 400_000
-    return "fine"
+    allocated = misbehave(what)
+    return "fine" if allocated is None else str(allocated)
 
 
 @stateless
@@ -244,12 +231,6 @@ def _worker_pids(runner) -> set[int]:
     return {worker.process.pid for worker in runner.processes._workers}
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-
-
 def test_stateless_tools_run_in_worker_processes_that_are_killed_in_bounded_time():
     timeout = 1.0
     runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", timeout_s=timeout, parser="hermes", num_workers=2,
@@ -274,16 +255,15 @@ def test_stateless_tools_run_in_worker_processes_that_are_killed_in_bounded_time
     assert batch.outcomes[2].observation == "error: the call of tool 'act' timed out after 1.0 s"
     assert batch.metrics["tools/killed_workers"] == 5.0 and batch.metrics["tools/timeouts"] == 3.0
     assert batch.metrics["tools/abandoned_threads"] == 0.0
-    assert not any(_alive(pid) for pid in first - _worker_pids(runner))  # killed workers are gone
+    assert not any(alive(pid) for pid in first - _worker_pids(runner))  # killed workers are gone
     again = runner.start([{"row": 1}, {"row": 2}])
     assert [o.observation for o in runner.step(again, _acts("fine", "fine")).outcomes] == ["fine", "fine"]
     runner.close()
-    assert not any(_alive(pid) for pid in _worker_pids(runner))
+    assert not any(alive(pid) for pid in _worker_pids(runner))
 
 
 @pytest.mark.slow  # ~25 s: every timed-out worker is replaced by a fresh interpreter
 def test_a_hundred_hanging_tool_calls_leave_nothing_behind():
-    import psutil
     import threading
 
     runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", timeout_s=0.3, parser="hermes", num_workers=4))
@@ -293,8 +273,7 @@ def test_a_hundred_hanging_tool_calls_leave_nothing_behind():
     assert batch.metrics["tools/timeouts"] == 100.0 and batch.metrics["tools/killed_workers"] == 100.0
     assert time.monotonic() - start < 100 / 4 * (0.3 + 2.0)
     assert threading.active_count() <= threads  # no thread is abandoned
-    children = psutil.Process().children(recursive=True)
-    assert len([c for c in children if c.status() != psutil.STATUS_ZOMBIE]) <= 4  # the 4 live workers
+    assert len(live_children()) <= 4  # the 4 live workers
     runner.close()
 
 

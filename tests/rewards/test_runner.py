@@ -9,6 +9,7 @@ import pytest
 
 from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
 from megarlhf.rewards.api import in_process
+from megarlhf.testing.hostile import alive, live_children
 
 # test-local reward functions, named by dotted path like a user's
 def length_reward(sample, scale=1.0):
@@ -135,25 +136,11 @@ def test_reward_model_slot():
 
 # ---- worker processes: what a thread cannot bound ---------------------------------------------------------
 def hostile_reward(sample):
-    """Misbehaves as the response says; scores 3.0 otherwise."""
-    import ctypes
-    import os
-    import re
+    """Misbehaves as the response says (megarlhf.testing.hostile); scores 3.0 otherwise."""
+    from megarlhf.testing.hostile import misbehave
 
-    if sample.response == "regex":  # catastrophic backtracking: holds the GIL in C for ages
-        re.match(r"(a+)+$", "a" * 64 + "b")
-    elif sample.response == "hang":
-        time.sleep(1000)
-    elif sample.response == "spin":
-        while True:
-            pass
-    elif sample.response == "segfault":
-        ctypes.string_at(0)
-    elif sample.response == "exit":
-        os._exit(3)
-    elif sample.response == "memory":
-        return float(len(bytearray(2**33)))
-    return 3.0
+    allocated = misbehave(sample.response)
+    return 3.0 if allocated is None else float(allocated)
 
 
 def _worker_pids(reward) -> set[int]:
@@ -161,8 +148,6 @@ def _worker_pids(reward) -> set[int]:
 
 
 def test_hostile_calls_are_killed_in_bounded_time_and_their_workers_replaced():
-    import psutil
-
     timeout = 1.0
     reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")], timeout_s=timeout,
                                          num_workers=2, worker_memory_mb=1024))
@@ -182,19 +167,16 @@ def test_hostile_calls_are_killed_in_bounded_time_and_their_workers_replaced():
     assert "MemoryError" in messages[6]  # the address-space limit: the worker survives and reports it
     assert result.metrics["reward/killed_workers"] == 5.0 and result.metrics["reward/timeouts"] == 3.0
     assert not first & _worker_pids(reward) or len(first & _worker_pids(reward)) <= 1
-    dead = [pid for pid in first - _worker_pids(reward) if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    dead = [pid for pid in first - _worker_pids(reward) if alive(pid)]
     assert dead == []  # killed workers are gone, not left running
     assert reward(_samples("fine", "fine", "fine")).rewards == [3.0] * 3  # the pool kept its size
     reward.close()
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    assert not any(alive(pid)
                    for pid in _worker_pids(reward))
 
 
 @pytest.mark.slow  # ~25 s: every timed-out worker is replaced by a fresh interpreter
 def test_a_hundred_hanging_calls_leave_nothing_behind():
-    import psutil
-
     reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:hostile_reward")], timeout_s=0.3,
                                          num_workers=4))
     threads = threading.active_count()
@@ -203,8 +185,7 @@ def test_a_hundred_hanging_calls_leave_nothing_behind():
     assert result.metrics["reward/timeouts"] == 100.0
     assert time.monotonic() - start < 100 / 4 * (0.3 + 2.0)
     assert threading.active_count() <= threads  # no thread is abandoned
-    children = psutil.Process().children(recursive=True)
-    assert len([c for c in children if c.status() != psutil.STATUS_ZOMBIE]) <= 4  # the 4 live workers
+    assert len(live_children()) <= 4  # the 4 live workers
     reward.close()
 
 
@@ -267,5 +248,7 @@ def huge_reward(sample):
 
 def test_an_integer_too_large_for_a_float_is_an_invalid_reward():
     # float(10**400) raises OverflowError: the check itself crashed the runner
-    result = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:huge_reward")]))(_samples("any"))
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:huge_reward")]))
+    result = reward(_samples("any"))
+    reward.close()  # its worker would outlive the test and count as another test's leftover
     assert result.rewards == [0.0] and result.failures[0].kind == "invalid"
