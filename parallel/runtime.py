@@ -92,9 +92,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> L
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     store = None
-    if launch.launcher == "none":
-        # Bind port 0 and keep the socket: choosing a free port first and binding it later races with any
-        # other process on the machine taking it in between (seen as EADDRINUSE in CI).
+    if launch.world_size == 1:
+        # A world of one needs no outside rendezvous, so it binds port 0 and keeps the socket: choosing a
+        # free port first and binding it later races with other processes (EADDRINUSE in CI), and a
+        # RANK/WORLD_SIZE/MASTER_PORT inherited from a parent that initialised in-process points at the
+        # parent's live store (EADDRINUSE again, in CI's next run).
         store = dist.TCPStore(launch.master_addr, 0, world_size=1, is_master=True,
                               timeout=timedelta(seconds=timeout_s))
         launch = dataclasses.replace(launch, master_port=store.port)

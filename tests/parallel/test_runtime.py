@@ -48,7 +48,7 @@ def test_single_process_init_and_reproducible_seeding():
     # later (another process took it in between). A single process now binds port 0; a MASTER_PORT left
     # by an outer job (here: a port that is taken) neither stops it nor stays exported for env:// readers.
     script = textwrap.dedent("""
-        import os, socket, torch
+        import os, socket, subprocess, sys, torch
         for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
             os.environ.pop(k, None)
         taken = socket.socket()
@@ -74,6 +74,12 @@ def test_single_process_init_and_reproducible_seeding():
             draws.append((plain, tracked))
         assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
         assert not torch.equal(draws[0][0], draws[0][1])  # the TP stream differs from the default one
+        # CI's second EADDRINUSE: a child inherits the RANK/WORLD_SIZE/MASTER_PORT this process exported,
+        # and MASTER_PORT is this process's live store. The child must still start on its own port.
+        child = subprocess.run([sys.executable, "-c", "from parallel.runtime import init_distributed;"
+                                "print('PORT', init_distributed().master_port)"], capture_output=True, text=True)
+        assert child.returncode == 0, child.stderr[-3000:]
+        assert child.stdout.split()[-1] not in ("0", os.environ["MASTER_PORT"]), child.stdout
         shutdown()
         print("OK")
     """)
