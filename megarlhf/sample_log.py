@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.metrics import truncate_records_after
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from parallel.runtime import Runtime
 
 

@@ -6,13 +6,8 @@ subclass called as ``provider_cls(hf_config)``. :func:`get_provider` is the one 
 """
 from __future__ import annotations
 
-from megarlhf.registry import Registry
-
-PROVIDERS: Registry = Registry("model provider")
-
-# Importing the architecture modules registers them (they need PROVIDERS defined above).
-from model_providers import llama, mistral, qwen2, qwen3  # noqa: E402,F401
-from model_providers.base import ModelProvider, UnsupportedModelError  # noqa: E402
+from model_providers import llama, mistral, qwen2, qwen3  # noqa: F401  (importing them registers them)
+from model_providers.base import PROVIDERS, ModelProvider, UnsupportedModelError
 
 
 def get_provider(hf_config) -> ModelProvider:

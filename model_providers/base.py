@@ -19,9 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.errors import UserError
+from megarlhf.registry import Registry
 from model_providers.mapping import REPLICATED, VOCAB, ShardContext, WeightMapping
 from parallel import cpu_compat
 from parallel.config import LayoutError, ParallelConfig
+
+# keyed by HF model_type; each architecture file registers its ModelProvider subclass here
+PROVIDERS: Registry = Registry("model provider")
 
 # Megatron-Core's usual padding unit: the padded vocab is a multiple of this times the TP size.
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -53,6 +57,12 @@ def uses_transformer_engine() -> bool:
                            f"({type(err).__name__}: {err}); repair the install (a TE build for this torch and "
                            f"CUDA) or uninstall transformer_engine to use Megatron's local modules") from err
     return True
+
+
+def shared_prefix_supported() -> bool:
+    """Whether the models built here can run shared-prefix rows (:mod:`parallel.shared_prefix`): they do
+    with megarlhf's local attention, not with Transformer Engine's, which does not read ``prefix_of``."""
+    return not uses_transformer_engine()
 
 
 def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool = False):
@@ -263,7 +273,7 @@ class ModelProvider:
         """
         from megatron.core import parallel_state as ps
 
-        from parallel.shared_prefix import TokenPositionGPTModel
+        from model_providers.gpt_model import TokenPositionGPTModel
 
         parallel = ParallelConfig(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                                   ps.get_context_parallel_world_size())

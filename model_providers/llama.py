@@ -5,9 +5,8 @@ biases exist as config switches in HF but no released Llama uses them, so they a
 """
 from __future__ import annotations
 
-from model_providers.base import ModelProvider
+from model_providers.base import PROVIDERS, ModelProvider
 from model_providers.mapping import GATED_MLP, QKV, REPLICATED, ROW, VOCAB, WeightMapping
-from model_providers import PROVIDERS
 
 LAYER = "model.layers.{layer}."
 MEGATRON_LAYER = "decoder.layers.{layer}."

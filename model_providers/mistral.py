@@ -7,8 +7,7 @@ least as long as ``max_position_embeddings`` never takes effect and is accepted 
 """
 from __future__ import annotations
 
-from model_providers import PROVIDERS
-from model_providers.base import ModelProvider
+from model_providers.base import PROVIDERS, ModelProvider
 from model_providers.llama import LLAMA_MAPPINGS
 
 

@@ -7,8 +7,7 @@ LM head to the embedding (handled by the shared provider). Sliding-window attent
 """
 from __future__ import annotations
 
-from model_providers import PROVIDERS
-from model_providers.base import ModelProvider
+from model_providers.base import PROVIDERS, ModelProvider
 from model_providers.llama import LAYER, LLAMA_MAPPINGS, MEGATRON_LAYER
 from model_providers.mapping import QKV, WeightMapping
 

@@ -235,7 +235,7 @@ class HostBoundsSeqParams(PackedSeqParams):
     """Megatron's ``PackedSeqParams`` (``thd``) plus what the model would otherwise read back from the
     device in every layer: ``padded_bounds`` (``cu_seqlens_q_padded`` as host integers, for attention) and,
     at context parallel size 1, ``token_positions`` (each packed token's logical position, so the rotary
-    table is indexed once per micro-batch: :class:`parallel.shared_prefix.TokenPositionGPTModel`).
+    table is indexed once per micro-batch: :class:`model_providers.gpt_model.TokenPositionGPTModel`).
     ``attention_cache`` holds what attention builds once per micro-batch for all its layers (FlexAttention's
     block mask, :mod:`parallel.flex_packed_attention`); it lives as long as the micro-batch's params."""
 

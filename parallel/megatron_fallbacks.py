@@ -14,7 +14,7 @@ Both are installed on every device by :func:`install` (idempotent, called by
    sequences in Python, twice per layer, and with a per-token table (Megatron's "packed freqs") reads each
    sequence's offset with ``.item()``. :func:`_rope_thd_vectorised` applies Megatron's own bshd formula once
    to the whole packed tensor (bitwise equal): a per-token table, which every packed row at context
-   parallel size 1 carries (:class:`parallel.shared_prefix.TokenPositionGPTModel`), is applied as is with
+   parallel size 1 carries (:class:`model_providers.gpt_model.TokenPositionGPTModel`), is applied as is with
    no device read; a per-sequence table is gathered per token by its position within its sequence. On CPU
    it is also 5.5x faster on 64 packed sequences (``bench/bench_rope_thd.py``). Calls under context
    parallelism (CP > 1) go to Megatron's function unchanged.

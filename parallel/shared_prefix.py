@@ -16,9 +16,9 @@ Two pieces make a Megatron ``GPTModel`` run such a row:
   The attention that honours ``prefix_of`` (context parallel size 1) is one FlexAttention call per row on
   a GPU (:mod:`parallel.flex_packed_attention`) and :func:`parallel.cp_attention.per_sequence_attention`
   elsewhere;
-* :class:`TokenPositionGPTModel`, a ``GPTModel`` whose rotary table, for params with ``token_positions``,
-  is indexed by them: one row per packed token, which Megatron's unfused ``thd`` RoPE applies as is (its
-  "packed freqs" case). Megatron's own GPTModel always numbers positions from each segment's start. Plain
+* :class:`model_providers.gpt_model.TokenPositionGPTModel`, a ``GPTModel`` whose rotary table, for params
+  with ``token_positions``, is indexed by them: one row per packed token, which Megatron's unfused ``thd``
+  RoPE applies as is (its "packed freqs" case). Megatron's own GPTModel always numbers positions from each segment's start. Plain
   packed rows at CP = 1 carry their positions too, so the table is built once per micro-batch rather than
   sliced per segment in every layer.
 
@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from megatron.core.models.gpt import GPTModel
 
 from parallel.cp_sharding import CPShardPlan, HostBoundsSeqParams
 
@@ -69,14 +67,6 @@ def shared_prefix_seq_params(plan: CPShardPlan, prefix_of: tuple[int, ...], toke
         prefix_of=tuple(prefix_of), token_positions=token_positions.long())
 
 
-def shared_prefix_supported() -> bool:
-    """Whether the models built here can run shared-prefix rows: megarlhf's local attention is used
-    (Transformer Engine's spec is chosen where TE works, and TE does not read ``prefix_of``)."""
-    from model_providers.base import uses_transformer_engine
-
-    return not uses_transformer_engine()
-
-
 def check_supported(config, cp_size: int) -> None:
     """Raises unless a model with ``config`` (a TransformerConfig) can run shared-prefix rows."""
     problems = []
@@ -89,24 +79,4 @@ def check_supported(config, cp_size: int) -> None:
                          + "; ".join(problems) + "; set train.share_prompt_prefix=false")
 
 
-class TokenPositionGPTModel(GPTModel):
-    """``GPTModel`` whose RoPE follows ``token_positions`` for :class:`SharedPrefixSeqParams` rows; any other
-    input runs exactly as in ``GPTModel``."""
-
-    def _preprocess(self, *args, packed_seq_params=None, **kwargs):
-        out = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
-        positions = getattr(packed_seq_params, "token_positions", None)
-        rotary = out[1]
-        if positions is None or rotary is None:
-            return out
-        if any(p != NO_PREFIX for p in getattr(packed_seq_params, "prefix_of", ())):
-            check_supported(self.config, packed_seq_params.cp_group.size() if packed_seq_params.cp_group else 1)
-        elif self.config.apply_rope_fusion:
-            return out  # plain packed rows: the fused thd RoPE reads cu_seqlens on the device itself
-        # [max_len, 1, 1, dim] table -> one row per packed token (Megatron's per-token "packed freqs"), once
-        # per micro-batch instead of per segment in every layer
-        return (out[0], rotary.index_select(0, positions.to(rotary.device)), *out[2:])
-
-
-__all__ = ["NO_PREFIX", "SharedPrefixSeqParams", "TokenPositionGPTModel", "check_supported",
-           "shared_prefix_seq_params", "shared_prefix_supported"]
+__all__ = ["NO_PREFIX", "SharedPrefixSeqParams", "check_supported", "shared_prefix_seq_params"]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.sample_log import SampleLog
 from parallel.config import ParallelConfig
 from parallel.runtime import init_parallel, shutdown

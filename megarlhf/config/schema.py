@@ -21,7 +21,7 @@ from megarlhf.data.preference import PreferenceDataConfig
 from megarlhf.data.source import DataConfig
 from megarlhf.gates import GateConfig, coarser_dtype
 from megarlhf.rewards import RewardConfig, RewardSpec
-from megarlhf.rollout.config import RolloutConfig
+from megarlhf.rollout.config import RolloutConfig, vllm_lora_rank
 from parallel.config import ParallelConfig
 from parallel.lora import LoRAConfig
 
@@ -308,8 +308,6 @@ class RunConfig:
         _check(self.rollout.tensor_parallel_size == 1,
                f"{where} verifies the engine's adapter slots of a whole (TP=1) engine: rollout.tensor_parallel_size "
                f"must be 1, got {self.rollout.tensor_parallel_size} (use weight_sync.lora='merged')")
-        from megarlhf.rollout.engine import vllm_lora_rank
-
         vllm_lora_rank(self.model.lora.rank)  # raises past the largest rank vLLM serves
         engine_dtype = self.rollout.engine_dtype(self.model.dtype)
         _check(self.rollout.weight_sync.check_checkpoint and coarser_dtype(self.model.dtype, engine_dtype) == engine_dtype,

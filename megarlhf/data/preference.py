@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from megarlhf.data.prompts import uses_chat_template
-from megarlhf.data.sft import encode_text, render_with_loss_mask
+from megarlhf.data.chat import encode_text, render_with_loss_mask
 from megarlhf.data.source import DataConfig, read_records
 from megarlhf.errors import DataError
 

@@ -5,8 +5,9 @@ messages (``data.messages_key``) or ``[system?, user: prompt, assistant: respons
 rendered for growing prefixes of the conversation; each assistant message's tokens are the text between
 ``template(messages[:i], add_generation_prompt=True)`` and ``template(messages[:i + 1])`` (its content and
 end-of-turn marker), and only those carry loss. Every segment is tokenized on its own so the mask is
-exact at the boundaries; a template that does not render prefixes consistently (one that rewrites
-earlier turns) is rejected with a message.
+exact at the boundaries (:func:`megarlhf.data.chat.render_with_loss_mask`, which preference pairs use
+too); a template that does not render prefixes consistently (one that rewrites earlier turns) is
+rejected with a message.
 
 Plain mode: ``prompt`` (after the system prompt) tokenized with the tokenizer's special tokens, then the
 ``response`` plus EOS, which carry the loss. Examples longer than ``data.max_sequence_length`` tokens are
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from megarlhf.data.chat import encode_text, render_with_loss_mask
 from megarlhf.data.prompts import text_field, row_messages, uses_chat_template
 from megarlhf.data.source import DataConfig, read_records
 from megarlhf.errors import DataError
@@ -43,45 +45,10 @@ class SFTDataset:
         return self.examples[i]
 
 
-def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:
-    """``text``'s token ids (with the tokenizer's special tokens, e.g. BOS, when ``special``); [] for ''."""
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
-
-
 def _chat_example(messages: list[dict], tokenizer, where: str) -> SFTExample:
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the conversation has no assistant message to train on")
     return SFTExample(*render_with_loss_mask(messages, tokenizer, 0, where))
-
-
-def render_with_loss_mask(messages: list[dict], tokenizer, first: int, where: str) -> tuple[list[int], list[int]]:
-    """(ids, mask) of ``messages`` rendered with the chat template, the mask 1 exactly on the tokens of the
-    assistant messages from index ``first`` on (their content and end-of-turn tokens, not the template's
-    generation prompt before them). Each such message must render as an extension of the conversation
-    before it, or its tokens cannot be told apart; ``where`` names the row in the errors."""
-    segments: list[tuple[str, int]] = []  # (text, 1 if it carries loss)
-    done = ""
-    for i in range(first, len(messages)):
-        if messages[i]["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (before.startswith(done) and after.startswith(before)):
-            raise DataError(f"{where}: the chat template does not render message {i} as an extension of the "
-                            f"conversation before it, so response tokens cannot be masked exactly; "
-                            f"use plain-text rows with data.chat_template=never")
-        segments += [(before[len(done):], 0), (after[len(before):], 1)]
-        done = after
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    if not full.startswith(done):
-        raise DataError(f"{where}: the chat template renders the whole conversation differently from its prefixes")
-    segments.append((full[len(done):], 0))
-    ids, mask = [], []
-    for text, label in segments:
-        tokens = encode_text(tokenizer, text)
-        ids += tokens
-        mask += [label] * len(tokens)
-    return ids, mask
 
 
 def _plain_example(row: dict, tokenizer, config: DataConfig, where: str) -> SFTExample:

@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from megarlhf.envs.api import ParsedCall, ParseError, ToolSpec
+from megarlhf.envs.tool_calls import ParsedCall, ParseError, ToolSpec
 from megarlhf.registry import Registry
 
 

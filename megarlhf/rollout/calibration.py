@@ -30,7 +30,7 @@ import torch
 
 from megarlhf.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
 from megarlhf.rollout.config import SamplingConfig, rollout_sampling
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights

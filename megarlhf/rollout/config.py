@@ -220,11 +220,6 @@ class SamplingConfig:
             return self
         return replace(self, seed=None, prompt_seeds=tuple(self.prompt_seed(i) for i in indices))
 
-    @property
-    def scoring_temperature(self) -> float:
-        """The temperature of the log-probs reported for these samples (1 when greedy)."""
-        return self.temperature if self.temperature > 0 else 1.0
-
 
 def rollout_sampling(rollout: RolloutConfig, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
     """The RL rollout's sampling: ``rollout.n_samples`` per prompt at ``rollout.temperature``."""
@@ -241,6 +236,17 @@ def greedy_sampling(rollout: RolloutConfig, stop_token_ids: tuple[int, ...]) -> 
 def scoring_temperature(rollout: RolloutConfig) -> float:
     """The temperature the trainer scores rollout samples at (the contract of the module docstring)."""
     return rollout.temperature if rollout.temperature > 0 else 1.0
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter (vLLM pads with zeros)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank at most {VLLM_LORA_RANKS[-1]}")
 
 
 def vllm_logprobs_mode(rollout: RolloutConfig) -> str:

@@ -69,9 +69,10 @@ from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapte
 from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_problems,
                                           checks_checkpoint, floor_problems, natural_gap, natural_sampling,
                                           trainer_fingerprints, worst_of)
-from megarlhf.rollout.config import SamplingConfig
 from megarlhf.dtypes import torch_dtype
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, RolloutEngine, vllm_lora_rank
+from megarlhf.rollout.config import SamplingConfig, vllm_lora_rank
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engine import EngineConfig, RolloutEngine
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, parameter_report,
                                              reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import to_host

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
@@ -33,33 +33,14 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.dtypes import check_dtype_name, torch_dtype
-from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode
+from megarlhf.rollout.batch import FINISH_REASONS, RolloutBatch, check_prompt_ids
+from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode, vllm_lora_rank
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report,
                                              fused_parameters, parameter_report, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
+from megarlhf.rollout.hf_engine import HFRolloutEngine
 
-FINISH_REASONS = ("stop", "length")
-__all__ = ["FINISH_REASONS", "EngineConfig", "RolloutBatch", "RolloutEngine", "SamplingConfig"]
-
-
-@dataclass
-class RolloutBatch:
-    """Generated samples, prompt-major: sample ``k`` answers prompt ``prompt_index[k]``."""
-
-    prompt_index: list[int] = field(default_factory=list)
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    response_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, per position
-    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
-    # multi-turn rollouts only (megarlhf.rollout.multi_turn; empty otherwise): per response token 1 if the
-    # model generated it, 0 for observation tokens; the environment's reward and the tool calls per sample
-    loss_masks: list[list[int]] = field(default_factory=list)
-    env_rewards: list[float] = field(default_factory=list)
-    tool_calls: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r) for r in self.response_ids)
+__all__ = ["EngineConfig", "RolloutEngine", "make_engine"]
 
 
 @dataclass(frozen=True)
@@ -96,31 +77,6 @@ class EngineConfig:
                    kv_cache_bytes=rollout.kv_cache_mb * 2**20, logprobs_mode=vllm_logprobs_mode(rollout),
                    num_threads=torch.get_num_threads(), in_process=in_process,
                    max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else 0, lora_modules=tuple(lora_modules))
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter (vLLM pads with zeros)."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank at most {VLLM_LORA_RANKS[-1]}")
-
-
-def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None) -> None:
-    """Raises naming the prompt: an empty prompt, token ids outside the vocabulary, or (with
-    ``max_model_len``) no room left for a generated token."""
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"rollout prompt {i} is empty")
-        bad = [t for t in p if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
-        if max_model_len is not None and len(p) >= max_model_len:
-            raise ValueError(f"rollout prompt {i} has {len(p)} tokens; max_model_len={max_model_len} "
-                             "leaves no room for a generated token")
 
 
 def child_visible_devices(visible: str | None, device_index: int) -> str:
@@ -361,8 +317,6 @@ def make_engine(hf_dir: str, config: EngineConfig, device: torch.device):
     (:class:`megarlhf.rollout.hf_engine.HFRolloutEngine`, one engine per rank, no vLLM needed); both
     keep the same contract (generate with log-probs, prompt log-probs, load weights, sleep / wake up)."""
     if config.backend == "hf":
-        from megarlhf.rollout.hf_engine import HFRolloutEngine
-
         if config.tensor_parallel_size != 1:
             raise ValueError(f"rollout.backend='hf' runs one engine per rank: rollout.tensor_parallel_size must "
                              f"be 1, got {config.tensor_parallel_size}")

@@ -38,7 +38,8 @@ from typing import Iterable
 
 import torch
 
-from megarlhf.rollout.engine import RolloutBatch, SamplingConfig, check_prompt_ids
+from megarlhf.rollout.batch import RolloutBatch, check_prompt_ids
+from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine_weights import parameter_report
 
 # logits of one prompt_logprobs chunk (rows x padded length x vocab) stay below this many elements

@@ -52,7 +52,7 @@ from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import ToolRunner
 from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
                   "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers")

@@ -31,7 +31,7 @@ from megarlhf.algorithms import dynamic_sampling_filter
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.config import rollout_sampling
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.trainers.experience import global_reward_metrics, rollout_metrics, score_rewards, tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime

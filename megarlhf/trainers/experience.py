@@ -14,9 +14,10 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.gates import Tolerances, gap_problems
 from megarlhf.rewards import CombinedReward, RewardInput
-from megarlhf.rollout.engine import RolloutBatch
-from megarlhf.training import (ExperienceBatch, TrainModel, compute_logprobs, compute_values,
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.training import (ExperienceBatch, TrainModel, build_reward_model, compute_logprobs, compute_values,
                                old_logprobs_from_update)
+from megarlhf.training.learned_reward import LearnedReward, check_reward_model
 from parallel.runtime import Runtime
 
 
@@ -30,9 +31,6 @@ def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[Combin
     path = config.reward.reward_model_path
     if path is None:
         return CombinedReward(config.reward), None
-    from megarlhf.rewards.model import LearnedReward, check_reward_model
-    from megarlhf.training import build_reward_model
-
     check_reward_model(path, tokenizer)
     model = build_reward_model(config, runtime, path, trainable=False)
     return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model

@@ -34,7 +34,7 @@ from megarlhf.trainers.run_checkpoint import RunCheckpointer
 from megarlhf.training import build_actor, build_reference, build_reward_model, export_policy
 from megarlhf.training.preference import (compute_scores, evaluate_pairs, pair_batch, preference_step,
                                           reward_model_step, sequence_logprobs)
-from megarlhf.rewards.model import STATS_FILE
+from megarlhf.training.learned_reward import STATS_FILE
 from model_providers.value_head import export_reward_model
 
 

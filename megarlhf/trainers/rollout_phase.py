@@ -33,7 +33,8 @@ from megarlhf.rollout.calibration import calibrate_colocated
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.disaggregated import DisaggregatedRollout
-from megarlhf.rollout.engine import EngineConfig, RolloutBatch, make_engine
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engine import EngineConfig, make_engine
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.weight_sync import WeightSync
 from megarlhf.training import TrainModel

@@ -37,11 +37,11 @@ from megarlhf.algorithms import LossNormaliser, compute_normaliser
 from megarlhf.training.forward import LossFn, run_schedule
 from megarlhf.training.models import TrainModel
 from megarlhf.training.packing import MicroBatch, build_micro_batches
-from parallel.shared_prefix import shared_prefix_supported
+from model_providers.base import shared_prefix_supported
 from parallel.runtime import Runtime
 
 NONFINITE_MODES = ("abort", "skip")
-# every StepResult's metrics also hold this: the tokens shared prompt prefixes spared the step's forwards
+# every OptimizerStepResult's metrics also hold this: the tokens shared prompt prefixes spared the step's forwards
 PREFIX_TOKENS_SAVED = "prefix_tokens_saved"
 
 
@@ -50,7 +50,9 @@ class NonFiniteError(FloatingPointError):
 
 
 @dataclass
-class StepResult:
+class OptimizerStepResult:
+    """What one optimizer step did (not :class:`megarlhf.envs.api.StepResult`, an environment's turn)."""
+
     metrics: dict[str, float]  # the loss_fn metrics (and PREFIX_TOKENS_SAVED), summed over micro-batches, DP ranks
     grad_norm: float | None  # global gradient norm before clipping (None when skipped)
     lr: float  # the learning rate of this step
@@ -124,7 +126,7 @@ def _zero_grads(trainable: TrainModel) -> None:
 
 def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
                    metric_names: list[str], *, loss_name: str, temperature: float = 1.0, entropy: bool = False,
-                   on_nonfinite: str = "abort") -> StepResult:
+                   on_nonfinite: str = "abort") -> OptimizerStepResult:
     """Forward + backward of ``micro_batches``, the non-finite gate, then one optimizer step.
 
     ``loss_fn(mb, outputs) -> (share, metrics)`` with ``metrics`` holding every name of
@@ -154,18 +156,18 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
         _zero_grads(trainable)
         if on_nonfinite == "abort":
             raise NonFiniteError(f"{trainable.role} update: {reason}")
-        return StepResult(metrics, None, lr, skipped=True, reason=reason)
+        return OptimizerStepResult(metrics, None, lr, skipped=True, reason=reason)
     success, norm, _ = trainable.optimizer.step()
     if not success:
         raise NonFiniteError(f"{trainable.role} update: Megatron's optimizer reported an overflow")
     grad_norm = _grad_norm(trainable, norm)
     trainable.scheduler.step(increment=1)
-    return StepResult(metrics, grad_norm, lr, skipped=False)
+    return OptimizerStepResult(metrics, grad_norm, lr, skipped=False)
 
 
-def skipped_step(trainable: TrainModel, metric_names: list[str], reason: str) -> StepResult:
+def skipped_step(trainable: TrainModel, metric_names: list[str], reason: str) -> OptimizerStepResult:
     """A step that is not taken (nothing to train on): no forward, no optimizer or scheduler step."""
-    return StepResult({name: 0.0 for name in [*metric_names, PREFIX_TOKENS_SAVED]}, None,
+    return OptimizerStepResult({name: 0.0 for name in [*metric_names, PREFIX_TOKENS_SAVED]}, None,
                       float(trainable.optimizer.param_groups[0]["lr"]), skipped=True, reason=reason)
 
 

@@ -47,7 +47,7 @@ from megarlhf.rollout.config import scoring_temperature
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
-from megarlhf.training.step import (PREFIX_TOKENS_SAVED, StepResult, loss_normaliser, micro_batches_for,
+from megarlhf.training.step import (PREFIX_TOKENS_SAVED, OptimizerStepResult, loss_normaliser, micro_batches_for,
                                     optimizer_step, skipped_step)
 from parallel.runtime import Runtime
 
@@ -148,7 +148,8 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
     return loss_fn
 
 
-def _mean_of_steps(role: str, results: list[StepResult], per_token: tuple[str, ...], per_step: tuple[str, ...]):
+def _mean_of_steps(role: str, results: list[OptimizerStepResult], per_token: tuple[str, ...],
+                   per_step: tuple[str, ...]):
     done = [r for r in results if not r.skipped]
     out = {f"{role}/skipped_steps": float(len(results) - len(done)), f"{role}/lr": results[-1].lr}
     for name in per_step:

@@ -118,3 +118,19 @@ def test_a_broken_transformer_engine_install_is_an_error_naming_the_import(monke
         base.uses_transformer_engine()
     monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None)
     assert base.uses_transformer_engine() is False  # not installed: Megatron's local modules
+
+
+def test_only_megatrons_gpt_model_deprecation_banner_is_dropped():
+    """Megatron logs the banner at every GPTModel construction; megarlhf drops that message, nothing else."""
+    import logging
+
+    from megatron.core.models.gpt import gpt_model
+
+    from model_providers.gpt_model import DEPRECATION_BANNER
+
+    def passes(message: str) -> bool:
+        return gpt_model.logger.filter(gpt_model.logger.makeRecord(gpt_model.logger.name, logging.WARNING,
+                                                                    __file__, 0, message, (), None))
+
+    assert not passes(f"{DEPRECATION_BANNER}. GPTModel is only accepting critical bug fixes, no new features.")
+    assert passes("some other warning of Megatron's GPTModel")

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megarlhf.rollout.engine import RolloutBatch, SamplingConfig
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.fingerprint import fingerprint, to_host
 from megarlhf.rollout.hf_engine import HFRolloutEngine
 from model_providers.tiny_models import make_tiny_model, randomize_

@@ -8,7 +8,7 @@ import pytest
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
 from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.multi_turn import TURN_SEED_STRIDE, MultiTurnRollout
 from model_providers.tiny_models import make_tiny_model
 

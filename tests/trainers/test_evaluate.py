@@ -12,7 +12,7 @@ import torch
 
 from megarlhf.config.schema import EvalConfig, ModelConfig, RunConfig
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.trainers.evaluate import evaluate, pass_at_k
 from parallel.runtime import LaunchEnv, ParallelGroup, Runtime
 

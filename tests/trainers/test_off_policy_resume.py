@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from megarlhf.config import RunConfig, load_config
 from megarlhf.data.sampler import PromptSampler
-from megarlhf.rollout.engine import RolloutBatch
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.trainers import pipeline
 from megarlhf.trainers.pipeline import OffPolicyBatches
 

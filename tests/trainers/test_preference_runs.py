@@ -103,7 +103,7 @@ def test_rl_against_the_learned_reward(rl_assets, reward_model, tmp_path, estima
 
 def test_reward_model_refusals_name_the_path(rl_assets, tmp_path):
     from megarlhf.config import RunConfig, from_dict
-    from megarlhf.rewards.model import check_reward_model
+    from megarlhf.training.learned_reward import check_reward_model
     from megarlhf.training import build_reward_model
     from model_providers.tiny_models import make_tiny_model, train_tiny_tokenizer
     from transformers import AutoTokenizer

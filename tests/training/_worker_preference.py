@@ -147,7 +147,7 @@ def learned_reward_checks(cfg, runtime, export: Path, full, local, pooled) -> di
     import json
 
     from megarlhf.rewards import RewardConfig, RewardInput
-    from megarlhf.rewards.model import STATS_FILE, LearnedReward
+    from megarlhf.training.learned_reward import STATS_FILE, LearnedReward
     from megarlhf.training import build_reward_model
 
     mean, std, clip = 1.5, 8.0, 2.5

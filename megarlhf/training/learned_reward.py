@@ -9,7 +9,8 @@ like the reference model): the score is the head's output at the response's last
 model was trained (:mod:`megarlhf.training.preference`). Optionally the score is standardised with the
 mean / std stored beside the model by ``megarlhf rm`` (``reward.reward_model_normalize``) and clipped
 (``reward.reward_model_clip``). Every rank calls it together (the forward is collective over the model-
-parallel group).
+parallel group). It lives in ``training``, not ``rewards``, because it runs a Megatron model; ``rewards``
+defines only the slot it fills.
 
 :func:`check_reward_model` refuses, before anything is built, a reward model whose tokenizer is not the
 policy's (its scores would read other tokens); building the model refuses one without a reward head.
@@ -22,6 +23,8 @@ from typing import Sequence
 
 from megarlhf.errors import ConfigError
 from megarlhf.rewards.api import RewardConfig, RewardInput
+from megarlhf.training.batch import ExperienceBatch
+from megarlhf.training.preference import compute_scores
 
 STATS_FILE = "megarlhf_reward_stats.json"
 
@@ -54,9 +57,6 @@ class LearnedReward:
             self.mean, self.std = float(stats["mean"]), max(float(stats["std"]), 1e-6)
 
     def __call__(self, samples: Sequence[RewardInput]) -> list[float]:
-        from megarlhf.training import ExperienceBatch
-        from megarlhf.training.preference import compute_scores
-
         if not samples:
             return []
         empty = [i for i, s in enumerate(samples) if not s.response_ids or not s.prompt_ids]
