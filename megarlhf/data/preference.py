@@ -12,8 +12,8 @@ row keys are :class:`PreferenceDataConfig`'s; of :class:`DataConfig` only ``spli
   assistant message.
 
 Chat mode (``prompts.uses_chat_template``): the conversation is the prompt's messages (after
-``data.system_prompt``, as for RL prompts) followed by the response's. As in ``sft.py``, the template is
-rendered for growing prefixes and every segment is tokenized on its own, so the mask is exact at the
+``data.system_prompt``, as for RL prompts) followed by the response's. As for SFT (``chat.py``), the template
+is rendered for growing prefixes and every segment is tokenized on its own, so the mask is exact at the
 boundaries; here only the assistant messages of the response carry loss (their content and
 end-of-turn marker), not assistant turns inside a multi-turn prompt. Where the tokenizer's EOS token
 closes the last assistant message, the side ends there (what a rollout ends with; see ``_chat_side``).
@@ -29,7 +29,7 @@ A pair is dropped, and counted in ``num_dropped``, when either side has more tha
 give the same tokens is refused: it carries no preference.
 
 Hand-written because this is the project's own glue between its data settings, the tokenizer and the
-loss-mask rule of ``sft.py``.
+loss-mask rule of ``chat.py``.
 """
 from __future__ import annotations
 

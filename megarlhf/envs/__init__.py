@@ -1,5 +1,5 @@
 """Environments and tools for multi-turn, tool-calling rollouts: the environment contract and registry
-(api.py), tool-call parsers (parsers.py), the tools' description in prompts (prompting.py), the
+(api.py; the tool-call types in tool_calls.py), tool-call parsers (parsers.py), the tools' description in prompts (prompting.py), the
 built-in ``calculator``, ``lookup`` and ``code`` tools, and the time-bounded runner of one turn's tool
 calls (runner.py). The rollout loop itself lives in the trainer.
 """

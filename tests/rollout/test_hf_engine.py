@@ -41,8 +41,8 @@ def sampled(n: int, max_new_tokens: int, seed: int | None, temperature: float = 
 VLLM_PROMPTS = make_prompts(8, seed=21)
 VLLM_SCRIPT = """
 import json, sys
-from megarlhf.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
-from megarlhf.rollout.config import RolloutConfig
+from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+from megarlhf.rollout.config import RolloutConfig, SamplingConfig
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 config = EngineConfig.from_rollout(RolloutConfig(max_new_tokens=16, kv_cache_mb=32), model_dtype="float32", seed=0,
                                    max_prompt_length={max_len} - 16)
