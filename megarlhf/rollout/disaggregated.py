@@ -159,7 +159,7 @@ def _worker_finish(worker) -> dict:
     finally:
         capture.__exit__(None, None, None)
         worker.megarlhf_notices.__exit__(None, None, None)
-    return parameter_report(model, capture)
+    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
 
 
 def _worker_fused(worker) -> dict[str, list[str]]:

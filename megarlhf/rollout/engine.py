@@ -299,16 +299,26 @@ def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], shard
     with ProcessingCapture(model) as capture, ExpectedReloadNotices(model):
         worker.reload_weights(weights_iterator=arriving())
         reprocess_tied(tied)
-    return arrival_report(arrived, capture) if sharded else parameter_report(model, capture)
+    if sharded:
+        return arrival_report(arrived, capture)
+    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
 
 
 def reload_checkpoint_and_report(worker, sharded: bool) -> dict:
-    """:func:`reload_and_report` of the engine's own checkpoint, read from disk by vLLM's model loader."""
+    """:func:`reload_and_report` of the engine's own checkpoint, read from disk by vLLM's model loader.
+
+    Floating tensors are cast to the engine's dtype first, as its first load did by loading into
+    parameters of that dtype: a parameter that processing after that load widened to float32 (vLLM's AMX
+    path upcasts the bias of small GEMMs) would otherwise take a float32 checkpoint's values unrounded,
+    and the engine would compute with other values than it did, and than the trainer does, until the next
+    sync."""
     from vllm.model_executor.model_loader import get_model_loader
 
     runner = worker.model_runner
+    dtype = runner.vllm_config.model_config.dtype
     loader = get_model_loader(runner.vllm_config.load_config)
-    weights = loader.get_all_weights(runner.vllm_config.model_config, runner.get_model())
+    weights = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+               for name, tensor in loader.get_all_weights(runner.vllm_config.model_config, runner.get_model()))
     return reload_and_report(worker, weights, sharded)
 
 

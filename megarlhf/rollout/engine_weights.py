@@ -8,7 +8,10 @@ tells the trainer how, so it can predict those fingerprints from the HF tensors 
 A parameter that vLLM turns into a kernel-specific form after loading (on CPU linear weights are packed
 for oneDNN and the parameter is left empty) is fingerprinted as its layer's quant method receives it
 for that processing (:class:`ProcessingCapture`): the last point its values exist as a tensor. Every
-other parameter is fingerprinted once, after the reload, where the kernels read it. A layer with such
+other parameter is fingerprinted once, after the reload, where the kernels read it; a float32 copy that a
+kernel keeps of a parameter of the model's lower-precision dtype (vLLM's AMX path for small GEMMs on CPU
+upcasts the bias) is fingerprinted in the model's dtype when that holds its values exactly (the kernel
+reads the same values), else as it is (:func:`as_model_dtype`). A layer with such
 processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that never
 arrived) is reported as a problem: its kernels may still use the previous weights.
 
@@ -145,9 +148,21 @@ class ProcessingCapture:
         self._wrapped.clear()
 
 
-def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) -> dict:
+def as_model_dtype(param: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """``param`` in the model's dtype where it is a float32 copy whose values that dtype holds exactly (the
+    kernel reads the values the trainer predicts in the model's dtype), else ``param`` unchanged: a
+    float32 value the model's dtype cannot hold differs from the prediction and is reported. The exactness
+    test reads one bool from the device, only for such float32 parameters of a lower-precision model."""
+    if param.dtype != torch.float32 or model_dtype == torch.float32 or not model_dtype.is_floating_point:
+        return param
+    narrow = param.to(model_dtype)
+    return narrow if torch.equal(narrow.to(torch.float32), param) else param
+
+
+def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None, model_dtype: torch.dtype) -> dict:
     """``{"parameters": {name: [a, b]}, "processed": {name: [a, b]}, "aliases": {name: canonical},
-    "problems": [...], "seconds": fingerprinting time}`` of the model after a reload (module docstring)."""
+    "problems": [...], "seconds": fingerprinting time}`` of the model after a reload (module docstring);
+    ``model_dtype`` is the dtype the engine was built in."""
     start = time.perf_counter()
     parameters, aliases, owner = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -157,7 +172,7 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None) 
             continue
         owner[id(param)] = name
         if param.numel() > 0:  # an emptied parameter was packed: see the capture
-            parameters[name] = fingerprint(param)
+            parameters[name] = fingerprint(as_model_dtype(param.detach(), model_dtype))
     processed = capture.fingerprints if capture is not None else {}
     problems = unprocessed_problems(capture) if capture is not None else []
     host = to_host({**{("parameters", n): v for n, v in parameters.items()},

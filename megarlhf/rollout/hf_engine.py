@@ -269,12 +269,12 @@ class HFRolloutEngine:
                 raise ValueError(f"HF rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
                                  f"the model's is {tuple(param.shape)}")
             param.copy_(tensor)
-        return parameter_report(self.model, None)
+        return parameter_report(self.model, None, self.model.dtype)
 
     def checkpoint_report(self) -> dict:
         """The fingerprints of the parameters as loaded from the checkpoint (by transformers' own loader,
         at construction; nothing has been synced yet when the gates' calibration asks)."""
-        return parameter_report(self.model, None)
+        return parameter_report(self.model, None, self.model.dtype)
 
     def sleep(self) -> None:
         """On CUDA: moves the weights to host memory and frees the device memory they held."""

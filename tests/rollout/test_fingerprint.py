@@ -100,3 +100,22 @@ def test_the_triton_kernel_gives_the_same_bits():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"cases": 30, "mismatches": []}
+
+
+def test_a_lossless_float32_copy_is_fingerprinted_in_the_models_dtype():
+    """vLLM's AMX path (CPUs with AMX tiles) keeps a float32 copy of a bf16 layer's bias; the kernel reads
+    the bf16 values, so the copy must match the trainer's bf16 prediction, and a float32 value bf16 cannot
+    hold (a bias reloaded unrounded from a float32 checkpoint) must not."""
+    from megarlhf.rollout.engine_weights import as_model_dtype
+    from megarlhf.rollout.fingerprint import fingerprint, to_host
+
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    trainer = bias.to(torch.bfloat16)
+    widened = trainer.to(torch.float32)
+    prints = to_host({"trainer": fingerprint(trainer), "widened": fingerprint(as_model_dtype(widened, torch.bfloat16)),
+                      "unrounded": fingerprint(as_model_dtype(bias, torch.bfloat16)),
+                      "fp32 model": fingerprint(as_model_dtype(widened, torch.float32))})
+    assert prints["widened"] == prints["trainer"]
+    assert prints["unrounded"] != prints["trainer"]
+    assert prints["fp32 model"] != prints["trainer"]  # a float32 model's parameters are compared as they are
+    assert as_model_dtype(trainer, torch.bfloat16) is trainer
