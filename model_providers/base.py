@@ -167,7 +167,7 @@ class ModelProvider:
 
     # ---- Megatron pieces ------------------------------------------------------------------------
     def check_parallel(self, parallel: ParallelConfig) -> None:
-        c, tp, pp = self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        c, tp = self.hf_config, parallel.tensor_model_parallel_size
         if c.num_attention_heads % tp:
             raise LayoutError(f"tensor_model_parallel_size={tp} does not divide num_attention_heads="
                               f"{c.num_attention_heads} of this {self.model_type} model")
@@ -177,9 +177,10 @@ class ModelProvider:
         if c.intermediate_size % tp:
             raise LayoutError(f"tensor_model_parallel_size={tp} does not divide intermediate_size="
                               f"{c.intermediate_size} of this {self.model_type} model")
-        if c.num_hidden_layers % pp:
-            raise LayoutError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
-                              f"{c.num_hidden_layers} of this {self.model_type} model")
+        try:
+            parallel.stage_layers(c.num_hidden_layers)
+        except LayoutError as err:
+            raise LayoutError(f"{err} (num_hidden_layers of this {self.model_type} model)") from None
 
     def transformer_config(self, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
                            **overrides):
@@ -215,6 +216,7 @@ class ModelProvider:
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
+            **parallel.uneven_stages,  # Megatron's layer offsets follow them (and the converters read those)
         )
         kwargs.update(cpu_compat.transformer_config_overrides())
         kwargs.update(overrides)
@@ -274,9 +276,9 @@ class ModelProvider:
         from megatron.core import parallel_state as ps
 
         from model_providers.gpt_model import TokenPositionGPTModel
+        from parallel.runtime import current_layout
 
-        parallel = ParallelConfig(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                                  ps.get_context_parallel_world_size())
+        parallel = current_layout()
         config = self.transformer_config(parallel, params_dtype, **config_overrides)
         rope = rope_parameters(self.hf_config)
         model = TokenPositionGPTModel(  # GPTModel, plus per-token RoPE positions for shared-prefix rows

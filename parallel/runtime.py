@@ -283,6 +283,7 @@ def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -
     """(Re)creates Megatron's groups for ``config`` over all ranks, or the first ``local_world_size``."""
     from megatron.core import parallel_state
 
+    global _STAGE_SPLIT
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -291,6 +292,21 @@ def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -
         context_parallel_size=config.context_parallel_size,
         local_world_size=local_world_size,
     )
+    _STAGE_SPLIT = config.uneven_stages
+
+
+# The uneven pipeline-stage split init_parallel was given: Megatron's parallel state keeps the group sizes
+# but not how many layers each stage holds, and every model built afterwards needs the split.
+_STAGE_SPLIT: dict[str, int] = {}
+
+
+def current_layout() -> ParallelConfig:
+    """The layout Megatron's groups were initialised with, including the uneven stage split."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    return ParallelConfig(ps.get_tensor_model_parallel_world_size(), pp, ps.get_context_parallel_world_size(),
+                          **(_STAGE_SPLIT if pp > 1 else {}))
 
 
 def init_disaggregated(config: ParallelConfig, num_trainer_ranks: int, seed: int = 1234,
@@ -365,6 +381,8 @@ def shutdown() -> None:
     """Tears down Megatron's groups and the default process group (safe to call when neither exists)."""
     from megatron.core import parallel_state
 
+    global _STAGE_SPLIT
+    _STAGE_SPLIT = {}
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

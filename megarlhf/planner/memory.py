@@ -167,7 +167,7 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
     par = config.parallel
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     tokens = -(-max(config.train.micro_batch_tokens, max_model_len) // cp)
-    layers = shape.num_layers // pp
+    layers = shape.check_layout(tp, pp, **par.uneven_stages)[stage]
     in_flight = pp - stage
     elems, fp32_elems = activation_elements_per_token_layer(shape, tp)
     per_layer = tokens * (elems * d + fp32_elems * 4)
@@ -187,11 +187,12 @@ def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards:
     """Weights, gradients and optimizer state of a trained model; with LoRA only the adapters (and a value
     head) have gradients and optimizer state, and the weights are the frozen base plus the adapters."""
     par, lora = config.parallel, config.model.lora
-    params = shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, head)
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    params = shape.params_per_rank(tp, pp, stage, head, **par.uneven_stages)
     trained = params
     if lora is not None:
-        adapters = (shape.num_layers // par.pipeline_model_parallel_size
-                    * shape.lora_layer_params(lora.rank, lora.targets, par.tensor_model_parallel_size))
+        adapters = (shape.check_layout(tp, pp, **par.uneven_stages)[stage]
+                    * shape.lora_layer_params(lora.rank, lora.targets, tp))
         value_head = shape.hidden_size if head == "value" and stage == par.pipeline_model_parallel_size - 1 else 0
         params, trained = params + adapters, adapters + value_head
     master = 4 if d < 4 else 0  # bf16 weights get an fp32 master copy; fp32 weights are their own
@@ -217,11 +218,12 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     par = config.parallel
     comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
     separate_reference = config.algorithm.uses_reference and config.model.lora is None  # LoRA: the actor's base
-    comp["reference_weights"] = (shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                                       stage) * d if separate_reference else 0)
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    comp["reference_weights"] = (shape.params_per_rank(tp, pp, stage, **par.uneven_stages) * d
+                                 if separate_reference else 0)
     reward_shape = _reward_model_shape(config, shape)
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
-        par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, "value") * d)
+        tp, pp, stage, "value", **par.uneven_stages) * d)
     critic = _trainable(shape, config, stage, d, shards, "value") if config.algorithm.uses_critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     act, act_recompute = _activations(shape, config, stage, d, max_model_len, "lm")
@@ -247,7 +249,7 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     """The per-rank memory plan of ``config`` on ``launch.world_size`` ranks (raises on a bad layout)."""
     par = config.parallel
     par.validate(launch.world_size)
-    shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, **par.uneven_stages)
     dp = par.data_parallel_size(launch.world_size)
     if config.train.global_batch_size % dp:
         raise ConfigError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "

@@ -24,6 +24,7 @@ from pathlib import Path
 from model_providers.base import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 
 from megarlhf.errors import ConfigError, UserError
+from parallel.config import LayoutError, ParallelConfig
 
 
 _QWEN25_COMMON = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768)
@@ -90,14 +91,17 @@ class ModelShape:
         unit = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
         return math.ceil(self.vocab_size / unit) * unit
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        # the same rule as model_providers.base.ModelProvider.check_parallel
+    def check_layout(self, tp: int, pp: int, **uneven_stages: int) -> list[int]:
+        """Raises unless TP divides the heads and the FFN and the layers split over the PP stages
+        (``uneven_stages``: :class:`parallel.config.ParallelConfig`'s first / last stage counts); returns
+        each stage's layer count. The same rules as ``model_providers.base.ModelProvider.check_parallel``."""
         if self.num_heads % tp or self.num_kv_heads % tp or self.ffn_size % tp:
             raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "
                               f"heads, {self.num_kv_heads} KV heads and FFN size {self.ffn_size} of {self.name}")
-        if self.num_layers % pp:
-            raise ConfigError(f"pipeline_model_parallel_size={pp} does not divide the {self.num_layers} layers "
-                              f"of {self.name}")
+        try:
+            return ParallelConfig(1, pp, 1, **uneven_stages).stage_layers(self.num_layers)
+        except LayoutError as err:
+            raise ConfigError(f"{err} ({self.name})") from None
 
     def layer_params(self, tp: int) -> int:
         """One transformer layer's parameters on one TP rank."""
@@ -115,11 +119,10 @@ class ModelShape:
                       "linear_fc1": rank * h + 2 * f // tp * rank, "linear_fc2": rank * f // tp + h * rank}
         return sum(per_target[t] for t in targets)
 
-    def params_per_rank(self, tp: int, pp: int, stage: int, head: str = "lm") -> int:
+    def params_per_rank(self, tp: int, pp: int, stage: int, head: str = "lm", **uneven_stages: int) -> int:
         """Parameters of one rank of pipeline stage ``stage``; ``head``: "lm" or "value" (critic)."""
-        self.check_layout(tp, pp)
         h = self.hidden_size
-        total = self.num_layers // pp * self.layer_params(tp)
+        total = self.check_layout(tp, pp, **uneven_stages)[stage] * self.layer_params(tp)
         embedding = self.padded_vocab(tp) // tp * h
         if stage == 0:
             total += embedding

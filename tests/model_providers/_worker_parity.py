@@ -169,19 +169,22 @@ def bf16_checks(models: Path) -> dict:
                                 if not torch.equal(t, src[n].to(torch.bfloat16)))}
 
 
-def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
+def main(tp: int, pp: int, models: Path, out_dir: Path, first_stage_layers: int) -> None:
     from megatron.core import parallel_state as ps
 
     from model_providers.hf_checkpoint import load_hf_model
 
-    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=3).launch
+    layout = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            num_layers_in_first_pipeline_stage=first_stage_layers or None)
+    launch = init_parallel(layout, seed=3).launch
     result = {"last_stage": ps.is_pipeline_last_stage()}
     for arch in ARCHS:
         provider, model = load_hf_model(models / arch)
         vocab = provider.hf_config.vocab_size
         ids, pos = inputs(vocab)
         logits = forward(model, ids, pos)
-        r = {"padded_vocab": provider.padded_vocab_size(tp)}
+        r = {"padded_vocab": provider.padded_vocab_size(tp),
+             "layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
         if logits is not None:
             from transformers import AutoModelForCausalLM
 
@@ -213,4 +216,4 @@ def main(tp: int, pp: int, models: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))

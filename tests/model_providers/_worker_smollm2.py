@@ -100,13 +100,15 @@ def check_export(model, provider, source: Path, ref_model, out: Path) -> dict:
     return result
 
 
-def main(tp: int, pp: int, dtype_name: str, model_dir: Path, out_dir: Path) -> None:
+def main(tp: int, pp: int, dtype_name: str, model_dir: Path, out_dir: Path, first: int = 0, last: int = 0) -> None:
     from megatron.core import parallel_state as ps
 
     from model_providers.hf_checkpoint import load_hf_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    launch = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=3).launch
+    layout = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            num_layers_in_first_pipeline_stage=first or None, num_layers_in_last_pipeline_stage=last or None)
+    launch = init_parallel(layout, seed=3).launch
     try:
         provider, model = load_hf_model(model_dir, params_dtype=dtype)
     except ValueError as err:  # e.g. a TP size that does not divide the head counts
@@ -114,7 +116,8 @@ def main(tp: int, pp: int, dtype_name: str, model_dir: Path, out_dir: Path) -> N
         return
     result = {"last_stage": ps.is_pipeline_last_stage(), "tp_rank": ps.get_tensor_model_parallel_rank(),
               "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-              "padded_vocab": provider.padded_vocab_size(tp)}
+              "padded_vocab": provider.padded_vocab_size(tp),
+              "layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
     ids, pos = text_inputs(model_dir)
     result["tokens"] = list(ids.shape)
     logits = forward(model, ids, pos)
@@ -142,4 +145,4 @@ def main(tp: int, pp: int, dtype_name: str, model_dir: Path, out_dir: Path) -> N
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5]), *map(int, sys.argv[6:]))

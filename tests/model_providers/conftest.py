@@ -11,7 +11,9 @@ from megarlhf.testing.launch import read_rank_results, run_torchrun
 from model_providers.tiny_models import TINY_CONFIGS, make_tiny_model
 
 WORKER = Path(__file__).with_name("_worker_parity.py")
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+# layout -> (TP, PP, layers of the first pipeline stage; 0: even stages). "pp2-uneven": the 4-layer Llama
+# splits 1 + 3, the 2-layer models 1 + 1
+LAYOUTS = {"tp1": (1, 1, 0), "tp2": (2, 1, 0), "pp2": (1, 2, 0), "pp2-uneven": (1, 2, 1)}
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +39,9 @@ def parity(tiny_models, tmp_path_factory):
 
     def run(layout: str) -> list[dict]:
         if layout not in cache:
-            tp, pp = LAYOUTS[layout]
+            tp, pp, first = LAYOUTS[layout]
             out = tmp_path_factory.mktemp(f"parity_{layout}")
-            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), str(tiny_models), str(out)], timeout_s=600)
+            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), str(tiny_models), str(out), str(first)], timeout_s=600)
             cache[layout] = read_rank_results(out, tp * pp)
         return cache[layout]
 

@@ -12,6 +12,15 @@ def test_llama_matches_hf(parity, layout, tp):
     assert_parity(parity(layout), "llama", tp)
 
 
+def test_llama_matches_hf_with_uneven_pipeline_stages(parity):
+    """num_layers_in_first_pipeline_stage=1 at PP=2: the 4 layers split 1 + 3 (the other models' 2 layers
+    1 + 1); loading, logits, the round trip and the export all follow Megatron's layer numbering."""
+    ranks = parity("pp2-uneven")
+    assert [rank["llama"]["layer_numbers"] for rank in ranks] == [[1], [2, 3, 4]]
+    assert [rank["qwen2"]["layer_numbers"] for rank in ranks] == [[1], [2]]
+    assert_parity(ranks, "llama", 1)
+
+
 def test_llama3_rope_scaling_uses_all_config_parameters(parity):
     _, last = arch_results(parity("tp1"), "llama")
     # Matches HF's inverse frequencies exactly, where Megatron's fixed 8192-context scaling would not.

@@ -71,12 +71,13 @@ def smollm2_run(smollm2_dir, tmp_path_factory):
     """``smollm2_run(tp, pp, dtype)`` -> the per-rank results of the worker for that launch (run once)."""
     cache: dict[tuple, list[dict]] = {}
 
-    def run(tp: int, pp: int, dtype: str = "float32") -> list[dict]:
-        key = (tp, pp, dtype)
+    def run(tp: int, pp: int, dtype: str = "float32", first_last: tuple[int, int] = (0, 0)) -> list[dict]:
+        key = (tp, pp, dtype, first_last)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"smollm2_tp{tp}_pp{pp}_{dtype}")
             # Generous timeout: 3 ranks of a 135M model on a loaded 2-core machine take minutes.
-            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), dtype, str(smollm2_dir), str(out)], timeout_s=1800)
+            run_torchrun(WORKER, tp * pp, [str(tp), str(pp), dtype, str(smollm2_dir), str(out),
+                                           *map(str, first_last)], timeout_s=1800)
             cache[key] = read_rank_results(out, tp * pp)
         return cache[key]
 
@@ -113,6 +114,18 @@ def test_fp32_logits_match_hf(smollm2_run, capsys, tp, pp):
     assert r["logits_max"] <= LOGIT_TOL, r["logits_max"]
     assert r["logprob_max"] <= LOGIT_TOL, r["logprob_max"]
     assert r["top1_agree"] >= 0.99  # fp32 differences this small can only flip exact near-ties
+
+
+def test_uneven_pipeline_stages_match_hf(smollm2_run, capsys):
+    """30 layers at PP=4 need uneven stages: 6 + 9 + 9 + 6 (PP=4 alone is refused, naming the fields)."""
+    ranks = smollm2_run(1, 4, first_last=(6, 6))
+    r = compared(ranks)
+    report(capsys, "fp32 TP=1 PP=4 (6+9+9+6)", r)
+    assert [len(rank["layer_numbers"]) for rank in ranks] == [6, 9, 9, 6]
+    assert [n for rank in ranks for n in rank["layer_numbers"]] == list(range(1, 31))
+    assert r["logits_max"] <= LOGIT_TOL, r["logits_max"]
+    assert r["logprob_max"] <= LOGIT_TOL, r["logprob_max"]
+    assert r["top1_agree"] >= 0.99
 
 
 def test_bf16_logits_close_to_hf_fp32(smollm2_run, capsys):

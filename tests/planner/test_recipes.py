@@ -86,3 +86,22 @@ def test_smollm2_recipes_plan_on_a_fresh_clone(capsys, tmp_path, monkeypatch, re
         config = json_module.loads(fetched.read_text())
         assert ModelShape.from_hf_config(preset_for("smollm2-135m-instruct"), "x") == \
             ModelShape.from_hf_config(config, "x")
+
+
+def test_qwen2_5_7b_plans_at_pp8_with_uneven_stages(capsys):
+    """28 layers at PP=8 split only unevenly: refused naming the fields, then planned with 3 + 6x4 + 1."""
+    recipe = RECIPES / "qwen2.5-7b_grpo.yaml"
+    pp8 = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=8"]
+    status = main(["plan", "--gpus", "16", str(recipe), *pp8])
+    printed = capsys.readouterr()
+    assert status != 0 and "cannot split the model's 28 layers" in printed.out + printed.err
+    uneven = pp8 + ["parallel.num_layers_in_first_pipeline_stage=3", "parallel.num_layers_in_last_pipeline_stage=1"]
+    status, out = _plan(capsys, recipe, 16, uneven, "--json")
+    plan = json.loads(out)
+    assert status == 0 and plan["fits"], out
+    weights = [stage["actor_weights"] for stage in plan["stages"]]
+    layer = weights[1] // 4  # bf16 bytes of one layer on one TP rank: the middle stages hold 4 each
+    assert len(weights) == 8 and weights[1:7] == [4 * layer] * 6
+    embedding = 152064 // 2 * 3584 * 2  # Qwen2.5-7B's vocab (TP-split) x hidden, bf16; its head is untied
+    assert weights[0] == 3 * layer + embedding
+    assert weights[7] == layer + 3584 * 2 + embedding  # 1 layer, the final norm and the LM head
