@@ -55,9 +55,14 @@ def test_tp_must_divide_heads_and_groups(tp, message):
         provider.transformer_config(ParallelConfig(tensor_model_parallel_size=tp))
 
 
-def test_pp_must_divide_layers():
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 does not divide num_hidden_layers=4"):
-        get_provider(tiny_config("llama")).transformer_config(ParallelConfig(pipeline_model_parallel_size=3))
+def test_pp_must_split_the_layers_and_uneven_stages_reach_megatron():
+    provider = get_provider(tiny_config("llama"))  # 4 layers
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=3 cannot split the model's 4 layers.*"
+                                         r"num_hidden_layers of this llama model"):
+        provider.transformer_config(ParallelConfig(pipeline_model_parallel_size=3))
+    config = provider.transformer_config(ParallelConfig(pipeline_model_parallel_size=3,
+                                                        num_layers_in_first_pipeline_stage=2))
+    assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (2, None)
 
 
 def test_vocab_padding():
