@@ -63,15 +63,15 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.data.prompts import PromptExample, uses_chat_template
+from megarlhf.dtypes import torch_dtype
 from megarlhf.gates import run_tolerances
 from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapter_metrics, adapter_only,
                                            engine_lora, expected_slots, load_problems, slot_problems)
+from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_problems,
                                           checks_checkpoint, floor_problems, natural_gap, natural_sampling,
                                           trainer_fingerprints, worst_of)
-from megarlhf.dtypes import torch_dtype
 from megarlhf.rollout.config import SamplingConfig, vllm_lora_rank
-from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.engine import EngineConfig, RolloutEngine
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, parameter_report,
                                              reprocess_tied, tied_modules)
