@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -77,6 +78,21 @@ FORMAT_VERSION = 1
 RANK_STATE_DIR = "rank_state"
 # Megatron's DistributedOptimizer checkpoint format that reshards across TP, PP and DP.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+MCORE_ASYNC_NOTICE = "MCore's async save is deprecated"
+
+
+class _DropSyncSaveAsyncNotice(logging.Filter):
+    """megarlhf saves synchronously (``dist_checkpointing.save``). In megatron-core 0.19 the synchronous
+    ``TorchDistSaveShardedStrategy.save`` runs through Megatron's own async machinery
+    (``async_save(..., async_strategy="mcore")`` then ``execute_sync()``), which logs that *async* saving
+    through MCore is deprecated in favour of NVRx (nvidia-resiliency-ext). That notice is about async
+    saves we never make; only it is dropped, the logger's other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return MCORE_ASYNC_NOTICE not in record.getMessage()
+
+
+_SYNC_SAVE_NOTICE_FILTER = _DropSyncSaveAsyncNotice()
 # TransformerConfig fields that decide tensor shapes: a mismatch is reported before Megatron's own error.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
@@ -264,7 +280,9 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     strings, tuples, lists and dicts only) see the module docstring. Returns the final path.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
+    torch_strategy.logger.addFilter(_SYNC_SAVE_NOTICE_FILTER)  # once: a Filterer keeps one of each
     _require_distributed("save_checkpoint")
     final = Path(directory).absolute()
     try:
