@@ -15,7 +15,8 @@ CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() f
 # model and data come from overrides
 CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml", "demo_rm.yaml",
                "demo_dpo.yaml", "demo_grpo_learned_reward.yaml", "demo_sft_calculator.yaml",
-               "demo_grpo_calculator.yaml", "smollm2_grpo_arithmetic.yaml", "smollm2_sft_arithmetic.yaml"]
+               "demo_grpo_calculator.yaml", "smollm2_grpo_arithmetic.yaml", "smollm2_sft_arithmetic.yaml",
+               "smollm2_sft_multistep.yaml", "smollm2_grpo_multistep.yaml"]
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
@@ -75,9 +76,14 @@ def test_smollm2_recipes_plan_on_a_fresh_clone(capsys, tmp_path, monkeypatch, re
     same numbers as the fetched config.json)."""
     import json as json_module
 
-    monkeypatch.chdir(tmp_path)  # no checkpoints/ here
-    status, out = _plan(capsys, RECIPES / recipe, 2, ["data.train_path=x.jsonl"], "--device", "cpu",
-                        "--gpu-mem-gib", "24")
+    monkeypatch.chdir(tmp_path)  # no checkpoints/ or runs/ here
+    flags = ("--device", "cpu", "--gpu-mem-gib", "24")
+    if "runs/" in yaml.safe_load((RECIPES / recipe).read_text())["model"]["path"]:  # starts from an SFT run
+        status = main(["plan", "--gpus", "2", *flags, str(RECIPES / recipe), "data.train_path=x.jsonl"])
+        printed = capsys.readouterr()
+        assert status != 0 and "has no config.json" in printed.err and "pass --arch PRESET" in printed.err, printed
+        flags += ("--arch", "smollm2-135m-instruct")
+    status, out = _plan(capsys, RECIPES / recipe, 2, ["data.train_path=x.jsonl"], *flags)
     assert status == 0 and "preset smollm2-135m-instruct" in out, out
     fetched = Path(__file__).parents[2] / "checkpoints" / "smollm2-135m-instruct" / "config.json"
     if fetched.is_file():  # where the model was fetched, the preset and its config agree
