@@ -20,7 +20,7 @@ RUN pip install --no-cache-dir torch==2.13.0 \
  && pip install --no-cache-dir --no-build-isolation "transformer-engine[pytorch]==2.20.2" \
  && pip install --no-cache-dir --no-deps megatron-core==0.19.2 \
  && pip install --no-cache-dir nemo_run==0.11.1 datasets==5.2.0 math-verify==0.9.0 PyYAML==6.0.3 \
-      tensorboard==2.21.0 matplotlib==3.11.2 pyarrow==26.0.1 pytest==9.2.0 \
+      tensorboard==2.21.0 matplotlib==3.11.2 pyarrow==26.0.1 pytest==9.2.0 wandb==0.31.0 mlflow-skinny==3.17.2 \
  && pip install --no-cache-dir --no-deps leptonai==0.27.3 \
  && pip install --no-cache-dir anyio==4.16.0 httpx2==2.16.2 httpcore2==2.16.2
 

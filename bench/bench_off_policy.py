@@ -34,7 +34,7 @@ def run(args, staleness: int) -> list[dict]:
            f"data.train_path={Path(args.data) / 'train.jsonl'}", f"logging.run_dir={run_dir}",
            "rollout.placement={mode: disaggregated, num_engine_ranks: 1}", f"rollout.max_staleness={staleness}",
            f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.resume=none",
-           "logging.tensorboard=false"]
+           "logging.backends=[]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_LOGGING_LEVEL": "WARNING"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step_s" in r]

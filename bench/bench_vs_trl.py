@@ -177,7 +177,7 @@ def warm_start(out: Path, base: Path, data: dict, steps: int) -> Path:
     """The demo's SFT recipe on 2 ranks; its HF export is the model both frameworks start from."""
     cmd = megarlhf_command("sft", "demo_sft.yaml", [
         f"model.path={base}", f"data.train_path={data['sft_train']}", f"logging.run_dir={out / 'sft'}",
-        "checkpoint.resume=none", f"train.steps={steps}", "logging.tensorboard=false"], nproc=2)
+        "checkpoint.resume=none", f"train.steps={steps}", "logging.backends=[]"], nproc=2)
     start, end, _ = stream(cmd, launch_env(1), out / "sft.log")
     print(f"[bench] SFT warm start: {steps} steps in {end - start:.0f} s", flush=True)
     return out / "sft" / "hf"
@@ -191,7 +191,7 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
     # data.eval_path: a recipe may name its own held-out file; evaluation is off here (eval.every=0)
     overrides = [f"model.path={model_dir}", f"data.train_path={data['train']}", f"data.eval_path={data['heldout']}",
                  f"logging.run_dir={run_dir}",
-                 "checkpoint.resume=none", "checkpoint.every=0", "eval.every=0", "logging.tensorboard=false",
+                 "checkpoint.resume=none", "checkpoint.every=0", "eval.every=0", "logging.backends=[]",
                  f"train.steps={spec['steps']}", f"train.global_batch_size={spec['prompts']}",
                  f"rollout.n_samples={spec['samples']}", f"rollout.max_new_tokens={spec['new_tokens']}",
                  "rollout.temperature=1.0", f"rollout.kv_cache_mb={spec['kv_cache_mb']}", f"optim.lr={spec['lr']}",

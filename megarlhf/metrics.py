@@ -1,10 +1,11 @@
-"""Run metrics: one JSON object per step in ``metrics.jsonl``, the same scalars in TensorBoard, and a
-console progress line with the key figures.
+"""Run metrics: one JSON object per step in ``metrics.jsonl``, the same scalars to the run's trackers
+(TensorBoard, W&B, MLflow: :mod:`megarlhf.tracking`), and a console progress line with the key figures.
 
 Only global rank 0 writes. Steps are recorded every ``log_every`` steps (``logging.log_every``), and
 always the last step and any record with evaluation metrics. A resumed run cuts ``metrics.jsonl`` back
 to the steps its checkpoint had completed, so an interrupted-and-resumed run leaves the same file as an
-uninterrupted one.
+uninterrupted one. A tracker that fails to log a step (a tracking server gone away) does not stop
+training: the first failure of each is reported, and ``metrics.jsonl`` keeps every step.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "response_len/mean",
                 "time/step_s")
@@ -45,9 +47,10 @@ def _finite_or_none(value):
 class MetricsRecorder:
     """Records per-step metrics for a run directory (a no-op on ranks other than 0)."""
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, rank: int = 0,
+    def __init__(self, run_dir: str | Path, *, total_steps: int, trackers: Sequence = (), rank: int = 0,
                  resume_after_step: int | None = None, console_keys: Iterable[str] = CONSOLE_KEYS,
                  stream=None, log_every: int = 1):
+        """``trackers``: opened :mod:`megarlhf.tracking` backends (rank 0's; closed by :meth:`close`)."""
         if not (isinstance(log_every, int) and log_every >= 1):
             raise ValueError(f"MetricsRecorder: log_every must be an int >= 1, got {log_every!r}")
         self.active = rank == 0
@@ -56,17 +59,13 @@ class MetricsRecorder:
         self.console_keys = tuple(console_keys)
         self.stream = stream or sys.stdout
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._writer = None
+        self.trackers = list(trackers)
+        self._failed: set[int] = set()
         self._start = time.time()
         if not self.active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_after_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
-                                         purge_step=None if resume_after_step is None else resume_after_step + 1)
 
     def _truncate_after(self, step: int | None) -> None:
         if step is not None:
@@ -81,10 +80,15 @@ class MetricsRecorder:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            for key, value in metrics.items():
-                self._writer.add_scalar(key, float(value), step)
-            self._writer.flush()
+        scalars = {k: float(v) for k, v in metrics.items()}
+        for index, tracker in enumerate(self.trackers):
+            try:
+                tracker.log(step, scalars)
+            except Exception as err:  # noqa: BLE001 - any backend failure; metrics.jsonl has the step
+                if index not in self._failed:
+                    self._failed.add(index)
+                    warnings.warn(f"{type(tracker).__name__} could not log step {step} ({type(err).__name__}: "
+                                  f"{err}); training goes on, metrics.jsonl keeps every step", stacklevel=2)
         self._print(step, record)
 
     def _print(self, step: int, record: dict) -> None:
@@ -97,9 +101,9 @@ class MetricsRecorder:
         print(f"[{bar}] step {done}/{self.total_steps}  {figures}  ({elapsed:.0f} s)", file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path,

@@ -4,12 +4,15 @@ import math
 
 import pytest
 
+from megarlhf.config.schema import LoggingConfig
 from megarlhf.metrics import MetricsRecorder, plot_curves, read_metrics
+from megarlhf.tracking import open_trackers
 
 
 def test_records_jsonl_tensorboard_and_console(tmp_path):
     out = io.StringIO()
-    rec = MetricsRecorder(tmp_path, total_steps=2, stream=out)
+    trackers = open_trackers(LoggingConfig(backends=["tensorboard"]), tmp_path, {}, -1)
+    rec = MetricsRecorder(tmp_path, total_steps=2, trackers=trackers, stream=out)
     rec.log(0, {"reward/mean": 0.25, "actor/pg_loss": -0.5, "bad": math.nan})
     rec.log(1, {"reward/mean": 0.75, "eval/accuracy": 0.5})
     rec.close()
@@ -28,10 +31,10 @@ def test_records_jsonl_tensorboard_and_console(tmp_path):
 
 
 def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
-    rec = MetricsRecorder(tmp_path, total_steps=4, tensorboard=False, stream=io.StringIO())
+    rec = MetricsRecorder(tmp_path, total_steps=4, stream=io.StringIO())
     for step in range(3):
         rec.log(step, {"x": float(step)})
-    resumed = MetricsRecorder(tmp_path, total_steps=4, tensorboard=False, resume_after_step=0,
+    resumed = MetricsRecorder(tmp_path, total_steps=4, resume_after_step=0,
                               stream=io.StringIO())
     resumed.log(1, {"x": 10.0})
     assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 0.0), (1, 10.0)]
@@ -44,7 +47,7 @@ def test_other_ranks_write_nothing(tmp_path):
 
 
 def test_plot_curves_writes_png_and_refuses_empty(tmp_path):
-    rec = MetricsRecorder(tmp_path, total_steps=3, tensorboard=False, stream=io.StringIO())
+    rec = MetricsRecorder(tmp_path, total_steps=3, stream=io.StringIO())
     for step in range(3):
         rec.log(step, {"reward/mean": step / 3, **({"eval/accuracy": 0.5} if step == 2 else {})})
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
@@ -54,10 +57,10 @@ def test_plot_curves_writes_png_and_refuses_empty(tmp_path):
 
 
 def test_log_every_records_due_steps_the_last_and_evaluations(tmp_path):
-    rec = MetricsRecorder(tmp_path, total_steps=7, tensorboard=False, stream=io.StringIO(), log_every=3)
+    rec = MetricsRecorder(tmp_path, total_steps=7, stream=io.StringIO(), log_every=3)
     for step in range(7):
         rec.log(step, {"x": float(step), **({"eval/accuracy": 0.5} if step == 4 else {})})
     rec.log(7, {"eval/accuracy": 0.75})  # the final evaluation
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 3, 4, 6, 7]
     with pytest.raises(ValueError, match="log_every must be an int >= 1"):
-        MetricsRecorder(tmp_path, total_steps=1, tensorboard=False, log_every=0)
+        MetricsRecorder(tmp_path, total_steps=1, log_every=0)

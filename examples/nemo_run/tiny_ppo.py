@@ -31,7 +31,7 @@ def experiment_config(model_path: str, train_path: str, run_dir: str) -> RunConf
         train=TrainConfig(steps=2, global_batch_size=4, micro_batch_tokens=512),
         reward=RewardConfig(functions=[RewardSpec("exact_match")], num_workers=1),
         checkpoint=CheckpointConfig(every=0, resume="auto"),
-        logging=LoggingConfig(run_dir=run_dir, tensorboard=False),
+        logging=LoggingConfig(run_dir=run_dir, backends=[]),
         seed=0)
 
 

@@ -9,6 +9,7 @@ YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_c
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +23,7 @@ from megarlhf.data.source import DataConfig
 from megarlhf.gates import GateConfig, coarser_dtype
 from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig, vllm_lora_rank
+from megarlhf.tracking import TRACKERS
 from parallel.config import ParallelConfig
 from parallel.lora import LoRAConfig
 
@@ -240,8 +242,13 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, config.yaml, checkpoints
-    tensorboard: bool = True
+    run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints, the trackers' files
+    # experiment trackers (megarlhf.tracking): any of tensorboard, wandb, mlflow; [] for metrics.jsonl only
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "megarlhf"  # the W&B project / MLflow experiment
+    run_name: str | None = None  # the W&B / MLflow run's name (None: the run directory's name)
+    wandb_mode: Literal["online", "offline"] | None = None  # None: W&B's own choice (WANDB_MODE, wandb login)
+    mlflow_tracking_uri: str | None = None  # None: MLflow's own choice (MLFLOW_TRACKING_URI, else its default)
     log_every: int = 1  # steps between metric records (RL and SFT; the last step and evaluations always)
     samples_per_step: int = 4  # RL: decoded samples per step and per evaluation in samples.jsonl (0: off)
 
@@ -249,6 +256,15 @@ class LoggingConfig:
         _positive_int(self, "log_every")
         _check(isinstance(self.samples_per_step, int) and self.samples_per_step >= 0,
                f"LoggingConfig.samples_per_step must be an int >= 0, got {self.samples_per_step!r}")
+        unknown = [b for b in self.backends if b not in TRACKERS]
+        _check(not unknown, f"LoggingConfig.backends: unknown tracking backend(s) {unknown}; "
+                            f"known: {', '.join(TRACKERS.names())}")
+        _check(len(set(self.backends)) == len(self.backends),
+               f"LoggingConfig.backends names a backend twice: {self.backends}")
+        # every rank checks, so that a missing package stops all ranks at start-up, not rank 0 alone
+        missing = [b for b in self.backends if b != "tensorboard" and importlib.util.find_spec(b) is None]
+        _check(not missing, f"LoggingConfig.backends has {missing}, not installed "
+                            f"(pip install 'megarlhf[tracking]')")
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferenceDataset, load_preference_dataset
 from megarlhf.errors import DataError
-from megarlhf.metrics import MetricsRecorder, plot_curves
+from megarlhf.metrics import plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
@@ -104,9 +104,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     checkpointer = RunCheckpointer(config, {"actor": model})  # the run's trained model
     sampler, first_step = run.resume(checkpointer, len(train))
     keys = ("dpo/loss", "rewards/accuracy", "rewards/margin") if mode == "dpo" else ("rm/loss", "rm/accuracy")
-    recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
-                               rank=runtime.launch.rank, resume_after_step=first_step - 1, log_every=config.logging.log_every,
-                               console_keys=(*keys, "eval/" + keys[1], "time/step_s"))
+    recorder = run.open_recorder(steps, first_step, console_keys=(*keys, "eval/" + keys[1], "time/step_s"))
     share = config.train.global_batch_size // runtime.dp.size
 
     def evaluate(step: int) -> dict[str, float]:

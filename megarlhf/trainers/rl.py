@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.metrics import MetricsRecorder, plot_curves
+from megarlhf.metrics import plot_curves
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import greedy_sampling
 from megarlhf.sample_log import SampleLog
@@ -67,9 +67,7 @@ def train_rl(config: RunConfig) -> Path | None:
     batches = make_batches(phase, sampler, prompts, reward, run.tokenizer, config, runtime, stop)  # steps 1-6
     batches.restore(run.resumed, first_step)
     steps = config.train.steps
-    recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
-                               rank=runtime.launch.rank, resume_after_step=first_step - 1,
-                               log_every=config.logging.log_every)
+    recorder = run.open_recorder(steps, first_step)
     samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
                         runtime=runtime, resume_after_step=first_step - 1)
 

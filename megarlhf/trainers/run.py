@@ -10,12 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarlhf.config import save_config
+from megarlhf.config import save_config, to_dict
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.errors import CheckpointError, DataError
+from megarlhf.metrics import MetricsRecorder
+from megarlhf.tracking import open_trackers
 from megarlhf.training.step import prefix_sharing_notice
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
@@ -67,6 +69,15 @@ class RunContext:
         sampler.load_state_dict(resumed["sampler"])
         self.log(f"resumed from step {resumed['step']}")
         return sampler, resumed["step"]
+
+    def open_recorder(self, total_steps: int, first_step: int, **options) -> MetricsRecorder:
+        """The run's metrics recorder from ``first_step`` on (0: a fresh start), with the trackers
+        ``logging.backends`` names opened on global rank 0 (a resumed run continues their runs)."""
+        settings = self.config.logging
+        trackers = open_trackers(settings, self.run_dir, to_dict(self.config), first_step - 1) if self.is_main else []
+        return MetricsRecorder(self.run_dir, total_steps=total_steps, trackers=trackers,
+                               rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
+                               log_every=settings.log_every, **options)
 
     def load_prompts(self, path: str) -> PromptDataset:
         env = self.config.rollout.env

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.sft import load_sft_dataset
-from megarlhf.metrics import MetricsRecorder, plot_curves
+from megarlhf.metrics import plot_curves
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
 from megarlhf.training import build_actor, export_policy, sft_step
@@ -26,10 +26,8 @@ def train_sft(config: RunConfig) -> Path:
     actor = build_actor(config, run.runtime, total_steps=steps)
     checkpointer = RunCheckpointer(config, {"actor": actor})
     sampler, first_step = run.resume(checkpointer, len(dataset))
-    recorder = MetricsRecorder(run.run_dir, total_steps=steps, tensorboard=config.logging.tensorboard,
-                               rank=run.runtime.launch.rank, resume_after_step=first_step - 1,
-                               console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"),
-                               log_every=config.logging.log_every)
+    recorder = run.open_recorder(steps, first_step,
+                                 console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
     for step in range(first_step, steps):
         start = time.perf_counter()
         examples = [dataset[i] for i in sampler.next_batch()]

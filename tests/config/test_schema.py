@@ -146,7 +146,7 @@ def test_resolved_config_round_trip(recipe, tmp_path):
     assert load_config(RunConfig, saved) == config
     # and nothing needs the original recipe: every default is written out
     text = saved.read_text()
-    assert "gae_whiten: true" in text and "log_ratio_limit: 20.0" in text and "tensorboard: true" in text
+    assert "gae_whiten: true" in text and "log_ratio_limit: 20.0" in text and "- tensorboard" in text
 
 
 def test_what_an_estimator_needs_comes_from_its_registry_entry(recipe):

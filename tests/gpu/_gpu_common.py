@@ -31,6 +31,6 @@ def run_rl(tiny_llama, task, tmp_path, *overrides):
         "data.max_prompt_length=96", "rollout.backend=hf", "rollout.n_samples=4", "rollout.max_new_tokens=32",
         "train.steps=3", "train.global_batch_size=8", "train.micro_batch_tokens=2048", "optim.lr=1e-4",
         "reward.functions=[{name: exact_match}]", "checkpoint.every=0", f"logging.run_dir={tmp_path / 'run'}",
-        "logging.tensorboard=false", *overrides])
+        "logging.backends=[]", *overrides])
     train_rl(config)
     return read_metrics(tmp_path / "run" / "metrics.jsonl")

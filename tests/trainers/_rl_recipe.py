@@ -22,7 +22,7 @@ train: {steps: 2, global_batch_size: 4, micro_batch_tokens: 512}
 reward: {functions: [{name: exact_match}]}
 eval: {every: 2, max_prompts: 4}
 checkpoint: {every: 0}
-logging: {run_dir: RUN, tensorboard: true}
+logging: {run_dir: RUN, backends: [tensorboard]}
 """
 
 

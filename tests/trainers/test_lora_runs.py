@@ -79,7 +79,7 @@ optim: {{lr: 1.0e-2}}
 train: {{steps: 3, global_batch_size: 8, micro_batch_tokens: 512}}
 eval: {{every: 0}}
 checkpoint: {{every: 0}}
-logging: {{tensorboard: false}}
+logging: {{backends: []}}
 """)
     run_torchrun(CLI, 2, ["sft", str(recipe), f"data.train_path={data}/sft_train.jsonl",
                           f"logging.run_dir={tmp_path / 'sft'}"], timeout_s=900)

@@ -28,7 +28,7 @@ optim: {{lr: 1.0e-3}}
 train: {{steps: 4, global_batch_size: 8, micro_batch_tokens: 512}}
 eval: {{every: 2}}
 checkpoint: {{every: 2}}
-logging: {{run_dir: {run}, tensorboard: false}}
+logging: {{run_dir: {run}, backends: []}}
 """
 
 
