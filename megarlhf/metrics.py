@@ -5,7 +5,7 @@ Only global rank 0 writes. Steps are recorded every ``log_every`` steps (``loggi
 always the last step and any record with evaluation metrics. A resumed run cuts ``metrics.jsonl`` back
 to the steps its checkpoint had completed, so an interrupted-and-resumed run leaves the same file as an
 uninterrupted one. A tracker that fails to log a step (a tracking server gone away) does not stop
-training: the first failure of each is reported, and ``metrics.jsonl`` keeps every step.
+training: it is reported and dropped for the rest of the run, and ``metrics.jsonl`` keeps every step.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from megarlhf.tracking import close_trackers
 
 CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "response_len/mean",
                 "time/step_s")
@@ -60,7 +62,6 @@ class MetricsRecorder:
         self.stream = stream or sys.stdout
         self.path = Path(run_dir) / "metrics.jsonl"
         self.trackers = list(trackers)
-        self._failed: set[int] = set()
         self._start = time.time()
         if not self.active:
             return
@@ -81,14 +82,15 @@ class MetricsRecorder:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = {k: float(v) for k, v in metrics.items()}
-        for index, tracker in enumerate(self.trackers):
+        for tracker in list(self.trackers):
             try:
                 tracker.log(step, scalars)
             except Exception as err:  # noqa: BLE001 - any backend failure; metrics.jsonl has the step
-                if index not in self._failed:
-                    self._failed.add(index)
-                    warnings.warn(f"{type(tracker).__name__} could not log step {step} ({type(err).__name__}: "
-                                  f"{err}); training goes on, metrics.jsonl keeps every step", stacklevel=2)
+                # dropped, not retried: a tracking server that is gone would cost each step its timeouts
+                self.trackers.remove(tracker)
+                warnings.warn(f"{type(tracker).__name__} could not log step {step} ({type(err).__name__}: "
+                              f"{err}); it is dropped for the rest of the run, metrics.jsonl keeps every step",
+                              stacklevel=2)
         self._print(step, record)
 
     def _print(self, step: int, record: dict) -> None:
@@ -102,8 +104,7 @@ class MetricsRecorder:
 
     def close(self) -> None:
         trackers, self.trackers = self.trackers, []
-        for tracker in trackers:
-            tracker.close()
+        close_trackers(trackers)
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path,

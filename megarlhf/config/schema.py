@@ -9,7 +9,6 @@ YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_c
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -261,10 +260,6 @@ class LoggingConfig:
                             f"known: {', '.join(TRACKERS.names())}")
         _check(len(set(self.backends)) == len(self.backends),
                f"LoggingConfig.backends names a backend twice: {self.backends}")
-        # every rank checks, so that a missing package stops all ranks at start-up, not rank 0 alone
-        missing = [b for b in self.backends if b != "tensorboard" and importlib.util.find_spec(b) is None]
-        _check(not missing, f"LoggingConfig.backends has {missing}, not installed "
-                            f"(pip install 'megarlhf[tracking]')")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
-from megarlhf.errors import CheckpointError, DataError
+from megarlhf.errors import CheckpointError, ConfigError, DataError
 from megarlhf.metrics import MetricsRecorder
 from megarlhf.tracking import open_trackers
 from megarlhf.training.step import prefix_sharing_notice
@@ -73,8 +73,17 @@ class RunContext:
     def open_recorder(self, total_steps: int, first_step: int, **options) -> MetricsRecorder:
         """The run's metrics recorder from ``first_step`` on (0: a fresh start), with the trackers
         ``logging.backends`` names opened on global rank 0 (a resumed run continues their runs)."""
-        settings = self.config.logging
-        trackers = open_trackers(settings, self.run_dir, to_dict(self.config), first_step - 1) if self.is_main else []
+        settings, trackers, error = self.config.logging, [], None
+        if self.is_main:
+            try:
+                trackers = open_trackers(settings, self.run_dir, to_dict(self.config), first_step - 1)
+            except Exception as err:  # noqa: BLE001 - shared below, then raised on every rank
+                error = err
+        failure = self.runtime.all_gather_objects(None if error is None else str(error), over="trainers")[0]
+        if error is not None:
+            raise error
+        if failure is not None:  # the other ranks stop with rank 0's message instead of waiting for it
+            raise ConfigError(f"rank 0 could not open the run's trackers: {failure}")
         return MetricsRecorder(self.run_dir, total_steps=total_steps, trackers=trackers,
                                rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
                                log_every=settings.log_every, **options)

@@ -92,6 +92,25 @@ def _variable_lengths(model):
     return model
 
 
+def _distributed_optimizer_layout(model, ddp_config):
+    """The distributed optimizer's buffer layout, which Megatron-Core 0.19 asks DDP's callers to compute
+    (DDP computes the same itself, with a warning, when not given one): the trainable parameters in
+    DDP's order, one bucket (``overlap_grad_reduce`` is off), padded for the DP x CP group and, for
+    expert parameters, the expert-DP group, as DDP's own fallback does. None without that optimizer."""
+    if not ddp_config.use_distributed_optimizer:
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert not ddp_config.overlap_grad_reduce, "overlapped reduction buckets the buffers: pass its bucket size"
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False,
+                                                   partial_data_parallel=True)
+    expert_dp = parallel_state.get_expert_data_parallel_group(with_gtp_remat=False, partial_expert_data_parallel=True)
+    return DistributedOptimizer.compute_full_param_layout(
+        [p for p in model.parameters() if p.requires_grad], None, dp_cp.size(), ddp_config,
+        expert_data_parallel_world_size=expert_dp.size())
+
+
 def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runtime, lr: float,
                     total_steps: int) -> TrainModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -100,10 +119,10 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
 
     optim, dtype = config.optim, params_dtype(config)
     tconfig = model.config
-    ddp = DistributedDataParallel(
-        tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=optim.use_distributed_optimizer),
-        model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=optim.use_distributed_optimizer)
+    ddp = DistributedDataParallel(tconfig, ddp_config, model,
+                                  full_param_layout=_distributed_optimizer_layout(model, ddp_config))
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
     optimizer_config = OptimizerConfig(
