@@ -32,7 +32,8 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.config import rollout_sampling
 from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.trainers.experience import global_reward_metrics, rollout_metrics, score_rewards, tool_metrics
+from megarlhf.trainers.rewarding import score_rewards
+from megarlhf.trainers.rollout_metrics import global_reward_metrics, rollout_metrics, tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 

@@ -20,7 +20,8 @@ from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.sample_log import SampleLog
-from megarlhf.trainers.experience import score_rewards, tool_metrics
+from megarlhf.trainers.rewarding import score_rewards
+from megarlhf.trainers.rollout_metrics import tool_metrics
 from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 

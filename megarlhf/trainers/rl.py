@@ -20,8 +20,8 @@ registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torc
                evaluation every ``eval.every`` steps (before that step's update) and at the end
 
 Steps 1-6 live in :mod:`megarlhf.trainers.collect` (2-5 in :mod:`megarlhf.trainers.rollout_phase`,
-colocated or disaggregated engines), 6-8 in :mod:`megarlhf.trainers.experience`, 9 in
-:mod:`megarlhf.training`.
+colocated or disaggregated engines), 6 in :mod:`megarlhf.trainers.rewarding`, 7-8 in
+:mod:`megarlhf.trainers.experience`, 9 in :mod:`megarlhf.training`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from megarlhf.rollout.config import greedy_sampling
 from megarlhf.sample_log import SampleLog
 from megarlhf.trainers.collect import Collected
 from megarlhf.trainers.evaluate import evaluate
-from megarlhf.trainers.experience import build_experience, build_reward, compute_advantages, score, score_rewards
+from megarlhf.trainers.experience import build_experience, compute_advantages, score
+from megarlhf.trainers.rewarding import build_reward, score_rewards
 from megarlhf.trainers.pipeline import make_batches
 from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, sample_seed, serve_engine_rank
 from megarlhf.trainers.run import start_run

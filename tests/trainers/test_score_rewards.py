@@ -8,7 +8,7 @@ from megarlhf.config import RunConfig, load_config
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.trainers.experience import score_rewards
+from megarlhf.trainers.rewarding import score_rewards
 from model_providers.tiny_models import train_tiny_tokenizer
 
 
