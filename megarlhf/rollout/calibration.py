@@ -31,12 +31,12 @@ import torch
 from megarlhf.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
 from megarlhf.rollout.config import SamplingConfig, rollout_sampling
 from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.seeds import CALIBRATION_SEED
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import adapters_disabled
 
-CALIBRATION_SEED = 4321  # the natural samples' seeds: the same calibration for any layout and rerun
 CHECKPOINT_CHECK = "calibration: the engine's own load of model.path vs the trainer's conversion, bit for bit"
 FLOORS_CHECK = "calibration before the first sync"
 

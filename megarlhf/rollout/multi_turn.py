@@ -27,7 +27,7 @@ the tool turn, the assistant header); every rendering passes the ``tools=`` the 
 (:mod:`megarlhf.envs.prompting`). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
 
 Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn ``t`` of that episode
-uses that seed + ``t * TURN_SEED_STRIDE``, so every episode's samples depend on the run seed, the step
+uses that seed + ``t * TURN_STRIDE`` (:mod:`megarlhf.seeds`), so every episode's samples depend on the run seed, the step
 and its position only, not on which other episodes are still running or where it is generated.
 
 Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training,
@@ -53,10 +53,10 @@ from megarlhf.envs.runner import ToolRunner
 from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.seeds import TURN_STRIDE
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
                   "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers")
-TURN_SEED_STRIDE = 7_919_993  # a prime above any batch x samples: turn seeds never meet turn-1 seeds
 TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
 
 
@@ -124,7 +124,7 @@ class MultiTurnRollout:
         """One sample per running episode, each with its own turn seed, within every episode's budget."""
         seeds = None
         if sampling.seed is not None or sampling.prompt_seeds is not None:
-            seeds = tuple(e.seed + e.turns * TURN_SEED_STRIDE for e in running)
+            seeds = tuple(e.seed + e.turns * TURN_STRIDE for e in running)
         # the largest room of any episode: each turn is then cut at its own episode's room (_take_turns),
         # so that an episode's tokens do not depend on which others are running
         room = max((self._room(e) for e in running), default=self.max_new_tokens)

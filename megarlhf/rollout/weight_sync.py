@@ -44,10 +44,10 @@ from megarlhf.dtypes import torch_dtype
 from megarlhf.gates import Tolerances, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
 from megarlhf.rollout.fingerprint import combine, fingerprint, to_host
+from megarlhf.seeds import PROBE_SEED
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import merge_rounding
 
-PROBE_SEED = 1234  # the probe's random sequences are the same at every sync
 
 
 class WeightSyncError(RuntimeError):

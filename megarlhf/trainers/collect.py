@@ -32,12 +32,11 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.config import rollout_sampling
 from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.seeds import ROUND_STRIDE, sample_seed
 from megarlhf.trainers.rewarding import score_rewards
 from megarlhf.trainers.rollout_metrics import global_reward_metrics, rollout_metrics, tool_metrics
-from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
-ROUND_SEED_STRIDE = 1 << 32  # extra rounds sample with other seeds (eval seeds start at 1 << 40)
 
 
 @dataclass
@@ -97,7 +96,7 @@ def fill_groups(got: Collected, phase, sampler, prompts, reward, tokenizer, conf
         if len(rounds) == 1:
             metrics.update(before_extra_rounds())
         examples = [prompts[i] for i in sampler.next_batch()]
-        seed = sample_seed(config.seed + len(rounds) * ROUND_SEED_STRIDE, step, offset, n)
+        seed = sample_seed(config.seed + len(rounds) * ROUND_STRIDE, step, offset, n)
         rollout, _ = _generate(phase, examples, config, stop, seed, False)
         rewards, _ = score_rewards(reward, examples, rollout, tokenizer, config)
         rounds.append(_groups(examples, rollout, rewards, runtime))

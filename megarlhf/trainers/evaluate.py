@@ -20,12 +20,11 @@ from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.sample_log import SampleLog
+from megarlhf.seeds import EVAL_OFFSET, sample_seed
 from megarlhf.trainers.rewarding import score_rewards
 from megarlhf.trainers.rollout_metrics import tool_metrics
-from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
-EVAL_SEED_OFFSET = 1 << 40  # eval samples never share seeds with training samples
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -51,7 +50,7 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
     share = torch.arange(len(examples)).tensor_split(runtime.dp.size)[runtime.dp.rank].tolist()  # host: indices
     mine = [examples[i] for i in share]
     n = config.eval.n_samples
-    seed = sample_seed(config.seed + EVAL_SEED_OFFSET, step, share[0] if share else 0, n)
+    seed = sample_seed(config.seed + EVAL_OFFSET, step, share[0] if share else 0, n)
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
     rollout, tools = phase.generate(mine, eval_sampling(config, stop_token_ids), seed)
     rewards, _ = score_rewards(reward, mine, rollout, tokenizer, config, training=False) if mine else ([], {})

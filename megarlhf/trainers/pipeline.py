@@ -41,8 +41,8 @@ import logging
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.rollout.config import rollout_sampling
+from megarlhf.seeds import sample_seed
 from megarlhf.trainers.collect import Collected, collect, fill_groups, replica_offset, score_round
-from megarlhf.trainers.rollout_phase import sample_seed
 from parallel.runtime import Runtime
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from megarlhf.trainers.evaluate import evaluate
 from megarlhf.trainers.experience import build_experience, compute_advantages, score
 from megarlhf.trainers.rewarding import build_reward, score_rewards
 from megarlhf.trainers.pipeline import make_batches
-from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, sample_seed, serve_engine_rank
+from megarlhf.seeds import sample_seed
+from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
 from megarlhf.training import actor_update, build_actor, build_critic, build_reference, critic_update, export_policy

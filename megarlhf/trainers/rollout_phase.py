@@ -10,7 +10,7 @@ the same samples several times, each of them generates a contiguous share and th
 the results, so every rank of the replica ends with the whole rollout in prompt order.
 
 Seeds: prompt ``i`` of a :meth:`RolloutPhase.generate` call samples with seeds ``seed + i * n + j``
-wherever it is generated, so with :func:`sample_seed` the samples depend only on the run seed, the step
+wherever it is generated, so with :func:`megarlhf.seeds.sample_seed` the samples depend only on the run seed, the step
 and each prompt's position in the global batch: the same for any parallel layout and after a resume.
 
 Every trainer rank calls ``generate`` together, with or without prompts of its own (the weight sync
@@ -40,9 +40,6 @@ from megarlhf.rollout.weight_sync import WeightSync
 from megarlhf.training import TrainModel
 from parallel.runtime import Runtime
 
-_SEED_STRIDE_PER_STEP = 1_000_003  # a prime larger than any global batch x samples per prompt
-
-
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.calibration`):
@@ -56,11 +53,6 @@ class Calibration:
     def of_run(cls, config: RunConfig, prompts: list[PromptExample], stop_token_ids: tuple[int, ...]) -> "Calibration":
         first = prompts[:config.rollout.weight_sync.calibration_prompts]
         return cls(tuple(tuple(p.prompt_ids) for p in first), stop_token_ids)
-
-
-def sample_seed(run_seed: int, step: int, global_offset: int, n: int) -> int:
-    """The seed of the first sample of the prompt at ``global_offset`` of step ``step``'s global batch."""
-    return run_seed + step * _SEED_STRIDE_PER_STEP + global_offset * n
 
 
 def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megarlhf.checkpoint.distributed import (CheckpointError, Companion, checkpoint_metadata, is_complete_checkpoint,
                                              load_checkpoint, load_rank_state, save_checkpoint)
 from megarlhf.config.schema import RunConfig
+from megarlhf.seeds import RESUME_RESEED_STRIDE
 from megarlhf.training.models import TrainModel
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class RunCheckpointer:
             logger.warning("resuming %s (saved by %d ranks) on %d ranks: weights and optimizer state are "
                            "resharded; RNG streams cannot be, every rank is re-seeded from (seed=%d, step=%d)",
                            found, saved_world, dist.get_world_size(), self.config.seed, step)
-            seed_everything(self.config.seed + 7919 * step)
+            seed_everything(self.config.seed + RESUME_RESEED_STRIDE * step)
         return extra
 
     def should_save(self, completed_steps: int, total_steps: int) -> bool:

@@ -9,7 +9,8 @@ from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.multi_turn import TURN_SEED_STRIDE, MultiTurnRollout
+from megarlhf.rollout.multi_turn import MultiTurnRollout
+from megarlhf.seeds import TURN_STRIDE as TURN_SEED_STRIDE
 from model_providers.tiny_models import make_tiny_model
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
