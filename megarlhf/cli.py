@@ -110,6 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # deprecations) tell a user of the command nothing they can act on.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
+    # Megatron-Core 0.19's DDP buffers call all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
+    # deprecates (the warning is raised in torch's c10d_logger, so the filter above misses it); megarlhf
+    # calls neither.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    # Megatron's distributed optimizer reads .grad of its fp32 shard views in zero_grad (its own comment:
+    # "throws grad-access warning"); on CPU the call passes through parallel.cpu_compat's torch-function
+    # mode, which the warning then names instead of Megatron.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"parallel\.cpu_compat",
+                            message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed")
     try:
         return COMMANDS.get(args.command).run(args)
     except USER_ERRORS as err:
