@@ -83,11 +83,10 @@ def record_run(run_dir: Path, backend: str, run_id: str, owner: Mapping[str, str
     _write_state(run_dir, {**read_tracking_state(run_dir), backend: {"id": run_id, **owner}})
 
 
-def previous_run(run_dir: Path, backend: str, owner: Mapping[str, str | None], resume_after_step: int) -> str | None:
+def previous_run(run_dir: Path, backend: str, owner: Mapping[str, str | None]) -> str | None:
     """The run id a resume continues: the recorded one if it belongs to ``owner``, else None (with a
-    warning when one was recorded for another owner). None on a fresh start."""
-    if resume_after_step < 0:
-        return None
+    warning when one was recorded for another owner). A fresh start has none: :func:`open_trackers`
+    removed the file."""
     entry = read_tracking_state(run_dir).get(backend)
     if entry is None:
         return None
@@ -158,7 +157,7 @@ class WandbTracker:
             raise ConfigError("logging.backends has wandb in online mode, but no W&B credentials were found: "
                               "run `wandb login`, set WANDB_API_KEY, or set logging.wandb_mode=offline")
         owner = {"project": settings.project}
-        run_id = previous_run(run_dir, "wandb", owner, resume_after_step)
+        run_id = previous_run(run_dir, "wandb", owner)
         resuming = run_id is not None
         run_id = run_id or secrets.token_hex(6)  # W&B run ids: short, lowercase alphanumeric
         try:
@@ -203,7 +202,7 @@ class MlflowTracker:
         self._names: dict[str, str] = {}
         try:
             self._client = mlflow.MlflowClient(tracking_uri=uri)
-            run_id = self._reopen(previous_run(run_dir, "mlflow", owner, resume_after_step))
+            run_id = self._reopen(previous_run(run_dir, "mlflow", owner))
             if run_id is None:
                 run_id = self._create(settings, run_dir, params)
         except (mlflow.exceptions.MlflowException, ImportError) as err:

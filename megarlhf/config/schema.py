@@ -247,7 +247,7 @@ class LoggingConfig:
     project: str = "megarlhf"  # the W&B project / MLflow experiment
     run_name: str | None = None  # the W&B / MLflow run's name (None: the run directory's name)
     wandb_mode: Literal["online", "offline"] | None = None  # None: W&B's own choice (WANDB_MODE, wandb login)
-    mlflow_tracking_uri: str | None = None  # None: MLflow's own choice (MLFLOW_TRACKING_URI, else its default)
+    mlflow_tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI (mlflow needs one or the other)
     log_every: int = 1  # steps between metric records (RL and SFT; the last step and evaluations always)
     samples_per_step: int = 4  # RL: decoded samples per step and per evaluation in samples.jsonl (0: off)
 
