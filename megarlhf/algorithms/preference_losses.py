@@ -1,27 +1,33 @@
-"""Preference losses (DPO, IPO, SimPO) on per-pair sequence log-probs, and the Bradley-Terry reward-model loss.
+"""Preference losses (DPO, IPO, SimPO on pairs; KTO on unpaired rows) on sequence log-probs, and the
+Bradley-Terry reward-model loss.
 
 Every preference loss is registered in :data:`PREFERENCE_LOSSES` with one signature::
 
-    loss_fn(inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> PreferenceLossOutput
+    loss_fn(inputs, config: PreferenceLossConfig) -> PreferenceLossOutput
 
-and declares whether it needs the frozen reference model (:attr:`PreferenceLoss.needs_reference`,
-read as ``PREFERENCE_LOSSES.get(name).needs_reference``): the trainer builds and runs a reference
-model only for the losses that declare it, and a loss that needs one refuses inputs without its
-log-probs, naming the missing field.
+and declares what it needs: the frozen reference model (:attr:`PreferenceLoss.needs_reference`; the
+trainer builds and runs one only for the losses that declare it, and a loss that needs one refuses
+inputs without its log-probs, naming the missing field), and whether it reads preference *pairs*
+(:attr:`PreferenceLoss.paired`: ``inputs`` is a :class:`PreferenceLossInputs`, the data rows hold a
+prompt, a chosen and a rejected response) or *unpaired* rows (``inputs`` is an
+:class:`UnpairedLossInputs`, the rows hold a prompt, one completion and a desirable/undesirable label).
 
 Notation, for pair ``i`` of a call with ``P`` pairs: ``y_w`` the chosen and ``y_l`` the rejected
 response; ``logp_w = log pi(y_w|x)`` summed over the response tokens under the policy (with grad),
 ``ref_w`` the same under the reference model (a constant: detached here); ``|y_w|`` the number of
 response tokens; ``rho_w = logp_w - ref_w`` the log-ratio; the same with ``l`` for the rejected side.
 
-``PreferenceLossOutput.loss`` is the loss of each pair [P]; the trainer averages it over the global
-batch (the reduction is not done here so that the mean is over every pair of the step under
+``PreferenceLossOutput.loss`` is the loss of each pair (or unpaired row) [P]; the trainer averages it
+over the global batch (the reduction is not done here so that the mean is over every pair of the step under
 gradient accumulation and data parallelism). ``metrics`` are detached means over the pairs of this
 call: ``rewards/chosen`` and ``rewards/rejected`` (the loss's implicit reward ``r(x, y)``, whose
 chosen-minus-rejected difference is what the loss acts on; each docstring says what it is),
 ``rewards/accuracy`` (the fraction of pairs with ``r_w > r_l``, ties count as wrong),
 ``rewards/margin`` (mean ``r_w - r_l``) and ``logps/chosen`` / ``logps/rejected`` (mean summed policy
-log-probs). Computations run in the inputs' promoted floating dtype, at least float32.
+log-probs). An unpaired loss's means run over the rows of one label each (``rewards/chosen`` over the
+desirable rows, ...), and :attr:`PreferenceLossOutput.counts` says over how many, so that the trainer
+weights them right when it averages over micro-batches and ranks. Computations run in the inputs'
+promoted floating dtype, at least float32.
 
 Hand-written because these are the project's own numerics on one signature (TRL's live inside its
 trainer's forward); the formulas are short and each docstring states the one it computes.
@@ -58,13 +64,19 @@ class PreferenceLossConfig:
     # Llama-3-8B-Base, hence 1.0 here; its Mistral-7B-Base config has gamma 1.6 with beta 2.0).
     # TRL's CPOConfig.simpo_gamma is this same gamma.
     simpo_gamma: float = 1.0
+    # kto: the weights of the desirable and undesirable rows' losses (KTO paper, Eq. 8: lambda_D, lambda_U).
+    # The paper suggests choosing them so that desirable_weight * n_D / (undesirable_weight * n_U) lies in
+    # [1, 4/3] for n_D desirable and n_U undesirable rows.
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     def __post_init__(self):
-        for name in ("beta", "label_smoothing", "simpo_beta", "simpo_gamma"):
+        for name in ("beta", "label_smoothing", "simpo_beta", "simpo_gamma", "desirable_weight",
+                     "undesirable_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"PreferenceLossConfig.{name} must be a finite number, got {value!r}")
-        for name in ("beta", "simpo_beta"):
+        for name in ("beta", "simpo_beta", "desirable_weight", "undesirable_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PreferenceLossConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.label_smoothing < 0.5:
@@ -108,34 +120,82 @@ class PreferenceLossInputs:
                             f"{where}: chosen_lengths and rejected_lengths must be >= 1 (response tokens)")
 
 
+@dataclass(kw_only=True)
+class UnpairedLossInputs:
+    """Per-row sequence log-probs of unpaired rows, all [P] (keyword arguments only), and the KL baseline.
+
+    ``kl_baseline`` is KTO's reference point ``z0``: an estimate of ``KL(pi || pi_ref)`` over the step's
+    rows, a detached scalar the same for every row of the step (the trainer computes it over the whole
+    global batch: :func:`megarlhf.training.preference.kl_baseline`)."""
+
+    logps: Tensor  # policy log pi(y|x), summed over the response tokens, with grad
+    lengths: Tensor  # response tokens of y, >= 1
+    desirable: Tensor  # bool: True for a desirable row, False for an undesirable one
+    ref_logps: Tensor | None = None  # reference log pi_ref(y|x): constants (detached)
+    kl_baseline: Tensor | None = None  # scalar z0 >= 0 (detached)
+
+    def __post_init__(self):
+        where = "UnpairedLossInputs"
+        if not isinstance(self.logps, Tensor) or self.logps.dim() != 1 or self.logps.shape[0] == 0:
+            raise ValueError(f"{where}: logps must be a non-empty 1-D [P] tensor")
+        shape = tuple(self.logps.shape)
+        for name in ("lengths", "desirable", "ref_logps"):
+            check_shape(where, name, getattr(self, name), shape)
+        if self.desirable.dtype != torch.bool:
+            raise ValueError(f"{where}: desirable must be a bool tensor, got {self.desirable.dtype}")
+        for name in ("logps", "ref_logps", "kl_baseline"):
+            tensor = getattr(self, name)
+            if tensor is not None and not tensor.is_floating_point():
+                raise ValueError(f"{where}: {name} must be a floating tensor, got {tensor.dtype}")
+        if self.kl_baseline is not None and self.kl_baseline.numel() != 1:
+            raise ValueError(f"{where}: kl_baseline must be a scalar, got shape {tuple(self.kl_baseline.shape)}")
+        torch._assert_async((self.lengths >= 1).all(), f"{where}: lengths must be >= 1 (response tokens)")
+
+
 @dataclass
 class PreferenceLossOutput:
-    loss: Tensor  # [P] per-pair loss
+    loss: Tensor  # [P] per-pair (or per-row) loss
     metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars, means over the pairs
+    # for a metric averaged over only some rows (an unpaired loss's per-label means): how many [scalar];
+    # a metric not named here is a mean over all P
+    counts: dict[str, Tensor] = field(default_factory=dict)
 
 
-PreferenceLossFn = Callable[[PreferenceLossInputs, PreferenceLossConfig], PreferenceLossOutput]
+PreferenceLossFn = Callable[[PreferenceLossInputs | UnpairedLossInputs, PreferenceLossConfig], PreferenceLossOutput]
+
+PAIRED_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen",
+                  "logps/rejected")
+UNPAIRED_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """A registered preference loss: the function and whether it needs the reference model's log-probs;
-    calling it calls the function."""
+    """A registered preference loss: the function, whether it needs the reference model's log-probs,
+    whether it reads pairs or unpaired rows, and the metrics it reports; calling it calls the function."""
 
     fn: PreferenceLossFn
     needs_reference: bool
+    paired: bool = True
 
-    def __call__(self, inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> PreferenceLossOutput:
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return PAIRED_METRICS if self.paired else UNPAIRED_METRICS
+
+    def __call__(self, inputs, config: PreferenceLossConfig) -> PreferenceLossOutput:
+        expected = PreferenceLossInputs if self.paired else UnpairedLossInputs
+        if not isinstance(inputs, expected):
+            raise TypeError(f"preference loss {self.fn.__name__!r} reads {expected.__name__}, got "
+                            f"{type(inputs).__name__}")
         return self.fn(inputs, config)
 
 
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
 
 
-def _preference_loss(name: str, needs_reference: bool):
-    """Registers the decorated function under ``name`` with its reference-model declaration."""
+def _preference_loss(name: str, needs_reference: bool, paired: bool = True):
+    """Registers the decorated function under ``name`` with its declarations."""
     def add(fn):
-        PREFERENCE_LOSSES.register(name)(PreferenceLoss(fn, needs_reference))
+        PREFERENCE_LOSSES.register(name)(PreferenceLoss(fn, needs_reference, paired))
         return fn
 
     return add
@@ -254,6 +314,48 @@ def simpo(inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> Prefere
     reward_w, reward_l = config.simpo_beta * logp_w / len_w, config.simpo_beta * logp_l / len_l
     loss = _smoothed_sigmoid_loss(reward_w - reward_l - config.simpo_gamma, config.label_smoothing)
     return _finish(inputs, loss, reward_w, reward_l)
+
+
+@_preference_loss("kto", needs_reference=True, paired=False)
+def kto(inputs: UnpairedLossInputs, config: PreferenceLossConfig) -> PreferenceLossOutput:
+    """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", Eq. 7-8) on
+    unpaired rows, as TRL 1.16's ``KTOTrainer`` (``loss_type="kto"``) computes it:
+
+    ``rho = logp - ref`` (summed log-ratio), ``z0 = kl_baseline``;
+    desirable row: ``loss = desirable_weight * (1 - sigmoid(beta (rho - z0)))``;
+    undesirable row: ``loss = undesirable_weight * (1 - sigmoid(beta (z0 - rho)))``.
+
+    ``z0`` is a constant (no gradient flows through it), estimated by the trainer from mismatched
+    prompt/completion rows as the reference implementation does. ``label_smoothing`` must be 0.
+
+    Reward: ``r = beta * rho``; ``rewards/chosen`` and ``logps/chosen`` are means over the desirable rows,
+    ``rewards/rejected`` and ``logps/rejected`` over the undesirable ones (0 where there is none; their
+    ``counts`` say so).
+    """
+    if config.label_smoothing != 0.0:
+        raise ValueError(f"preference loss 'kto' has no label smoothing; set label_smoothing=0 "
+                         f"(got {config.label_smoothing})")
+    if inputs.ref_logps is None or inputs.kl_baseline is None:
+        missing = "ref_logps" if inputs.ref_logps is None else "kl_baseline"
+        raise ValueError(f"preference loss 'kto' needs UnpairedLossInputs.{missing}, which is None")
+    dtype = compute_dtype(inputs.logps, inputs.ref_logps, inputs.kl_baseline)
+    logp = inputs.logps.to(dtype)
+    rho = logp - inputs.ref_logps.detach().to(dtype)
+    z0 = inputs.kl_baseline.detach().to(dtype).reshape(())
+    good = inputs.desirable
+    loss = torch.where(good, config.desirable_weight * (1.0 - torch.sigmoid(config.beta * (rho - z0))),
+                       config.undesirable_weight * (1.0 - torch.sigmoid(config.beta * (z0 - rho))))
+    reward, logp = config.beta * rho.detach(), logp.detach()
+    n_good, n_bad = good.sum().to(dtype), (~good).sum().to(dtype)
+    zero = reward.new_zeros(())
+
+    def mean_over(values: Tensor, rows: Tensor, count: Tensor) -> Tensor:
+        return torch.where(rows, values, zero).sum() / count.clamp(min=1.0)
+
+    metrics = {"rewards/chosen": mean_over(reward, good, n_good), "rewards/rejected": mean_over(reward, ~good, n_bad),
+               "logps/chosen": mean_over(logp, good, n_good), "logps/rejected": mean_over(logp, ~good, n_bad)}
+    counts = {"rewards/chosen": n_good, "rewards/rejected": n_bad, "logps/chosen": n_good, "logps/rejected": n_bad}
+    return PreferenceLossOutput(loss=loss, metrics=metrics, counts=counts)
 
 
 # --------------------------------------------------------------------------------------- reward model

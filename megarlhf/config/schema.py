@@ -110,7 +110,8 @@ class AlgorithmConfig:
 class PreferenceConfig:
     """Preference learning (``megarlhf dpo`` and ``megarlhf rm``): the loss and the rows' keys."""
 
-    loss: str = "dpo"  # a name in PREFERENCE_LOSSES (dpo, ipo, simpo); megarlhf dpo
+    # a name in PREFERENCE_LOSSES (dpo, ipo, simpo on pairs; kto on unpaired rows); megarlhf dpo
+    loss: str = "dpo"
     params: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     keys: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     # megarlhf dpo: the reference's log-probs of the whole dataset are computed once before training and
@@ -127,6 +128,11 @@ class PreferenceConfig:
     @property
     def needs_reference(self) -> bool:
         return PREFERENCE_LOSSES.get(self.loss).needs_reference
+
+    @property
+    def paired(self) -> bool:
+        """True when the loss reads preference pairs, False for unpaired rows (prompt, completion, label)."""
+        return PREFERENCE_LOSSES.get(self.loss).paired
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Preference pairs: rows holding a prompt, a chosen and a rejected response -> the token ids of prompt +
-response for each side, with a 0/1 loss mask on the response tokens (DPO-style training, reward models).
+response for each side, with a 0/1 loss mask on the response tokens (DPO-style training, reward models);
+and unpaired rows for the unpaired losses (KTO): a prompt, one completion and a boolean label.
 
 Sources are those of :func:`megarlhf.data.source.read_records` (JSONL, Parquet, ``save_to_disk``). The
 row keys are :class:`PreferenceDataConfig`'s; of :class:`DataConfig` only ``split``, ``chat_template``,
@@ -28,6 +29,13 @@ A pair is dropped, and counted in ``num_dropped``, when either side has more tha
 (``file:line`` for JSONL, ``file row N`` otherwise, both 1-based) and the key. A pair whose two sides
 give the same tokens is refused: it carries no preference.
 
+Unpaired rows (``prompt_key``, ``completion_key``, ``label_key``: TRL's unpaired preference format) are
+encoded as one side of a pair is; the label must be a JSON boolean (``true``: desirable). Each
+:class:`UnpairedExample` also carries its *KL row*: its own prompt followed by the completion of the row
+before it (the last row's for the first), the mismatched pairs from which KTO estimates its KL baseline
+(TRL shifts completions by one the same way), cut to ``data.max_sequence_length``. Rows longer than the
+limit are dropped before the KL rows are formed; at least two rows must remain.
+
 Hand-written because this is the project's own glue between its data settings, the tokenizer and the
 loss-mask rule of ``chat.py``.
 """
@@ -53,15 +61,19 @@ class PreferenceDataConfig:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    completion_key: str = "completion"  # unpaired rows (KTO)
+    label_key: str = "label"  # unpaired rows: true (desirable) or false (undesirable)
 
     def __post_init__(self):
-        keys = (self.prompt_key, self.chosen_key, self.rejected_key)
-        for name, value in zip(("prompt_key", "chosen_key", "rejected_key"), keys):
+        names = ("prompt_key", "chosen_key", "rejected_key", "completion_key", "label_key")
+        for name in names:
+            value = getattr(self, name)
             if not (isinstance(value, str) and value):
                 raise DataError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
-        if len(set(keys)) != 3:
-            raise DataError(f"PreferenceDataConfig: prompt_key, chosen_key and rejected_key must be three "
-                            f"different keys, got {keys}")
+        for group in (names[:3], (names[0], *names[3:])):
+            keys = tuple(getattr(self, name) for name in group)
+            if len(set(keys)) != 3:
+                raise DataError(f"PreferenceDataConfig: {', '.join(group)} must be three different keys, got {keys}")
 
 
 @dataclass
@@ -73,11 +85,30 @@ class PreferencePair:
     rejected_ids: list[int]
     rejected_mask: list[int]
 
+    def rows(self) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+        """The two training rows (ids, mask): chosen, then rejected."""
+        return (self.chosen_ids, self.chosen_mask), (self.rejected_ids, self.rejected_mask)
+
+
+@dataclass
+class UnpairedExample:
+    index: int  # row number in the source (0-based)
+    prompt_len: int
+    ids: list[int]  # prompt + completion
+    mask: list[int]  # 1 on the completion tokens that carry loss
+    desirable: bool
+    kl_ids: list[int]  # this prompt + another row's completion: KTO's KL-baseline row (module docstring)
+    kl_mask: list[int]
+
+    def rows(self) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+        """The two rows (ids, mask) the trainer reads: the example, then its KL row."""
+        return (self.ids, self.mask), (self.kl_ids, self.kl_mask)
+
 
 @dataclass
 class PreferenceDataset:
-    pairs: list[PreferencePair]
-    num_dropped: int  # pairs with a side longer than data.max_sequence_length
+    pairs: list[PreferencePair] | list[UnpairedExample]  # each item gives two rows (``rows()``)
+    num_dropped: int  # items with a row longer than data.max_sequence_length
     source: str
 
     def __len__(self) -> int:
@@ -166,37 +197,43 @@ def _plain_side(prompt_ids: list[int], response: str, tokenizer, key: str, setti
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
-def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceDataConfig, chat: bool,
-                    where: str, index: int = 0) -> PreferencePair:
-    """One row -> a :class:`PreferencePair` (see the module docstring); ``where`` names the row in errors."""
+def _encode_sides(row: dict, tokenizer, data: DataConfig, keys: PreferenceDataConfig, chat: bool, where: str,
+                  responses: tuple[str, ...]) -> tuple[int, dict[str, tuple[list[int], list[int]]]]:
+    """(prompt tokens, {setting: (ids, mask)}) of the row's prompt followed by each response named by a
+    setting of ``responses`` (e.g. ``chosen_key``), encoded as the module docstring says."""
     fields = {}
-    for setting in ("prompt_key", "chosen_key", "rejected_key"):
+    for setting in ("prompt_key", *responses):
         key = getattr(keys, setting)
         fields[setting] = _get(row, key, setting, where)
         _check_type(fields[setting], key, setting, where, chat)
     sides = {}
     if chat:
         raw, prompt = _prompt_messages(fields["prompt_key"], data, keys.prompt_key, where)
-        for setting in ("chosen_key", "rejected_key"):
+        for setting in responses:
             key = getattr(keys, setting)
             response = _response_messages(fields[setting], raw, key, setting, where)
             sides[setting] = _chat_side(prompt, response, tokenizer, key, where)
         prompt_len = len(encode_text(tokenizer, tokenizer.apply_chat_template(prompt, tokenize=False,
                                                                           add_generation_prompt=True)))
-    else:
-        text = fields["prompt_key"]
-        if not text.strip():
-            raise DataError(f"{where}: field {keys.prompt_key!r} (prompt_key) is an empty prompt")
-        if data.system_prompt is not None:
-            text = f"{data.system_prompt}\n\n{text}"
-        if tokenizer.eos_token_id is None:
-            raise DataError("preference pairs in plain mode append EOS to each response, but the tokenizer "
-                            "has no eos token")
-        prompt_ids = encode_text(tokenizer, text, special=True)
-        prompt_len = len(prompt_ids)
-        for setting in ("chosen_key", "rejected_key"):
-            sides[setting] = _plain_side(prompt_ids, fields[setting], tokenizer, getattr(keys, setting),
-                                         setting, where)
+        return prompt_len, sides
+    text = fields["prompt_key"]
+    if not text.strip():
+        raise DataError(f"{where}: field {keys.prompt_key!r} (prompt_key) is an empty prompt")
+    if data.system_prompt is not None:
+        text = f"{data.system_prompt}\n\n{text}"
+    if tokenizer.eos_token_id is None:
+        raise DataError("preference rows in plain mode append EOS to each response, but the tokenizer "
+                        "has no eos token")
+    prompt_ids = encode_text(tokenizer, text, special=True)
+    for setting in responses:
+        sides[setting] = _plain_side(prompt_ids, fields[setting], tokenizer, getattr(keys, setting), setting, where)
+    return len(prompt_ids), sides
+
+
+def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceDataConfig, chat: bool,
+                    where: str, index: int = 0) -> PreferencePair:
+    """One row -> a :class:`PreferencePair` (see the module docstring); ``where`` names the row in errors."""
+    prompt_len, sides = _encode_sides(row, tokenizer, data, keys, chat, where, ("chosen_key", "rejected_key"))
     (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = sides["chosen_key"], sides["rejected_key"]
     if chosen_ids == rejected_ids:
         raise DataError(f"{where}: fields {keys.chosen_key!r} and {keys.rejected_key!r} give the same tokens; "
@@ -204,10 +241,35 @@ def preference_pair(row: dict, tokenizer, data: DataConfig, keys: PreferenceData
     return PreferencePair(index, prompt_len, chosen_ids, chosen_mask, rejected_ids, rejected_mask)
 
 
+def unpaired_example(row: dict, tokenizer, data: DataConfig, keys: PreferenceDataConfig, chat: bool,
+                     where: str, index: int = 0) -> UnpairedExample:
+    """One unpaired row -> an :class:`UnpairedExample` without its KL row (the dataset builder adds it)."""
+    label = _get(row, keys.label_key, "label_key", where)
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: field {keys.label_key!r} (label_key) must be true (desirable) or false "
+                        f"(undesirable), got {label!r}")
+    prompt_len, sides = _encode_sides(row, tokenizer, data, keys, chat, where, ("completion_key",))
+    ids, mask = sides["completion_key"]
+    return UnpairedExample(index, prompt_len, ids, mask, label, [], [])
+
+
+def _with_kl_rows(examples: list[UnpairedExample], limit: int, source: str) -> list[UnpairedExample]:
+    """Each example with its KL row: its prompt + the previous example's completion, cut to ``limit``."""
+    if len(examples) < 2:
+        raise DataError(f"{source}: unpaired rows need at least two rows (the KL baseline pairs each prompt "
+                        f"with another row's completion), got {len(examples)}")
+    for example, other in zip(examples, examples[-1:] + examples[:-1]):
+        ids = example.ids[:example.prompt_len] + other.ids[other.prompt_len:]
+        mask = [0] * example.prompt_len + other.mask[other.prompt_len:]
+        example.kl_ids, example.kl_mask = ids[:limit], mask[:limit]
+    return examples
+
+
 def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys: PreferenceDataConfig | None = None,
-                             source: str = "<rows>", locations: list[str] | None = None) -> PreferenceDataset:
-    """Tokenizes and length-filters ``rows``; ``locations`` name each row in errors (default
-    ``<source> row N``, 1-based)."""
+                             source: str = "<rows>", locations: list[str] | None = None,
+                             paired: bool = True) -> PreferenceDataset:
+    """Tokenizes and length-filters ``rows`` (pairs, or unpaired rows when not ``paired``); ``locations``
+    name each row in errors (default ``<source> row N``, 1-based)."""
     keys = PreferenceDataConfig() if keys is None else keys
     if data.messages_key is not None:
         raise DataError(f"data.messages_key is not read for preference pairs: a row's prompt "
@@ -215,6 +277,15 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
     if locations is None:
         locations = [f"{source} row {i + 1}" for i in range(len(rows))]
     chat = uses_chat_template(tokenizer, data)
+    if not paired:
+        examples = [unpaired_example(row, tokenizer, data, keys, chat, where, i)
+                    for i, (row, where) in enumerate(zip(rows, locations, strict=True))]
+        kept = [e for e in examples if len(e.ids) <= data.max_sequence_length]
+        if len(kept) < len(examples):
+            logger.warning("%s: dropped %d of %d unpaired rows longer than data.max_sequence_length=%d tokens",
+                           source, len(examples) - len(kept), len(examples), data.max_sequence_length)
+        return PreferenceDataset(_with_kl_rows(kept, data.max_sequence_length, source), len(examples) - len(kept),
+                                 source)
     pairs = [preference_pair(row, tokenizer, data, keys, chat, where, i)
              for i, (row, where) in enumerate(zip(rows, locations, strict=True))]
     limit = data.max_sequence_length
@@ -239,9 +310,9 @@ def _row_locations(path: str, count: int) -> list[str] | None:
     return [f"{path}:{number}" for number in lines] if len(lines) == count else None
 
 
-def load_preference_dataset(path: str, tokenizer, data: DataConfig,
-                            keys: PreferenceDataConfig | None = None) -> PreferenceDataset:
-    """The preference pairs of a local JSONL / Parquet / ``save_to_disk`` source."""
+def load_preference_dataset(path: str, tokenizer, data: DataConfig, keys: PreferenceDataConfig | None = None,
+                            paired: bool = True) -> PreferenceDataset:
+    """The preference pairs (or unpaired rows) of a local JSONL / Parquet / ``save_to_disk`` source."""
     rows = read_records(path, data.split)
     return build_preference_dataset(rows, tokenizer, data, keys, source=str(path),
-                                    locations=_row_locations(path, len(rows)))
+                                    locations=_row_locations(path, len(rows)), paired=paired)

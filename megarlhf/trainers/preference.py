@@ -6,7 +6,8 @@ data-parallel rank) and take one optimizer step per batch (:mod:`megarlhf.traini
 Checkpoints, resume, metrics and curves work as in SFT; evaluation on the held-out pairs runs every
 ``eval.every`` steps and at the end (``eval/...`` metrics).
 
-* ``megarlhf dpo``: the actor (``model.path``) on ``preference.loss`` (DPO / cDPO, IPO, SimPO). For a
+* ``megarlhf dpo``: the actor (``model.path``) on ``preference.loss`` (DPO / cDPO, IPO, SimPO on pairs;
+  KTO on unpaired rows ``{prompt, completion, label}``, whose KL rows the data module forms). For a
   loss that needs a reference, the frozen reference (``model.path``) scores each batch and is offloaded
   in between (``preference.precompute_reference=false``), or scores the whole dataset once before
   training and is then dropped (``true``). Exports the policy to ``<run_dir>/hf``.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.data.preference import PreferenceDataset, load_preference_dataset
+from megarlhf.data.preference import PreferenceDataset, UnpairedExample, load_preference_dataset
 from megarlhf.errors import DataError
 from megarlhf.metrics import plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
@@ -39,8 +40,9 @@ from model_providers.value_head import export_reward_model
 
 
 
-def _load(run, path: str) -> PreferenceDataset:
-    dataset = load_preference_dataset(path, run.tokenizer, run.config.data, run.config.preference.keys)
+def _load(run, path: str, mode: str) -> PreferenceDataset:
+    paired = mode == "rm" or run.config.preference.paired
+    dataset = load_preference_dataset(path, run.tokenizer, run.config.data, run.config.preference.keys, paired)
     if len(dataset) == 0:
         raise DataError(f"{path}: no preference pair is left after dropping {dataset.num_dropped} longer than "
                         f"data.max_sequence_length={run.config.data.max_sequence_length}")
@@ -88,11 +90,18 @@ def _precomputed_scorer(reference, config: RunConfig, runtime, datasets: list[Pr
     return precomputed
 
 
+def _desirable(dataset: PreferenceDataset, indices, device) -> torch.Tensor | None:
+    """The labels [P] of unpaired examples (None for pairs)."""
+    if not isinstance(dataset[0], UnpairedExample):
+        return None
+    return torch.tensor([dataset[i].desirable for i in indices], dtype=torch.bool, device=device)
+
+
 def _run_pairs(config: RunConfig, mode: str) -> Path:
     run = start_run(config)
     runtime = run.runtime
-    train = _load(run, config.data.train_path)
-    held_out = _load(run, config.data.eval_path) if config.data.eval_path else None
+    train = _load(run, config.data.train_path, mode)
+    held_out = _load(run, config.data.eval_path, mode) if config.data.eval_path else None
     steps = config.train.steps
     if mode == "dpo":
         model = build_actor(config, runtime, total_steps=steps)
@@ -103,7 +112,12 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         reference = None
     checkpointer = RunCheckpointer(config, {"actor": model})  # the run's trained model
     sampler, first_step = run.resume(checkpointer, len(train))
-    keys = ("dpo/loss", "rewards/accuracy", "rewards/margin") if mode == "dpo" else ("rm/loss", "rm/accuracy")
+    if mode == "rm":
+        keys = ("rm/loss", "rm/accuracy")
+    elif config.preference.paired:
+        keys = ("dpo/loss", "rewards/accuracy", "rewards/margin")
+    else:
+        keys = ("dpo/loss", "rewards/chosen", "rewards/rejected", "kto/kl")
     recorder = run.open_recorder(steps, first_step, console_keys=(*keys, "eval/" + keys[1], "time/step_s"))
     share = config.train.global_batch_size // runtime.dp.size
 
@@ -113,7 +127,8 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         indices = list(range(runtime.dp.rank, len(held_out), runtime.dp.size))  # may be empty: still takes part
         batch = pair_batch([held_out[i] for i in indices], runtime.device, run.pad_id) if indices else None
         ref = reference(batch, indices, held_out) if reference is not None and indices else None
-        return {f"eval/{k}": v for k, v in evaluate_pairs(model, batch, config, ref).items()}
+        labels = _desirable(held_out, indices, runtime.device) if indices else None
+        return {f"eval/{k}": v for k, v in evaluate_pairs(model, batch, config, ref, labels).items()}
 
     for step in range(first_step, steps):
         start = time.perf_counter()
@@ -123,7 +138,8 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
                            first_pair=runtime.dp.rank * share)
         if mode == "dpo":
             ref = reference(batch, indices, train) if reference is not None else None
-            metrics.update(preference_step(model, batch, config, ref, on_nonfinite=config.train.on_nonfinite))
+            metrics.update(preference_step(model, batch, config, ref, desirable=_desirable(train, indices, runtime.device),
+                                           on_nonfinite=config.train.on_nonfinite))
         else:
             metrics.update(reward_model_step(model, batch, config, on_nonfinite=config.train.on_nonfinite))
         metrics["time/step_s"] = time.perf_counter() - start

@@ -6,13 +6,21 @@ the pairs' positions in the global batch. Its micro-batches keep the two rows of
 (:func:`megarlhf.training.packing.plan_micro_batches` groups), so every micro-batch computes whole pair
 losses, and a data-parallel shard always holds whole pairs.
 
+An unpaired loss (KTO) reads the same layout: its rows are ``[example_0, kl_row_0, example_1, ...]``
+(:class:`megarlhf.data.preference.UnpairedExample`), with each example's label in ``desirable`` [P].
+
 * :func:`preference_step`: one optimizer step of the actor on the registered preference loss
   (``preference.loss`` in :data:`megarlhf.algorithms.preference_losses.PREFERENCE_LOSSES`: DPO / cDPO,
-  IPO, SimPO), fed each side's log-prob summed over its response tokens (temperature 1) and, for losses
+  IPO, SimPO, KTO), fed each side's log-prob summed over its response tokens (temperature 1) and, for losses
   that need it, the reference model's (computed on the fly or precomputed: :func:`sequence_logprobs`).
-  The step's loss is the mean over the pairs of the global batch (counted over every micro-batch and DP
-  rank), metrics ``dpo/loss``, ``rewards/{chosen,rejected,accuracy,margin}``, ``logps/{chosen,rejected}``
-  (means over the global batch), ``dpo/grad_norm``, ``dpo/lr``, ``dpo/skipped_steps``.
+  The step's loss is the mean over the pairs (unpaired: the examples) of the global batch (counted over
+  every micro-batch and DP rank), metrics ``dpo/loss``, ``rewards/{chosen,rejected,accuracy,margin}``,
+  ``logps/{chosen,rejected}`` (means over the global batch; unpaired: per label, no accuracy, and
+  ``kto/kl``, the KL baseline), ``dpo/grad_norm``, ``dpo/lr``, ``dpo/skipped_steps``.
+* :func:`kl_baseline`: KTO's ``z0`` from the KL rows, forward only, as TRL's ``KTOTrainer`` estimates it:
+  the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over the mismatched rows, clamped at 0. TRL averages
+  over each micro-batch on every process; here the mean runs over the whole global batch (every
+  micro-batch and DP rank), which is TRL's number when its gradient accumulation is 1.
 * :func:`reward_model_step`: one optimizer step of a value-head model on the Bradley-Terry loss of the
   scores at each side's last token (plus an optional constant margin); metrics ``rm/loss``,
   ``rm/accuracy``, ``rm/chosen_score``, ``rm/rejected_score``, ``rm/margin``, ``rm/grad_norm``, ...
@@ -28,26 +36,25 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, PreferenceLossInputs,
-                                                   bradley_terry_loss)
+from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, PreferenceLossInputs, PreferenceLossOutput,
+                                                   UnpairedLossInputs, bradley_terry_loss)
 from megarlhf.config.schema import RunConfig
-from megarlhf.data.preference import PreferencePair
+from megarlhf.data.preference import PreferencePair, UnpairedExample
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
 from megarlhf.training.step import PREFIX_TOKENS_SAVED, micro_batches_for, optimizer_step
 
-PREFERENCE_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
-                      "logps/chosen", "logps/rejected"]
 RM_METRICS = ["rm/accuracy", "rm/chosen_score", "rm/rejected_score", "rm/margin"]
 
 
-def pair_batch(pairs: Sequence[PreferencePair], device: torch.device, pad_id: int = 0,
+def pair_batch(pairs: Sequence[PreferencePair | UnpairedExample], device: torch.device, pad_id: int = 0,
                first_pair: int = 0) -> ExperienceBatch:
-    """The pair batch of ``pairs`` on ``device`` (group ids count from ``first_pair``)."""
+    """The pair batch of ``pairs`` (or unpaired examples and their KL rows) on ``device`` (group ids count
+    from ``first_pair``)."""
     if not pairs:
         raise ValueError("pair_batch: no pairs")
-    rows = [side for p in pairs for side in ((p.chosen_ids, p.chosen_mask), (p.rejected_ids, p.rejected_mask))]
+    rows = [side for p in pairs for side in p.rows()]
     width = max(len(ids) for ids, _ in rows)
     ids = [list(i) + [pad_id] * (width - len(i)) for i, _ in rows]
     mask = [[bool(m) for m in mk] + [False] * (width - len(mk)) for _, mk in rows]
@@ -67,12 +74,15 @@ def _pair_micro_batches(batch: ExperienceBatch, config: RunConfig, runtime):
                              groups=_pairs_of(batch.batch_size))
 
 
-def sequence_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
-    """Each row's log-prob summed over its response tokens [B] (forward only, temperature 1)."""
-    mbs = _pair_micro_batches(batch, config, model.runtime)
+def _summed(model: TrainModel, batch: ExperienceBatch, mbs) -> Tensor:
     lp = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
                       vocab_size=model.vocab_size)["logprobs"]
     return torch.where(batch.response_mask, lp, lp.new_zeros(())).sum(dim=1)
+
+
+def sequence_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
+    """Each row's log-prob summed over its response tokens [B] (forward only, temperature 1)."""
+    return _summed(model, batch, _pair_micro_batches(batch, config, model.runtime))
 
 
 def compute_scores(model: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
@@ -86,24 +96,46 @@ def _global_pairs(batch: ExperienceBatch, runtime) -> float:
     return runtime.all_reduce([batch.batch_size // 2])[0]
 
 
-def _step_metrics(prefix: str, result, names: list[str], pairs: float) -> dict[str, float]:
+COUNT = "#rows"  # suffix of the metric that counts the rows a loss metric's mean runs over
+
+
+def _metric_sums(names, result, n: float) -> dict:
+    """Each metric times the rows it is a mean over, and that count (summed over micro-batches and ranks)."""
+    sums = {}
+    for name in names:
+        count = result.counts.get(name, n)
+        sums[name], sums[name + COUNT] = result.metrics[name].detach() * count, count
+    return sums
+
+
+def _step_metrics(prefix: str, result, names, pairs: float) -> dict[str, float]:
     metrics = {f"{prefix}/loss": result.metrics["loss"] / result.metrics["pairs"],
                f"{prefix}/grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
                f"{prefix}/lr": result.lr, f"{prefix}/skipped_steps": float(result.skipped)}
-    metrics.update({name: result.metrics[name] / pairs for name in names})
+    for name in names:  # nan where no row of the global batch has the metric's label
+        count = result.metrics.get(name + COUNT, pairs)
+        metrics[name] = result.metrics[name] / count if count else float("nan")
     metrics["train/shared_prefix_tokens_saved"] = result.metrics[PREFIX_TOKENS_SAVED]
     return metrics
 
 
+def _metric_names(names) -> list[str]:
+    return [key for name in names for key in (name, name + COUNT)]
+
+
 def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig,
-                    reference_logps: Tensor | None = None, *, on_nonfinite: str = "abort") -> dict[str, float]:
+                    reference_logps: Tensor | None = None, *, desirable: Tensor | None = None,
+                    on_nonfinite: str = "abort") -> dict[str, float]:
     """One optimizer step of ``actor`` on this DP rank's pair ``batch`` (see the module docstring);
     ``reference_logps`` [B]: the reference's summed log-probs of every row (None for reference-free
-    losses). Returns metrics identical on every rank."""
+    losses); ``desirable`` [P]: the labels of an unpaired loss's examples. Returns metrics identical on
+    every rank."""
     loss = PREFERENCE_LOSSES.get(config.preference.loss)
     if loss.needs_reference and reference_logps is None:
         raise ValueError(f"preference_step: preference.loss={config.preference.loss!r} needs the reference "
                          f"model's log-probs")
+    if not loss.paired:
+        return _unpaired_step(actor, batch, config, reference_logps, desirable, on_nonfinite)
     runtime = actor.runtime
     pairs = _global_pairs(batch, runtime)
     factor = float(runtime.dp_cp.size)
@@ -120,13 +152,60 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
             ref_rejected_logps=None if ref is None else ref[:, 1]), config.preference.params)
         share = result.loss.sum() * (factor / pairs)
         n = float(result.loss.numel())  # device tensors: reduce_metric_sums reads them once per step
-        metrics = {"loss": result.loss.detach().sum(), "pairs": n,
-                   **{name: result.metrics[name].detach() * n for name in PREFERENCE_METRICS}}
-        return share, metrics
+        return share, {"loss": result.loss.detach().sum(), "pairs": n, **_metric_sums(loss.metrics, result, n)}
 
     result = optimizer_step(actor, _pair_micro_batches(batch, config, runtime), loss_fn,
-                            ["loss", "pairs", *PREFERENCE_METRICS], loss_name="loss", on_nonfinite=on_nonfinite)
-    return _step_metrics("dpo", result, PREFERENCE_METRICS, pairs)
+                            ["loss", "pairs", *_metric_names(loss.metrics)], loss_name="loss",
+                            on_nonfinite=on_nonfinite)
+    return _step_metrics("dpo", result, loss.metrics, pairs)
+
+
+def _kl_mean(policy_kl: Tensor | None, ref_kl: Tensor | None, runtime) -> Tensor:
+    """The clamped global mean of ``policy_kl - ref_kl`` over every DP rank's KL rows (None: this rank has
+    none but takes part), as a float32 scalar on the runtime's device."""
+    local = [0.0, 0.0] if policy_kl is None else [float((policy_kl.double() - ref_kl.double()).sum()),
+                                                  float(policy_kl.numel())]
+    total, count = runtime.all_reduce(local)
+    return torch.tensor(max(total / max(count, 1.0), 0.0), dtype=torch.float32, device=runtime.device)
+
+
+def kl_baseline(model: TrainModel, batch: ExperienceBatch, config: RunConfig, reference_logps: Tensor) -> Tensor:
+    """KTO's KL baseline ``z0`` for this step (module docstring): the policy scores the KL rows (the odd
+    rows of ``batch``) forward only; ``reference_logps`` [B] holds the reference's scores of every row."""
+    kl_rows = batch.select(range(1, batch.batch_size, 2))
+    mbs = micro_batches_for(kl_rows.input_ids, kl_rows.lengths, kl_rows.response_mask, config, model.runtime)
+    with torch.no_grad():
+        policy = _summed(model, kl_rows, mbs)
+    return _kl_mean(policy, reference_logps[1::2], model.runtime)
+
+
+def _unpaired_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, reference_logps: Tensor,
+                   desirable: Tensor | None, on_nonfinite: str) -> dict[str, float]:
+    """:func:`preference_step` of an unpaired loss: the KL baseline first, then the step on the examples."""
+    loss = PREFERENCE_LOSSES.get(config.preference.loss)
+    if desirable is None or tuple(desirable.shape) != (batch.batch_size // 2,):
+        raise ValueError(f"preference_step: preference.loss={config.preference.loss!r} reads unpaired rows and "
+                         f"needs desirable [{batch.batch_size // 2}] (one label per example)")
+    runtime = actor.runtime
+    z0 = kl_baseline(actor, batch, config, reference_logps)
+    examples, ref = batch.select(range(0, batch.batch_size, 2)), reference_logps[0::2]
+    count = _global_pairs(batch, runtime)
+    factor = float(runtime.dp_cp.size)
+
+    def loss_fn(mb, out):
+        rows, width = mb.rows, mb.width
+        mask = examples.response_mask[rows, :width]
+        summed = torch.where(mask, out["logprobs"], out["logprobs"].new_zeros(())).sum(dim=1)
+        result = loss(UnpairedLossInputs(logps=summed, lengths=mask.sum(dim=1), desirable=desirable[rows],
+                                         ref_logps=ref[rows], kl_baseline=z0), config.preference.params)
+        share = result.loss.sum() * (factor / count)
+        n = float(result.loss.numel())
+        return share, {"loss": result.loss.detach().sum(), "pairs": n, **_metric_sums(loss.metrics, result, n)}
+
+    mbs = micro_batches_for(examples.input_ids, examples.lengths, examples.response_mask, config, runtime)
+    result = optimizer_step(actor, mbs, loss_fn, ["loss", "pairs", *_metric_names(loss.metrics)],
+                            loss_name="loss", on_nonfinite=on_nonfinite)
+    return {**_step_metrics("dpo", result, loss.metrics, count), "kto/kl": float(z0)}
 
 
 def reward_model_step(model: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
@@ -152,29 +231,61 @@ def reward_model_step(model: TrainModel, batch: ExperienceBatch, config: RunConf
 
 
 def evaluate_pairs(model: TrainModel, batch: ExperienceBatch | None, config: RunConfig,
-                   reference_logps: Tensor | None = None) -> dict[str, float]:
+                   reference_logps: Tensor | None = None, desirable: Tensor | None = None) -> dict[str, float]:
     """Held-out metrics of this DP rank's pair ``batch`` (None: this rank has no held-out pair but takes
     part), as global means: a reward model's ``rm/*`` (scores), or a policy's preference-loss metrics
-    (``dpo/loss``, ``rewards/*``, ``logps/*``)."""
-    names, prefix = (RM_METRICS, "rm") if model.kind == "scores" else (PREFERENCE_METRICS, "dpo")
-    sums = [0.0] * (2 + len(names))  # pairs, loss sum, metric sums
-    if batch is not None:
-        with torch.no_grad():
-            if model.kind == "scores":
+    (``dpo/loss``, ``rewards/*``, ``logps/*``; an unpaired loss also ``kto/kl`` and reads ``desirable``)."""
+    if model.kind == "scores":
+        names, prefix, loss = RM_METRICS, "rm", None
+    else:
+        loss = PREFERENCE_LOSSES.get(config.preference.loss)
+        names, prefix = list(loss.metrics), "dpo"
+    result, extra = None, {}
+    with torch.no_grad():
+        if model.kind == "scores":
+            if batch is not None:
                 scores = compute_scores(model, batch, config).view(-1, 2)
-                loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1])
-            else:
-                summed = sequence_logprobs(model, batch, config).view(-1, 2)
-                lengths = batch.response_mask.sum(dim=1).view(-1, 2)
-                ref = None if reference_logps is None else reference_logps.view(-1, 2)
-                result = PREFERENCE_LOSSES.get(config.preference.loss)(PreferenceLossInputs(
-                    chosen_logps=summed[:, 0], rejected_logps=summed[:, 1], chosen_lengths=lengths[:, 0],
-                    rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
-                    ref_rejected_logps=None if ref is None else ref[:, 1]), config.preference.params)
-                loss, stats = result.loss, result.metrics
-        n = loss.numel()
-        sums = [float(n), float(loss.sum())] + [float(stats[name]) * n for name in names]
+                result = _bradley_terry_output(scores)
+        else:
+            summed = None if batch is None else sequence_logprobs(model, batch, config)
+            result, extra = _held_out_loss(loss, summed, batch, reference_logps, desirable, config, model.runtime)
+    sums = [0.0] * (2 + 2 * len(names))  # rows, loss sum, (metric sum, rows) per metric
+    if result is not None:
+        n = float(result.loss.numel())
+        sums[:2] = [n, float(result.loss.sum())]
+        for i, name in enumerate(names):
+            count = float(result.counts.get(name, n))
+            sums[2 + 2 * i: 4 + 2 * i] = [float(result.metrics[name]) * count, count]
     sums = model.runtime.all_reduce(sums)
-    pairs = max(sums[0], 1.0)
-    return {f"{prefix}/loss": sums[1] / pairs, **{name: sums[2 + i] / pairs for i, name in enumerate(names)},
-            f"{prefix}/pairs": sums[0]}
+    metrics = {f"{prefix}/loss": sums[1] / max(sums[0], 1.0), f"{prefix}/pairs": sums[0], **extra}
+    for i, name in enumerate(names):
+        metrics[name] = sums[2 + 2 * i] / sums[3 + 2 * i] if sums[3 + 2 * i] else float("nan")
+    return metrics
+
+
+def _bradley_terry_output(scores: Tensor):
+    loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1])
+    return PreferenceLossOutput(loss=loss, metrics=stats)
+
+
+def _held_out_loss(loss, summed: Tensor | None, batch: ExperienceBatch | None, reference_logps: Tensor | None,
+                   desirable: Tensor | None, config: RunConfig, runtime):
+    """(the loss output of this rank's held-out rows or None, extra metrics) from each row's summed
+    log-prob; an unpaired loss first agrees on the KL baseline over every rank."""
+    params = config.preference.params
+    if not loss.paired:
+        z0 = _kl_mean(None if summed is None else summed[1::2],
+                      None if summed is None else reference_logps[1::2], runtime)
+        if summed is None:
+            return None, {"kto/kl": float(z0)}
+        lengths = batch.response_mask[0::2].sum(dim=1)
+        return loss(UnpairedLossInputs(logps=summed[0::2], lengths=lengths, desirable=desirable,
+                                       ref_logps=reference_logps[0::2], kl_baseline=z0), params), {"kto/kl": float(z0)}
+    if summed is None:
+        return None, {}
+    summed, lengths = summed.view(-1, 2), batch.response_mask.sum(dim=1).view(-1, 2)
+    ref = None if reference_logps is None else reference_logps.view(-1, 2)
+    return loss(PreferenceLossInputs(
+        chosen_logps=summed[:, 0], rejected_logps=summed[:, 1], chosen_lengths=lengths[:, 0],
+        rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
+        ref_rejected_logps=None if ref is None else ref[:, 1]), params), {}

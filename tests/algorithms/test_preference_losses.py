@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, PreferenceLossConfig,
-                                                   PreferenceLossInputs, bradley_terry_loss)
+                                                   PreferenceLossInputs, UnpairedLossInputs, bradley_terry_loss)
 
 F64 = torch.float64
 
@@ -149,9 +149,11 @@ def test_bradley_terry_hand_worked():
 # ------------------------------------------------------------------------ declarations and checks
 
 def test_reference_declaration_matches_behaviour():
-    assert PREFERENCE_LOSSES.names() == ["dpo", "ipo", "simpo"]
-    assert [PREFERENCE_LOSSES.get(n).needs_reference for n in ("dpo", "ipo", "simpo")] == [True, True, False]
-    for name in PREFERENCE_LOSSES:
+    assert PREFERENCE_LOSSES.names() == ["dpo", "ipo", "kto", "simpo"]
+    assert [PREFERENCE_LOSSES.get(n).needs_reference for n in ("dpo", "ipo", "simpo", "kto")] == [True] * 2 + [
+        False, True]
+    assert [PREFERENCE_LOSSES.get(n).paired for n in ("dpo", "ipo", "simpo", "kto")] == [True] * 3 + [False]
+    for name in [n for n in PREFERENCE_LOSSES if PREFERENCE_LOSSES.get(n).paired]:
         if not PREFERENCE_LOSSES.get(name).needs_reference:
             out, _, _ = _run(name, PreferenceLossConfig(), **SIMPO_CASE)
             assert bool(torch.isfinite(out.loss).all())
@@ -342,3 +344,65 @@ def test_bradley_terry_matches_trl_reward_trainer(with_margin):
     assert _max_diff(loss.mean(), trl_loss) <= 1e-6
     assert _max_diff(metrics["rm/accuracy"], trainer._metrics["eval"]["accuracy"][-1]) <= 1e-6
     assert _max_diff(metrics["rm/margin"], trainer._metrics["eval"]["margin"][-1]) <= 1e-6
+
+
+# ----------------------------------------------------------------------------------------------- KTO
+
+KTO_CASE = dict(logps=[-3.0, -6.0, -2.0, -5.0], ref=[-4.0, -5.0, -2.5, -5.5], desirable=[True, False, True, False])
+
+
+def _kto(config, logps, ref, desirable, z0):
+    logp = _t(logps, grad=True)
+    out = PREFERENCE_LOSSES.get("kto")(UnpairedLossInputs(
+        logps=logp, lengths=torch.tensor([2, 3, 1, 4]), desirable=torch.tensor(desirable), ref_logps=_t(ref),
+        kl_baseline=_t(z0)), config)
+    out.loss.sum().backward()
+    return out, logp.grad
+
+
+def test_kto_hand_worked():
+    # rho = logp - ref = [1, -1, 0.5, 0.5]; beta 0.5, z0 0.2, desirable weight 2, undesirable weight 1.5
+    config = PreferenceLossConfig(beta=0.5, desirable_weight=2.0, undesirable_weight=1.5)
+    out, grad = _kto(config, **KTO_CASE, z0=0.2)
+    expected = [2 * (1 - _sig(0.5 * 0.8)), 1.5 * (1 - _sig(0.5 * 1.2)), 2 * (1 - _sig(0.5 * 0.3)),
+                1.5 * (1 - _sig(0.5 * -0.3))]
+    assert _close(out.loss, expected)
+    # d/drho of w (1 - sig(beta (rho - z0))) = -w beta sig' ; of w (1 - sig(beta (z0 - rho))) = +w beta sig'
+    dsig = lambda x: _sig(x) * (1 - _sig(x))  # noqa: E731
+    assert _close(grad, [-2 * 0.5 * dsig(0.4), 1.5 * 0.5 * dsig(0.6), -2 * 0.5 * dsig(0.15), 1.5 * 0.5 * dsig(-0.15)])
+    assert _close(out.metrics["rewards/chosen"], (0.5 * 1 + 0.5 * 0.5) / 2)
+    assert _close(out.metrics["rewards/rejected"], (0.5 * -1 + 0.5 * 0.5) / 2)
+    assert _close(out.metrics["logps/chosen"], -2.5) and _close(out.metrics["logps/rejected"], -5.5)
+    assert [float(out.counts[k]) for k in ("rewards/chosen", "rewards/rejected")] == [2.0, 2.0]
+
+
+def test_kto_baseline_is_a_constant_and_one_label_batches_count_right():
+    z0 = _t(0.3, grad=True)
+    logp = _t([-1.0, -2.0], grad=True)
+    out = PREFERENCE_LOSSES.get("kto")(UnpairedLossInputs(
+        logps=logp, lengths=torch.tensor([1, 1]), desirable=torch.tensor([True, True]), ref_logps=_t([-1.5, -2.0]),
+        kl_baseline=z0), PreferenceLossConfig())
+    out.loss.sum().backward()
+    assert z0.grad is None and float(out.counts["rewards/rejected"]) == 0.0
+    assert float(out.metrics["rewards/rejected"]) == 0.0  # no undesirable row: 0, counted over 0 rows
+
+
+def test_kto_input_errors_name_the_field():
+    good = dict(logps=_t([-1.0]), lengths=torch.tensor([1]), desirable=torch.tensor([True]))
+    with pytest.raises(ValueError, match="desirable must be a bool tensor"):
+        UnpairedLossInputs(**{**good, "desirable": torch.tensor([1])})
+    with pytest.raises(ValueError, match="kl_baseline must be a scalar"):
+        UnpairedLossInputs(**good, kl_baseline=_t([0.1, 0.2]))
+    with pytest.raises(ValueError, match=r"'kto' needs UnpairedLossInputs\.ref_logps"):
+        PREFERENCE_LOSSES.get("kto")(UnpairedLossInputs(**good, kl_baseline=_t(0.0)), PreferenceLossConfig())
+    with pytest.raises(ValueError, match=r"'kto' needs UnpairedLossInputs\.kl_baseline"):
+        PREFERENCE_LOSSES.get("kto")(UnpairedLossInputs(**good, ref_logps=_t([0.0])), PreferenceLossConfig())
+    with pytest.raises(ValueError, match="'kto' has no label smoothing"):
+        PREFERENCE_LOSSES.get("kto")(UnpairedLossInputs(**good, ref_logps=_t([0.0]), kl_baseline=_t(0.0)),
+                                     PreferenceLossConfig(label_smoothing=0.1))
+    with pytest.raises(TypeError, match="reads UnpairedLossInputs"):
+        PREFERENCE_LOSSES.get("kto")(PreferenceLossInputs(
+            chosen_logps=_t([-1.0]), rejected_logps=_t([-1.0]), chosen_lengths=torch.tensor([1]),
+            rejected_lengths=torch.tensor([1])), PreferenceLossConfig())
+    with pytest.raises(ValueError, match=r"PreferenceLossConfig\.undesirable_weight must be > 0"):
+        PreferenceLossConfig(undesirable_weight=0.0)

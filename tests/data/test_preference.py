@@ -200,3 +200,54 @@ def test_chat_sides_end_at_the_eos_a_rollout_stops_on(tok):
     for ids, mask in ((pair.chosen_ids, pair.chosen_mask), (pair.rejected_ids, pair.rejected_mask)):
         assert ids[-1] == instruct.convert_tokens_to_ids("<|im_end|>") and mask[-1] == 1
         assert instruct.decode(ids).endswith("<|im_end|>")
+
+
+# ------------------------------------------------------------------------------------- unpaired rows
+
+def _unpaired(rows, tok, **data):
+    return build_preference_dataset(rows, tok, DataConfig(train_path="-", **data), paired=False)
+
+
+def test_unpaired_rows_encode_as_a_side_and_kl_rows_take_the_previous_completion(tok):
+    rows = [{"prompt": "What is 2 + 3?", "completion": "5.", "label": True},
+            {"prompt": "Name a colour.", "completion": "Seven.", "label": False},
+            {"prompt": "Say hi.", "completion": "Hi!", "label": True}]
+    examples = _unpaired(rows, tok, system_prompt="Be brief.").pairs
+    pair = _one([{"prompt": "What is 2 + 3?", "chosen": "5.", "rejected": "6."}], tok, system_prompt="Be brief.")
+    assert (examples[0].ids, examples[0].mask, examples[0].prompt_len) == (pair.chosen_ids, pair.chosen_mask,
+                                                                           pair.prompt_len)
+    assert [e.desirable for e in examples] == [True, False, True]
+    for k, example in enumerate(examples):
+        other = examples[k - 1]  # the first example takes the last one's completion
+        p = example.prompt_len
+        assert example.kl_ids == example.ids[:p] + other.ids[other.prompt_len:]
+        assert example.kl_mask == [0] * p + other.mask[other.prompt_len:]
+    assert tok.decode(examples[1].kl_ids).endswith("Name a colour.<|im_end|>\n<|im_start|>assistant\n5." + END)
+
+
+def test_unpaired_kl_rows_are_cut_to_the_length_limit_and_long_rows_dropped(plain_tok):
+    rows = [{"prompt": "a b", "completion": " c", "label": True},
+            {"prompt": "d", "completion": " e f g h i j k l m n o p", "label": False},
+            {"prompt": "q r s", "completion": " t", "label": False}]
+    full = _unpaired(rows, plain_tok, max_sequence_length=1000).pairs
+    limit = max(len(e.ids) for e in full) - 1  # the longest row is dropped
+    kept = _unpaired(rows, plain_tok, max_sequence_length=limit)
+    assert kept.num_dropped == 1 and [e.index for e in kept.pairs] == [0, 2]
+    assert all(len(e.kl_ids) <= limit and len(e.kl_mask) == len(e.kl_ids) for e in kept.pairs)
+    with pytest.raises(ValueError, match="at least two rows"):
+        _unpaired(rows[:1], plain_tok)
+
+
+@pytest.mark.parametrize("label, match", [(1, "must be true .* or false"), ("yes", "must be true"),
+                                          (None, "must be true")])
+def test_unpaired_label_errors_name_the_row_and_key(tok, tmp_path, label, match):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "p", "completion": "c", "label": True}, {"prompt": "p", "completion": "c", "label": label}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"rows.jsonl:2: field 'label' \(label_key\) {match}"):
+        load_preference_dataset(str(path), tok, DataConfig(train_path=str(path)), paired=False)
+    path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n" + json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: the row has no field 'label' \(label_key\)"):
+        load_preference_dataset(str(path), tok, DataConfig(train_path=str(path)), paired=False)
+    with pytest.raises(ValueError, match="prompt_key, completion_key, label_key must be three different keys"):
+        PreferenceDataConfig(label_key="prompt")

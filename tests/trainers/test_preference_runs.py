@@ -121,3 +121,38 @@ def test_reward_model_refusals_name_the_path(rl_assets, tmp_path):
     with pytest.raises(ValueError, match="eval.reward_functions"):
         from_dict(RunConfig, {"model": {"path": "m"}, "eval": {"every": 1},
                               "reward": {"functions": [], "reward_model_path": "rm"}})
+
+
+def _unpaired(source: Path, out: Path) -> None:
+    """The pairs as unpaired KTO rows: each chosen response desirable, each rejected one undesirable."""
+    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    unpaired = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                for r in rows for side in ("chosen", "rejected")]
+    out.write_text("".join(json.dumps(r) + "\n" for r in unpaired))
+
+
+@pytest.mark.slow  # three 2-rank KTO runs and a kill (~70 s): make test-slow
+def test_kto_run_at_dp2_resumes_as_the_uninterrupted_one(pairs, tmp_path):
+    model, data = pairs
+    kto_data = tmp_path / "kto"
+    kto_data.mkdir()
+    for split in ("train", "heldout"):
+        _unpaired(data / f"pairs_{split}.jsonl", kto_data / f"pairs_{split}.jsonl")
+    kto = ("preference.loss=kto", "preference.params.undesirable_weight=1.2")
+    whole = _pairs_run("dpo", (model, kto_data), tmp_path / "whole", *kto)
+    _pairs_run("dpo", (model, kto_data), tmp_path / "part", *kto, "train.steps=2")
+    _pairs_run("dpo", (model, kto_data), tmp_path / "part", *kto, "checkpoint.resume=auto")
+    a, b = (read_metrics(run / "metrics.jsonl") for run in (whole, tmp_path / "part"))
+    train = [r for r in a if "dpo/loss" in r]
+    assert [r["step"] for r in train] == [0, 1, 2, 3]
+    assert train[0]["kto/kl"] == 0.0  # policy == reference at step 0: the baseline is 0
+    # ... so every row's loss is its weight times 1 - sigmoid(0) = 0.5: k desirable rows of the 8 give
+    desirable = [k for k in range(9) if abs(train[0]["dpo/loss"] - 0.5 * (k + 1.2 * (8 - k)) / 8) < 1e-6]
+    assert len(desirable) == 1 and 0 < desirable[0] < 8
+    evals = [r for r in a if "eval/rewards/chosen" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all("eval/kto/kl" in r for r in evals)
+    assert evals[-1]["eval/dpo/loss"] < evals[0]["eval/dpo/loss"]  # the held-out KTO loss falls
+    after = {r["step"]: r for r in b if r["step"] >= 2 and "dpo/loss" in r}
+    for record in (r for r in train if r["step"] >= 2):
+        for key in ("dpo/loss", "dpo/grad_norm", "rewards/chosen", "rewards/rejected", "kto/kl"):
+            assert after[record["step"]][key] == record[key], (record["step"], key)

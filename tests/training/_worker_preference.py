@@ -10,6 +10,9 @@ every other pair. Records, on every rank:
   the largest relative gradient difference per HF tensor (1 rank only: the gradients of a whole model);
 * ``rm``: one ``reward_model_step`` of the value-head model and HF's by hand (scores at the last token,
   ``-logsigmoid(s_w - s_l)``), and ``compute_scores`` vs HF's scores of the trained model after the step;
+* ``kto``: one ``preference_step`` on KTO of six unpaired examples (the pairs' chosen sides, mixed labels)
+  with their KL rows (each prompt + the previous example's completion), against KTO by hand on HF's model
+  (the KL baseline from HF's log-probs of the KL rows), and the rows for the TRL comparison;
 * ``export`` (1 rank): the trained reward model exported and reloaded as HF ...ForSequenceClassification,
   its pooled logits (right-padded batch, pad id set) vs ``compute_scores``.
 """
@@ -167,6 +170,59 @@ def learned_reward_checks(cfg, runtime, export: Path, full, local, pooled) -> di
             "learned_clipped": int((expected.abs() == clip).sum())}
 
 
+KTO_LABELS = (True, False, True, True, False, False)
+KTO_PARAMS = {"beta": 0.5, "desirable_weight": 1.0, "undesirable_weight": 1.5}
+
+
+def kto_batch(full):
+    """Six unpaired examples (prompt + the pair's chosen side) and their KL rows, as a pair batch."""
+    from megarlhf.data.preference import UnpairedExample
+    from megarlhf.training.preference import pair_batch
+
+    sides = [full.input_ids[2 * i, :full.lengths[2 * i]].tolist() for i in range(len(PROMPTS))]
+    examples = []
+    for i, p in enumerate(PROMPTS):
+        other = sides[i - 1][PROMPTS[i - 1]:]
+        examples.append(UnpairedExample(i, p, sides[i], [0] * p + [1] * (len(sides[i]) - p), KTO_LABELS[i],
+                                        sides[i][:p] + other, [0] * p + [1] * len(other)))
+    return pair_batch(examples, torch.device("cpu"), pad_id=PAD)
+
+
+def kto_checks(cfg, runtime, full, single: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarlhf.algorithms.preference_losses import PreferenceLossConfig
+    from megarlhf.training import build_actor
+    from megarlhf.training.preference import preference_step
+
+    batch = kto_batch(full)
+    hf = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    with torch.no_grad():  # the reference below the policy on average: a positive KL baseline
+        ref = hf_summed_logps(hf, batch) - 0.6 + noise((batch.batch_size,), 8, 0.3)
+    cfg.preference.loss = "kto"
+    cfg.preference.params = PreferenceLossConfig(**KTO_PARAMS)
+    actor = build_actor(cfg, runtime)
+    rows = local_rows(batch, runtime)
+    labels = torch.tensor(KTO_LABELS)
+    metrics = preference_step(actor, batch.select(rows), cfg, ref[rows], desirable=labels[rows[0::2] // 2])
+    logps = hf_summed_logps(hf, batch).double()
+    z0 = (logps[1::2].detach() - ref[1::2].double()).mean().clamp(min=0)
+    rho = logps[0::2] - ref[0::2].double()
+    beta, w_d, w_u = KTO_PARAMS["beta"], KTO_PARAMS["desirable_weight"], KTO_PARAMS["undesirable_weight"]
+    loss = torch.where(labels, w_d * (1 - torch.sigmoid(beta * (rho - z0))),
+                       w_u * (1 - torch.sigmoid(beta * (z0 - rho)))).mean()
+    loss.backward()
+    result = {"loss": metrics["dpo/loss"], "grad_norm": metrics["dpo/grad_norm"], "kl": metrics["kto/kl"],
+              "chosen": metrics["rewards/chosen"], "rejected": metrics["rewards/rejected"],
+              "hf_loss": float(loss), "hf_kl": float(z0), "hf_grad_norm": norm([p.grad for p in hf.parameters()]),
+              "hf_chosen": float(beta * rho[labels].mean()), "hf_rejected": float(beta * rho[~labels].mean()),
+              "rows": {"input_ids": batch.input_ids.tolist(), "lengths": batch.lengths.tolist(),
+                       "prompt_lengths": list(PROMPTS), "labels": list(KTO_LABELS), "ref_logps": ref.tolist()}}
+    if single:
+        result["grad_max_rel"] = max_rel_grad(megatron_grads(actor, "lm"), hf)
+    return result
+
+
 def local_rows(full, runtime) -> torch.Tensor:
     pairs = torch.arange(full.batch_size // 2)[runtime.dp.rank::runtime.dp.size]
     return torch.stack([2 * pairs, 2 * pairs + 1], dim=1).flatten()
@@ -189,6 +245,7 @@ def main() -> None:
     result = {check: policy_checks(check, cfg, runtime, full, local, ref, single) for check in LOSSES}
     result["pairs"] = {"input_ids": full.input_ids.tolist(), "lengths": full.lengths.tolist(),
                        "prompt_lengths": list(PROMPTS), "ref_logps": ref.tolist()}
+    result["kto"] = kto_checks(cfg, runtime, full, single)
     result["rm"] = reward_model_checks(cfg, runtime, full, local, single, out_dir)
     write_rank_result(out_dir, runtime.launch.rank, result)
 

@@ -37,6 +37,16 @@ def test_step_matches_hf_by_hand(preference_run, loss):
         assert got["accuracy"] == got["hf_accuracy"]
 
 
+def test_kto_step_matches_hf_by_hand(preference_run):
+    got = preference_run(1, (1, 1, 1))[0]["kto"]
+    assert got["hf_kl"] > 0.1  # the baseline is not clamped to 0 here: its value is checked
+    assert abs(got["kl"] - got["hf_kl"]) < 1e-5  # a mean of differences of ~-40 summed fp32 log-probs
+    assert got["loss"] == pytest.approx(got["hf_loss"], rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(got["hf_grad_norm"], rel=1e-5)
+    assert got["grad_max_rel"] < 1e-5
+    assert (got["chosen"], got["rejected"]) == pytest.approx((got["hf_chosen"], got["hf_rejected"]), rel=1e-6)
+
+
 def test_exported_reward_model_scores_as_hf_sequence_classifier(preference_run):
     got = preference_run(1, (1, 1, 1))[0]["rm"]
     assert got["export_score_max_diff"] <= 1e-6 * got["export_score_scale"] + 1e-5
@@ -58,6 +68,9 @@ def test_layouts_give_the_single_rank_step(preference_run, layout):
             assert rank[loss]["loss"] == pytest.approx(single[loss]["loss"], rel=2e-6), loss
             assert rank[loss]["grad_norm"] == pytest.approx(single[loss]["grad_norm"], rel=2e-6), loss
             assert rank[loss]["accuracy"] == single[loss]["accuracy"], loss
+        for key in ("loss", "grad_norm", "chosen", "rejected"):
+            assert rank["kto"][key] == pytest.approx(single["kto"][key], rel=2e-6), key
+        assert abs(rank["kto"]["kl"] - single["kto"]["kl"]) < 1e-5  # a global mean over every rank's KL rows
         assert rank["rm"]["export_score_max_diff"] <= 1e-6 * rank["rm"]["export_score_scale"] + 1e-5
         assert rank["rm"]["learned_max_diff"] < 1e-5
 
@@ -95,3 +108,42 @@ def test_dpo_step_matches_trl_dpo_trainer(preference_run, tiny_dirs, tmp_path):
     assert grad_norm == pytest.approx(ours["grad_norm"], rel=1e-5)
     print(f"TRL DPOTrainer vs megarlhf DPO step: |loss diff| = {abs(loss - ours['loss']):.2e}, "
           f"grad norm {grad_norm:.6f} vs {ours['grad_norm']:.6f}")
+
+
+def test_kto_step_matches_trl_kto_trainer(preference_run, tiny_dirs, tmp_path):
+    """TRL's KTOTrainer (loss_type kto, precomputed reference log-probs) on HF's model, fed the same
+    prompts, completions, KL completions and labels through its own collator: the same loss, gradient
+    norm and KL baseline as megarlhf's Megatron KTO step."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    result = preference_run(1, (1, 1, 1))[0]["kto"]
+    rows = result["rows"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[0], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs[0])
+    args = KTOConfig(output_dir=str(tmp_path), beta=0.5, desirable_weight=1.0, undesirable_weight=1.5,
+                     precompute_ref_log_probs=True, report_to=[], use_cpu=True, max_length=None,
+                     per_device_train_batch_size=6)
+    placeholder = Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
+                                     {"prompt": "c", "completion": "d", "label": False}])
+    trainer = KTOTrainer(model=model, args=args, train_dataset=placeholder, processing_class=tokenizer)
+    ids, lengths, ref = rows["input_ids"], rows["lengths"], rows["ref_logps"]
+    examples = []
+    for k, (p, label) in enumerate(zip(rows["prompt_lengths"], rows["labels"])):
+        example, kl = ids[2 * k][:lengths[2 * k]], ids[2 * k + 1][:lengths[2 * k + 1]]
+        assert example[:p] == kl[:p]
+        examples.append({"prompt_ids": example[:p], "completion_ids": example[p:], "KL_completion_ids": kl[p:],
+                         "label": label, "ref_logps": ref[2 * k], "ref_KL_logps": ref[2 * k + 1]})
+    inputs = trainer.data_collator(examples)
+    model.train()
+    loss = trainer._compute_loss(model, inputs, False)
+    loss.backward()
+    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    loss, kl = float(loss.detach()), trainer._metrics["train"]["kl"][-1]
+    assert abs(loss - result["loss"]) < 1e-6
+    assert grad_norm == pytest.approx(result["grad_norm"], rel=1e-5)
+    assert kl == pytest.approx(result["kl"], rel=1e-5)
+    print(f"TRL KTOTrainer vs megarlhf KTO step: |loss diff| = {abs(loss - result['loss']):.2e}, "
+          f"grad norm {grad_norm:.6f} vs {result['grad_norm']:.6f}, kl {kl:.6f} vs {result['kl']:.6f}")
