@@ -52,8 +52,14 @@ COMMANDS.register("sft")(Command(
     help="supervised fine-tuning (loss on response tokens)",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_sft))
 COMMANDS.register("dpo")(Command(
-    help="direct preference optimisation on preference pairs (DPO, cDPO, IPO, SimPO as the recipe says)",
+    help="direct preference optimisation on preference pairs (DPO, cDPO, IPO, SimPO) or unpaired rows (KTO)",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_dpo))
+COMMANDS.register("rs")(Command(
+    help="rejection sampling in rounds: generate, score, keep the best samples, SFT on them",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_rs))
+COMMANDS.register("online-dpo")(Command(
+    help="online (iterative) DPO: pairs from the policy's own samples ranked by the rewards, DPO-family loss",
+    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_online_dpo))
 COMMANDS.register("rm")(Command(
     help="reward-model training on preference pairs (Bradley-Terry), exported as ...ForSequenceClassification",
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_rm))

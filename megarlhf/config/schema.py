@@ -9,6 +9,7 @@ YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_c
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -133,6 +134,31 @@ class PreferenceConfig:
     def paired(self) -> bool:
         """True when the loss reads preference pairs, False for unpaired rows (prompt, completion, label)."""
         return PREFERENCE_LOSSES.get(self.loss).paired
+
+
+@dataclass
+class IterativeConfig:
+    """Rejection sampling (``megarlhf rs``) and online DPO (``megarlhf online-dpo``): what each round keeps of
+    its samples (:mod:`megarlhf.algorithms.selection`) and how it trains on them."""
+
+    # rs: "best" keeps each prompt's best sample if its reward is >= rs_threshold (null: always);
+    # "threshold" keeps every sample whose reward is >= rs_threshold (which must then be set)
+    rs_keep: Literal["best", "threshold"] = "best"
+    rs_threshold: float | None = 0.5  # 0.5: a 0/1 verifier's correct answers only
+    # online-dpo: "best_worst" (one pair per prompt) or "all" (every pair of a prompt's samples)
+    pair_rule: Literal["best_worst", "all"] = "best_worst"
+    min_margin: float = 0.0  # online-dpo: a reward gap at or below this is a tie: no pair
+    # online-dpo, for losses with a reference: "fixed" (model.path throughout) or "refresh" (the policy as
+    # it was when the round began)
+    reference: Literal["fixed", "refresh"] = "fixed"
+
+    def __post_init__(self):
+        _check(self.rs_keep != "threshold" or self.rs_threshold is not None,
+               "IterativeConfig.rs_keep='threshold' needs rs_threshold (the reward a kept sample reaches)")
+        _check(self.rs_threshold is None or math.isfinite(self.rs_threshold),
+               f"IterativeConfig.rs_threshold must be finite or null, got {self.rs_threshold}")
+        _check(math.isfinite(self.min_margin) and self.min_margin >= 0,
+               f"IterativeConfig.min_margin must be a finite number >= 0, got {self.min_margin}")
 
 
 @dataclass
@@ -286,7 +312,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     gates: GateConfig = field(default_factory=GateConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # megarlhf dpo / rm
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # megarlhf dpo / rm / online-dpo
+    iterative: IterativeConfig = field(default_factory=IterativeConfig)  # megarlhf rs / online-dpo
     seed: int = 1234
 
     def __post_init__(self):

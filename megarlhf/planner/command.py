@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megarlhf.planner.memory import GIB, Launch, MemoryPlan, plan_memory
+from megarlhf.planner.memory import COMMANDS, GIB, Launch, MemoryPlan, plan_memory
 from megarlhf.planner.shapes import resolve_shape
 from megarlhf.planner.suggest import suggest
 
@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default=None,
                         help="model shape: a preset name or a config.json (default: model.path's config.json, "
                              "or the preset named like model.path)")
+    parser.add_argument("--command", choices=COMMANDS, default="train", dest="planned_command",
+                        help="the megarlhf command that runs the recipe (which models it keeps; default train)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -47,7 +49,7 @@ def plan_from_args(args: argparse.Namespace):
     shape, source = resolve_shape(config.model.path, args.arch)
     reserve = args.reserve_gib if args.reserve_gib is not None else (3.0 if args.device == "gpu" else 0.0)
     launch = Launch(world_size=args.gpus or config.parallel.model_parallel_size, device_memory_gib=args.gpu_mem_gib,
-                    device=args.device, reserve_gib=reserve)
+                    device=args.device, reserve_gib=reserve, command=args.planned_command)
     return config, shape, source, launch, plan_memory(config, shape, launch)
 
 
@@ -76,8 +78,11 @@ def format_plan(plan: MemoryPlan, source: str, config) -> str:
     for phase in ("train", "sync", "generate"):
         lines.append(f"  {phase:<28s}" + "".join(f"  {_gib(st.phases[phase])}  " for st in plan.stages))
     lines.append(f"  {'peak':<28s}" + "".join(f"  {_gib(st.peak)}  " for st in plan.stages))
-    lines.append(f"KV cache   {plan.kv_tokens} tokens = {plan.kv_tokens // plan.max_model_len} sequences of "
-                 f"max_model_len {plan.max_model_len}; {plan.sequences_per_engine} sequences per engine per step")
+    if not plan.sequences_per_engine:
+        lines.append(f"engine     none (megarlhf {plan.launch.command}); sequences of up to {plan.max_model_len} tokens")
+    else:
+        lines.append(f"KV cache   {plan.kv_tokens} tokens = {plan.kv_tokens // plan.max_model_len} sequences of "
+                     f"max_model_len {plan.max_model_len}; {plan.sequences_per_engine} sequences per engine per step")
     if plan.host_offload:
         lines.append(f"host       {plan.host_offload / GIB:.2f} GiB per rank offloaded (pinned) during generation")
     lines += [f"note       {n}" for n in plan.notes]

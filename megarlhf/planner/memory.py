@@ -1,4 +1,12 @@
-"""Per-rank memory of an RL run: what each model, the activations and the rollout engine hold, per phase.
+"""Per-rank memory of a run: what each model, the activations and the rollout engine hold, per phase.
+
+The command decides which models a run keeps (:func:`workload`, read from the recipe as the trainer
+reads it): ``train`` (RL) the actor, a reference when the algorithm uses one, a critic for GAE, a learned
+reward model and the engine; ``rs`` the actor, the engine and a learned reward; ``online-dpo`` also the
+reference when the loss needs one and ``iterative.reference=fixed``; ``sft`` the actor; ``dpo`` the actor and
+the reference its loss needs (with ``preference.precompute_reference`` it is dropped after scoring the
+dataset, but both are resident while it scores); ``rm`` a value-head model. Commands without an engine
+plan sequences of ``data.max_sequence_length`` tokens and have no sync or generate phase (0 below).
 
 :func:`plan_memory` turns a :class:`RunConfig`, a model shape and the launch (world size, device memory)
 into a :class:`MemoryPlan`: one :class:`StagePlan` per pipeline stage (every rank of a stage holds the
@@ -59,6 +67,32 @@ GIB = 2**30
 MIB = 2**20
 LOGPROB_CHUNK = 4096  # megarlhf.ops' default vocabulary chunk
 PHASES = ("train", "sync", "generate")
+COMMANDS = ("train", "sft", "dpo", "rm", "rs", "online-dpo")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The models a command keeps on the devices (see the module docstring)."""
+
+    engine: bool
+    reference: bool
+    critic: bool
+    reward_model: bool
+    head: str  # the trained model's head: "lm" (a policy) or "value" (a reward model)
+
+
+def workload(config: RunConfig, command: str) -> Workload:
+    learned_reward = config.reward.reward_model_path is not None
+    if command == "train":
+        return Workload(True, config.algorithm.uses_reference, config.algorithm.uses_critic, learned_reward, "lm")
+    if command == "online-dpo":
+        reference = config.preference.needs_reference and config.iterative.reference == "fixed"
+        return Workload(True, reference, False, learned_reward, "lm")
+    if command == "rs":
+        return Workload(True, False, False, learned_reward, "lm")
+    if command == "dpo":
+        return Workload(False, config.preference.needs_reference, False, False, "lm")
+    return Workload(False, False, False, False, "value" if command == "rm" else "lm")
 
 
 @dataclass(frozen=True)
@@ -69,8 +103,11 @@ class Launch:
     device_memory_gib: float = 80.0
     device: str = "gpu"  # "gpu" (vLLM sleeps; offload frees device memory) or "cpu" (everything stays)
     reserve_gib: float = 3.0
+    command: str = "train"  # the megarlhf command that runs the recipe: one of COMMANDS
 
     def __post_init__(self):
+        if self.command not in COMMANDS:
+            raise UserError(f"--command must be one of {', '.join(COMMANDS)}, got {self.command!r}")
         if self.world_size < 1:
             raise UserError(f"--gpus must be >= 1, got {self.world_size}")
         if self.device not in ("gpu", "cpu"):
@@ -126,7 +163,7 @@ class MemoryPlan:
             found.append(f"stage {worst.stage} needs {worst.peak / GIB:.2f} GiB in its {worst.peak_phase} phase, "
                          f"more than the {self.capacity / GIB:.2f} GiB available per rank "
                          f"({self.launch.device_memory_gib:g} GiB - {self.launch.reserve_gib:g} GiB reserve)")
-        if self.kv_tokens < self.max_model_len:
+        if self.sequences_per_engine and self.kv_tokens < self.max_model_len:  # 0: the command runs no engine
             found.append(f"the KV cache holds {self.kv_tokens} tokens, less than one sequence of max_model_len="
                          f"{self.max_model_len} (data.max_prompt_length + rollout.max_new_tokens): vLLM refuses "
                          f"to start")
@@ -216,24 +253,27 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     d = dtype_bytes(config.model.dtype)
     shards = dp * config.parallel.context_parallel_size
     par = config.parallel
-    comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, "lm").items()}
-    separate_reference = config.algorithm.uses_reference and config.model.lora is None  # LoRA: the actor's base
+    work = workload(config, launch.command)
+    comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, work.head).items()}
+    separate_reference = work.reference and config.model.lora is None  # LoRA: the actor's base
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     comp["reference_weights"] = (shape.params_per_rank(tp, pp, stage, **par.uneven_stages) * d
                                  if separate_reference else 0)
-    reward_shape = _reward_model_shape(config, shape)
+    reward_shape = _reward_model_shape(config, shape) if work.reward_model else None
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
         tp, pp, stage, "value", **par.uneven_stages) * d)
-    critic = _trainable(shape, config, stage, d, shards, "value") if config.algorithm.uses_critic else {}
+    critic = _trainable(shape, config, stage, d, shards, "value") if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
-    act, act_recompute = _activations(shape, config, stage, d, max_model_len, "lm")
-    if config.algorithm.uses_critic:  # the critic trains after the actor: the larger of the two counts
+    act, act_recompute = _activations(shape, config, stage, d, max_model_len, work.head)
+    if work.critic:  # the critic trains after the actor: the larger of the two counts
         critic_act, critic_recompute = _activations(shape, config, stage, d, max_model_len, "value")
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
     trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_", "reward_model_")))
-    if launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
+    if not work.engine:  # nothing is offloaded, nothing generates
+        phases = {"train": trainer_state + act, "sync": 0, "generate": 0}
+    elif launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
         everything = trainer_state + act + sum(engine.values())
         phases = {"train": everything, "sync": everything, "generate": everything}
     else:
@@ -260,17 +300,25 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
         raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: must be 1 (one engine per rank) or the "
                           f"world size {launch.world_size}")
     d = dtype_bytes(config.model.dtype)
-    max_model_len = config.data.max_prompt_length + config.rollout.response_budget
-    engine = {"engine_weights": shape.total_params() * d // engine_tp,
-              "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
-              "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d)}
+    with_engine = workload(config, launch.command).engine
+    if with_engine:
+        max_model_len = config.data.max_prompt_length + config.rollout.response_budget
+        engine = {"engine_weights": shape.total_params() * d // engine_tp,
+                  "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
+                  "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d)}
+    else:
+        max_model_len = config.data.max_sequence_length
+        engine = {"engine_weights": 0, "engine_kv_cache": 0, "engine_sync_bucket": 0}
     stages = [_stage(shape, config, launch, s, dp, max_model_len, engine) for s in range(par.pipeline_model_parallel_size)]
     kv_tokens = config.rollout.kv_cache_mb * MIB // (shape.kv_elements_per_token() * d // engine_tp)
     prompts_per_rank = -(-config.train.global_batch_size // dp // par.model_parallel_size)
     per_engine = (config.train.global_batch_size if engine_tp > 1 else prompts_per_rank) * config.rollout.n_samples
-    host = max(s.phases["train"] - s.components["activations"] for s in stages) if launch.device == "gpu" else 0
+    if not with_engine:
+        kv_tokens = per_engine = 0
+    host = (max(s.phases["train"] - s.components["activations"] for s in stages)
+            if launch.device == "gpu" and with_engine else 0)
     plan = MemoryPlan(shape, launch, dp, stages, kv_tokens, max_model_len, per_engine, host_offload=host)
-    if kv_tokens < per_engine * max_model_len and kv_tokens >= max_model_len:
+    if with_engine and max_model_len <= kv_tokens < per_engine * max_model_len:
         plan.notes.append(f"the KV cache holds {kv_tokens // max_model_len} full-length sequences of the "
                           f"{per_engine} each engine generates per step: vLLM queues the rest (slower rollouts, "
                           f"not an error)")

@@ -1,4 +1,5 @@
-"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``dpo``, ``rm``, ``eval`` and ``export``.
+"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``dpo``, ``rs``, ``online-dpo``, ``rm``,
+``eval`` and ``export``.
 
 Each takes a YAML recipe and ``key.sub=value`` overrides (see :mod:`megarlhf.config`) and runs the same
 way single-process or under ``torchrun --nproc-per-node N -m megarlhf ...``.
@@ -48,6 +49,20 @@ def run_dpo(args: argparse.Namespace) -> int:
     from megarlhf.trainers.preference import train_dpo
 
     train_dpo(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_rs(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.iterative import train_iterative
+
+    train_iterative(_config(args, needs_train_data=True), "rs")
+    return 0
+
+
+def run_online_dpo(args: argparse.Namespace) -> int:
+    from megarlhf.trainers.iterative import train_iterative
+
+    train_iterative(_config(args, needs_train_data=True), "online-dpo")
     return 0
 
 

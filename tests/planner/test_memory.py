@@ -106,3 +106,41 @@ def test_refusal_when_over_capacity():
     plan = plan_memory(_config(), SHAPE, Launch(world_size=1, device_memory_gib=3.0005, reserve_gib=3.0))
     assert not plan.fits and "train phase" in plan.problems()[0]
     assert plan.capacity == int(0.0005 * GIB)
+
+
+@pytest.mark.parametrize("command, overrides, expected", [
+    # command, recipe sections, (engine, reference, critic) resident
+    ("train", {"algorithm": {"estimator": "gae", "kl_mode": "loss"}}, (True, True, True)),
+    ("rs", {"algorithm": {"estimator": "gae", "kl_mode": "loss"}}, (True, False, False)),
+    ("online-dpo", {}, (True, True, False)),
+    ("online-dpo", {"iterative": {"reference": "refresh"}}, (True, False, False)),
+    ("online-dpo", {"preference": {"loss": "simpo"}}, (True, False, False)),
+    ("sft", {"algorithm": {"kl_mode": "loss"}}, (False, False, False)),
+    ("dpo", {}, (False, True, False)),
+    ("dpo", {"preference": {"loss": "simpo"}}, (False, False, False)),
+    ("rm", {}, (False, False, False)),
+])
+def test_each_command_plans_the_models_it_runs(command, overrides, expected):
+    plan = plan_memory(_config(data={"max_sequence_length": 96}, **overrides), SHAPE, Launch(world_size=1,
+                                                                                              command=command))
+    st = plan.stages[0]
+    engine, reference, critic = expected
+    assert (st.components["engine_weights"] > 0, st.components["reference_weights"] > 0,
+            st.components["critic_weights"] > 0) == expected
+    assert plan.max_model_len == (64 if engine else 96)  # prompt + response budget, or data.max_sequence_length
+    if not engine:
+        assert st.phases["sync"] == st.phases["generate"] == 0 and plan.problems() == []
+    head_params = SHAPE.params_per_rank(1, 1, 0, "value" if command == "rm" else "lm")
+    assert st.components["actor_weights"] == 2 * head_params  # rm trains a value-head model
+
+
+def test_plan_command_line_names_the_command(capsys, tmp_path):
+    from megarlhf.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: x}\ndata: {train_path: x}\n")
+    assert main(["plan", "--arch", "smollm2-135m-instruct", "--command", "sft", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "engine     none (megarlhf sft)" in out and "vLLM KV cache" not in out and "offloaded" not in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--command", "ppo", str(recipe)])

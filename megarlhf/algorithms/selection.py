@@ -1,0 +1,73 @@
+"""Which generated samples a round of rejection sampling keeps, and which pairs online DPO forms.
+
+Both read the samples of one generation round: ``rewards[k]`` is the reward of sample ``k``, which
+answers prompt ``prompt_index[k]`` (the samples of a prompt form its *group*; groups may interleave).
+Every rule is deterministic: where rewards tie, the sample that comes first wins, so a rerun (or a
+resumed run) keeps the same samples.
+
+* :func:`keep_best` (rejection sampling, ``iterative.rs_keep=best``): the first sample with the highest
+  reward of each prompt, if that reward is at least ``threshold`` (None: always).
+* :func:`keep_above` (``rs_keep=threshold``): every sample whose reward is at least ``threshold``.
+* :func:`preference_pairs` (online DPO): pairs (chosen, rejected) within a prompt's group whose reward
+  gap is larger than ``min_margin`` (a gap at or below it is a tie, and ties form no pair) and whose
+  responses differ. ``rule="best_worst"``: one pair per prompt, the first best sample against the first
+  worst one. ``rule="all"``: every such pair of the group, in (chosen, rejected) sample order.
+
+Hand-written because the rules are the project's own; each function's docstring states its rule.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+PAIR_RULES = ("best_worst", "all")
+
+
+def _groups(rewards: Sequence[float], prompt_index: Sequence[int]) -> dict[int, list[int]]:
+    """Sample indices by prompt, in order of first appearance; refuses mismatched or non-finite input."""
+    if len(rewards) != len(prompt_index):
+        raise ValueError(f"{len(rewards)} rewards for {len(prompt_index)} samples")
+    bad = [k for k, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise ValueError(f"sample {bad[0]} has a non-finite reward {rewards[bad[0]]!r}")
+    groups: dict[int, list[int]] = {}
+    for k, p in enumerate(prompt_index):
+        groups.setdefault(p, []).append(k)
+    return groups
+
+
+def keep_best(rewards: Sequence[float], prompt_index: Sequence[int], threshold: float | None = None) -> list[int]:
+    """The kept sample of each prompt whose best reward reaches ``threshold``: the first with the
+    highest reward. Returns sample indices in prompt order of first appearance."""
+    kept = []
+    for samples in _groups(rewards, prompt_index).values():
+        best = max(samples, key=lambda k: (rewards[k], -k))
+        if threshold is None or rewards[best] >= threshold:
+            kept.append(best)
+    return kept
+
+
+def keep_above(rewards: Sequence[float], threshold: float) -> list[int]:
+    """Every sample whose reward is at least ``threshold``, in sample order."""
+    _groups(rewards, range(len(rewards)))
+    return [k for k, r in enumerate(rewards) if r >= threshold]
+
+
+def preference_pairs(rewards: Sequence[float], prompt_index: Sequence[int], responses: Sequence[Sequence[int]],
+                     rule: str = "best_worst", min_margin: float = 0.0) -> list[tuple[int, int]]:
+    """(chosen, rejected) sample indices by ``rule`` (see the module docstring)."""
+    if rule not in PAIR_RULES:
+        raise ValueError(f"unknown pair rule {rule!r}; known: {', '.join(PAIR_RULES)}")
+    if min_margin < 0:
+        raise ValueError(f"min_margin must be >= 0, got {min_margin}")
+    pairs = []
+    for samples in _groups(rewards, prompt_index).values():
+        if rule == "best_worst":
+            best = max(samples, key=lambda k: (rewards[k], -k))
+            worst = min(samples, key=lambda k: (rewards[k], k))
+            candidates = [(best, worst)]
+        else:
+            candidates = [(i, j) for i in samples for j in samples]
+        pairs += [(i, j) for i, j in candidates
+                  if rewards[i] - rewards[j] > min_margin and list(responses[i]) != list(responses[j])]
+    return pairs
