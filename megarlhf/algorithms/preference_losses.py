@@ -176,6 +176,7 @@ class PreferenceLoss:
     fn: PreferenceLossFn
     needs_reference: bool
     paired: bool = True
+    label_smoothing: bool = True  # reads PreferenceLossConfig.label_smoothing (False: refuses a non-zero one)
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -192,10 +193,10 @@ class PreferenceLoss:
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
 
 
-def _preference_loss(name: str, needs_reference: bool, paired: bool = True):
+def _preference_loss(name: str, needs_reference: bool, paired: bool = True, label_smoothing: bool = True):
     """Registers the decorated function under ``name`` with its declarations."""
     def add(fn):
-        PREFERENCE_LOSSES.register(name)(PreferenceLoss(fn, needs_reference, paired))
+        PREFERENCE_LOSSES.register(name)(PreferenceLoss(fn, needs_reference, paired, label_smoothing))
         return fn
 
     return add
@@ -266,7 +267,7 @@ def dpo(inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> Preferenc
     return _finish(inputs, loss, reward_w, reward_l)
 
 
-@_preference_loss("ipo", needs_reference=True)
+@_preference_loss("ipo", needs_reference=True, label_smoothing=False)
 def ipo(inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> PreferenceLossOutput:
     """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
     Preferences", Eq. 17, with ``tau = beta``):
@@ -316,7 +317,7 @@ def simpo(inputs: PreferenceLossInputs, config: PreferenceLossConfig) -> Prefere
     return _finish(inputs, loss, reward_w, reward_l)
 
 
-@_preference_loss("kto", needs_reference=True, paired=False)
+@_preference_loss("kto", needs_reference=True, paired=False, label_smoothing=False)
 def kto(inputs: UnpairedLossInputs, config: PreferenceLossConfig) -> PreferenceLossOutput:
     """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", Eq. 7-8) on
     unpaired rows, as TRL 1.16's ``KTOTrainer`` (``loss_type="kto"``) computes it:

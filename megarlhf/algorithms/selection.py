@@ -5,13 +5,18 @@ answers prompt ``prompt_index[k]`` (the samples of a prompt form its *group*; gr
 Every rule is deterministic: where rewards tie, the sample that comes first wins, so a rerun (or a
 resumed run) keeps the same samples.
 
-* :func:`keep_best` (rejection sampling, ``iterative.rs_keep=best``): the first sample with the highest
-  reward of each prompt, if that reward is at least ``threshold`` (None: always).
-* :func:`keep_above` (``rs_keep=threshold``): every sample whose reward is at least ``threshold``.
+``allowed[k]`` False (e.g. a sample cut off by the token limit) means sample ``k`` is never kept and never
+chosen; it may still be a pair's rejected side.
+
+* :func:`keep_best` (rejection sampling, ``iterative.rs_keep=best``): the first allowed sample with the
+  highest reward of each prompt, if that reward is at least ``threshold`` (None: always).
+* :func:`keep_above` (``rs_keep=threshold``): every allowed sample whose reward is at least ``threshold``.
 * :func:`preference_pairs` (online DPO): pairs (chosen, rejected) within a prompt's group whose reward
   gap is larger than ``min_margin`` (a gap at or below it is a tie, and ties form no pair) and whose
-  responses differ. ``rule="best_worst"``: one pair per prompt, the first best sample against the first
-  worst one. ``rule="all"``: every such pair of the group, in (chosen, rejected) sample order.
+  responses differ (identical tokens carry no preference, whatever a noisy judge scored).
+  ``rule="best_worst"``: one pair per prompt, the first best allowed sample against the first worst
+  sample whose response differs from it. ``rule="all"``: every such pair of the group, in (chosen,
+  rejected) sample order, each pair of distinct responses once.
 
 Hand-written because the rules are the project's own; each function's docstring states its rule.
 """
@@ -36,38 +41,65 @@ def _groups(rewards: Sequence[float], prompt_index: Sequence[int]) -> dict[int, 
     return groups
 
 
-def keep_best(rewards: Sequence[float], prompt_index: Sequence[int], threshold: float | None = None) -> list[int]:
-    """The kept sample of each prompt whose best reward reaches ``threshold``: the first with the
-    highest reward. Returns sample indices in prompt order of first appearance."""
+def _allowed(allowed: Sequence[bool] | None, count: int) -> Sequence[bool]:
+    if allowed is None:
+        return [True] * count
+    if len(allowed) != count:
+        raise ValueError(f"{len(allowed)} allowed flags for {count} samples")
+    return allowed
+
+
+def keep_best(rewards: Sequence[float], prompt_index: Sequence[int], threshold: float | None = None,
+              allowed: Sequence[bool] | None = None) -> list[int]:
+    """The kept sample of each prompt whose best allowed reward reaches ``threshold``: the first allowed
+    sample with the highest reward. Returns sample indices in prompt order of first appearance."""
+    allowed = _allowed(allowed, len(rewards))
     kept = []
     for samples in _groups(rewards, prompt_index).values():
-        best = max(samples, key=lambda k: (rewards[k], -k))
+        candidates = [k for k in samples if allowed[k]]
+        if not candidates:
+            continue
+        best = max(candidates, key=lambda k: (rewards[k], -k))
         if threshold is None or rewards[best] >= threshold:
             kept.append(best)
     return kept
 
 
-def keep_above(rewards: Sequence[float], threshold: float) -> list[int]:
-    """Every sample whose reward is at least ``threshold``, in sample order."""
+def keep_above(rewards: Sequence[float], threshold: float, allowed: Sequence[bool] | None = None) -> list[int]:
+    """Every allowed sample whose reward is at least ``threshold``, in sample order."""
     _groups(rewards, range(len(rewards)))
-    return [k for k, r in enumerate(rewards) if r >= threshold]
+    allowed = _allowed(allowed, len(rewards))
+    return [k for k, r in enumerate(rewards) if r >= threshold and allowed[k]]
 
 
 def preference_pairs(rewards: Sequence[float], prompt_index: Sequence[int], responses: Sequence[Sequence[int]],
-                     rule: str = "best_worst", min_margin: float = 0.0) -> list[tuple[int, int]]:
+                     rule: str = "best_worst", min_margin: float = 0.0,
+                     allowed: Sequence[bool] | None = None) -> list[tuple[int, int]]:
     """(chosen, rejected) sample indices by ``rule`` (see the module docstring)."""
     if rule not in PAIR_RULES:
         raise ValueError(f"unknown pair rule {rule!r}; known: {', '.join(PAIR_RULES)}")
     if min_margin < 0:
         raise ValueError(f"min_margin must be >= 0, got {min_margin}")
+    allowed = _allowed(allowed, len(rewards))
+
+    def forms_pair(i: int, j: int) -> bool:
+        return allowed[i] and rewards[i] - rewards[j] > min_margin and list(responses[i]) != list(responses[j])
+
     pairs = []
     for samples in _groups(rewards, prompt_index).values():
         if rule == "best_worst":
-            best = max(samples, key=lambda k: (rewards[k], -k))
-            worst = min(samples, key=lambda k: (rewards[k], k))
-            candidates = [(best, worst)]
-        else:
-            candidates = [(i, j) for i in samples for j in samples]
-        pairs += [(i, j) for i, j in candidates
-                  if rewards[i] - rewards[j] > min_margin and list(responses[i]) != list(responses[j])]
+            candidates = [k for k in samples if allowed[k]]
+            if not candidates:
+                continue
+            best = max(candidates, key=lambda k: (rewards[k], -k))
+            rejected = sorted((k for k in samples if forms_pair(best, k)), key=lambda k: (rewards[k], k))
+            pairs += [(best, rejected[0])] if rejected else []
+            continue
+        seen = set()
+        for i in samples:
+            for j in samples:
+                key = (tuple(responses[i]), tuple(responses[j]))
+                if forms_pair(i, j) and key not in seen:
+                    seen.add(key)
+                    pairs.append((i, j))
     return pairs

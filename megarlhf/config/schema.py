@@ -124,6 +124,9 @@ class PreferenceConfig:
         _check(self.loss in PREFERENCE_LOSSES,
                f"PreferenceConfig.loss: unknown preference loss {self.loss!r}; known: "
                f"{', '.join(PREFERENCE_LOSSES.names())}")
+        _check(PREFERENCE_LOSSES.get(self.loss).label_smoothing or self.params.label_smoothing == 0,
+               f"PreferenceConfig: preference.loss={self.loss!r} has no label smoothing; set "
+               f"preference.params.label_smoothing=0 (got {self.params.label_smoothing})")
         _check(self.rm_margin >= 0, f"PreferenceConfig.rm_margin must be >= 0, got {self.rm_margin}")
 
     @property
@@ -151,6 +154,9 @@ class IterativeConfig:
     # online-dpo, for losses with a reference: "fixed" (model.path throughout) or "refresh" (the policy as
     # it was when the round began)
     reference: Literal["fixed", "refresh"] = "fixed"
+    # a sample the token limit cut off (finish reason "length") is kept (rs) or chosen (online-dpo) only
+    # when true: its response has no end-of-sequence, and training towards it teaches stopping mid-answer
+    keep_truncated: bool = False
 
     def __post_init__(self):
         _check(self.rs_keep != "threshold" or self.rs_threshold is not None,

@@ -31,10 +31,13 @@ give the same tokens is refused: it carries no preference.
 
 Unpaired rows (``prompt_key``, ``completion_key``, ``label_key``: TRL's unpaired preference format) are
 encoded as one side of a pair is; the label must be a JSON boolean (``true``: desirable). Each
-:class:`UnpairedExample` also carries its *KL row*: its own prompt followed by the completion of the row
-before it (the last row's for the first), the mismatched pairs from which KTO estimates its KL baseline
-(TRL shifts completions by one the same way), cut to ``data.max_sequence_length``. Rows longer than the
-limit are dropped before the KL rows are formed; at least two rows must remain.
+:class:`UnpairedExample` also carries its *KL row*: its own prompt followed by the completion of the
+nearest row before it whose prompt differs (cyclically: the first row looks from the last), the
+mismatched pairs from which KTO estimates its KL baseline, cut to ``data.max_sequence_length``. TRL
+shifts completions by one row; skipping rows of the same prompt keeps a pair split into a desirable and
+an undesirable row side by side (the usual way pairs are unpaired) from pairing a prompt with its own
+other answer. Rows longer than the limit are dropped before the KL rows are formed; at least two rows
+with different prompts must remain.
 
 Hand-written because this is the project's own glue between its data settings, the tokenizer and the
 loss-mask rule of ``chat.py``.
@@ -97,7 +100,7 @@ class UnpairedExample:
     ids: list[int]  # prompt + completion
     mask: list[int]  # 1 on the completion tokens that carry loss
     desirable: bool
-    kl_ids: list[int]  # this prompt + another row's completion: KTO's KL-baseline row (module docstring)
+    kl_ids: list[int]  # this prompt + another prompt's completion: KTO's KL-baseline row (module docstring)
     kl_mask: list[int]
 
     def rows(self) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
@@ -253,12 +256,17 @@ def unpaired_example(row: dict, tokenizer, data: DataConfig, keys: PreferenceDat
     return UnpairedExample(index, prompt_len, ids, mask, label, [], [])
 
 
-def _with_kl_rows(examples: list[UnpairedExample], limit: int, source: str) -> list[UnpairedExample]:
-    """Each example with its KL row: its prompt + the previous example's completion, cut to ``limit``."""
-    if len(examples) < 2:
-        raise DataError(f"{source}: unpaired rows need at least two rows (the KL baseline pairs each prompt "
-                        f"with another row's completion), got {len(examples)}")
-    for example, other in zip(examples, examples[-1:] + examples[:-1]):
+def _with_kl_rows(examples: list[UnpairedExample], limit: int, source: str, dropped: int) -> list[UnpairedExample]:
+    """Each example with its KL row: its prompt + the completion of the nearest earlier example (cyclically)
+    whose prompt differs, cut to ``limit``."""
+    prompts = [tuple(e.ids[:e.prompt_len]) for e in examples]
+    if len(set(prompts)) < 2:
+        raise DataError(f"{source}: unpaired rows need at least two different prompts (the KL baseline pairs "
+                        f"each prompt with another prompt's completion); {len(examples)} rows with "
+                        f"{len(set(prompts))} prompts are left after dropping {dropped} longer than "
+                        f"data.max_sequence_length={limit}")
+    for i, example in enumerate(examples):
+        other = next(examples[i - k] for k in range(1, len(examples)) if prompts[i - k] != prompts[i])
         ids = example.ids[:example.prompt_len] + other.ids[other.prompt_len:]
         mask = [0] * example.prompt_len + other.mask[other.prompt_len:]
         example.kl_ids, example.kl_mask = ids[:limit], mask[:limit]
@@ -284,8 +292,8 @@ def build_preference_dataset(rows: list[dict], tokenizer, data: DataConfig, keys
         if len(kept) < len(examples):
             logger.warning("%s: dropped %d of %d unpaired rows longer than data.max_sequence_length=%d tokens",
                            source, len(examples) - len(kept), len(examples), data.max_sequence_length)
-        return PreferenceDataset(_with_kl_rows(kept, data.max_sequence_length, source), len(examples) - len(kept),
-                                 source)
+        dropped = len(examples) - len(kept)
+        return PreferenceDataset(_with_kl_rows(kept, data.max_sequence_length, source, dropped), dropped, source)
     pairs = [preference_pair(row, tokenizer, data, keys, chat, where, i)
              for i, (row, where) in enumerate(zip(rows, locations, strict=True))]
     limit = data.max_sequence_length

@@ -6,7 +6,9 @@ reward model and the engine; ``rs`` the actor, the engine and a learned reward; 
 reference when the loss needs one and ``iterative.reference=fixed``; ``sft`` the actor; ``dpo`` the actor and
 the reference its loss needs (with ``preference.precompute_reference`` it is dropped after scoring the
 dataset, but both are resident while it scores); ``rm`` a value-head model. Commands without an engine
-plan sequences of ``data.max_sequence_length`` tokens and have no sync or generate phase (0 below).
+plan sequences of ``data.max_sequence_length`` tokens and have no sync or generate phase (0 below). A
+micro-batch of a command that trains on pairs (``dpo`` with a paired loss, ``rm``, ``online-dpo``) holds
+both sides of a pair: at least twice the longest sequence.
 
 :func:`plan_memory` turns a :class:`RunConfig`, a model shape and the launch (world size, device memory)
 into a :class:`MemoryPlan`: one :class:`StagePlan` per pipeline stage (every rank of a stage holds the
@@ -79,6 +81,7 @@ class Workload:
     critic: bool
     reward_model: bool
     head: str  # the trained model's head: "lm" (a policy) or "value" (a reward model)
+    rows_together: int = 1  # rows one micro-batch must hold whole: 2 for preference pairs
 
 
 def workload(config: RunConfig, command: str) -> Workload:
@@ -87,12 +90,15 @@ def workload(config: RunConfig, command: str) -> Workload:
         return Workload(True, config.algorithm.uses_reference, config.algorithm.uses_critic, learned_reward, "lm")
     if command == "online-dpo":
         reference = config.preference.needs_reference and config.iterative.reference == "fixed"
-        return Workload(True, reference, False, learned_reward, "lm")
+        return Workload(True, reference, False, learned_reward, "lm", rows_together=2)
     if command == "rs":
         return Workload(True, False, False, learned_reward, "lm")
     if command == "dpo":
-        return Workload(False, config.preference.needs_reference, False, False, "lm")
-    return Workload(False, False, False, False, "value" if command == "rm" else "lm")
+        return Workload(False, config.preference.needs_reference, False, False, "lm",
+                        rows_together=2 if config.preference.paired else 1)
+    if command == "rm":
+        return Workload(False, False, False, False, "value", rows_together=2)
+    return Workload(False, False, False, False, "lm")
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,8 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         tp, pp, stage, "value", **par.uneven_stages) * d)
     critic = _trainable(shape, config, stage, d, shards, "value") if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
-    act, act_recompute = _activations(shape, config, stage, d, max_model_len, work.head)
+    # a micro-batch holds at least one whole item: a sequence, or both sides of a preference pair
+    act, act_recompute = _activations(shape, config, stage, d, max_model_len * work.rows_together, work.head)
     if work.critic:  # the critic trains after the actor: the larger of the two counts
         critic_act, critic_recompute = _activations(shape, config, stage, d, max_model_len, "value")
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)

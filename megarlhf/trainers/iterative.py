@@ -8,16 +8,23 @@ a learned reward model), then, per round (a "step" of ``train.steps``):
 
 * rs: keep samples by ``iterative.rs_keep`` (:func:`megarlhf.algorithms.selection.keep_best` /
   ``keep_above``) and take ``train.epochs_per_step`` SFT optimizer steps on them (loss on the response
-  tokens the model generated, :func:`megarlhf.training.sft_step`). The kept samples are appended to
-  ``<run_dir>/rs_kept.jsonl`` as SFT rows (``messages`` in chat mode, else ``prompt`` and ``response``;
-  with ``step``, ``reward`` and ``ground_truth``), which ``megarlhf sft`` reads back (with
-  ``data.system_prompt`` unset: the prompt already holds it).
+  tokens, :func:`megarlhf.training.sft_step`). The kept samples are appended to
+  ``<run_dir>/rs_kept.jsonl`` as SFT rows, with ``step``, ``reward``, ``ground_truth`` and
+  ``finish_reason``.
 * online-dpo: form (chosen, rejected) pairs by ``iterative.pair_rule`` and ``min_margin``
   (:func:`~megarlhf.algorithms.selection.preference_pairs`; ties form none) and take
   ``train.epochs_per_step`` steps of ``preference.loss`` (a paired loss of the DPO family) on them. The
   reference is model.path (``iterative.reference=fixed``) or the policy as the round began (``refresh``).
   Pairs are appended to ``<run_dir>/online_pairs.jsonl`` as ``megarlhf dpo`` rows (prompt, chosen,
   rejected, with their rewards).
+
+A sample the token limit cut off is never kept or chosen unless ``iterative.keep_truncated`` (it may be a
+pair's rejected side). The rows are what ``megarlhf sft`` / ``megarlhf dpo`` read back to the same tokens
+as far as decoding and re-tokenising the text allows: in chat mode the conversation as a message list
+(``messages`` for SFT: set ``data.messages_key=messages``; a message-list ``prompt`` for DPO), in plain
+mode the prompt text and the response; either way the prompt already holds the system prompt, so leave
+``data.system_prompt`` unset when reading them. Multi-turn rollouts (``rollout.env``) are refused: their
+tool observations would not survive as such rows.
 
 Kept samples or pairs are gathered over the data-parallel replicas in replica order and dealt out
 round-robin, so every replica trains on a share; a round with fewer than one per replica trains on
@@ -38,15 +45,15 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferencePair
 from megarlhf.data.sft import SFTExample
 from megarlhf.errors import ConfigError
-from megarlhf.metrics import plot_curves, truncate_records_after
+from megarlhf.metrics import truncate_records_after
 from megarlhf.rewards import CombinedReward
 from megarlhf.trainers.collect import Collected, collect
 from megarlhf.trainers.evaluate import evaluate
-from megarlhf.trainers.rewarding import build_reward, model_text
+from megarlhf.trainers.rewarding import build_reward
 from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import build_actor, build_reference, export_policy, sft_step
+from megarlhf.training import build_actor, build_reference, sft_step
 from megarlhf.training.preference import pair_batch, preference_step, sequence_logprobs
 
 KEPT_FILE = {"rs": "rs_kept.jsonl", "online-dpo": "online_pairs.jsonl"}
@@ -61,6 +68,9 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
     if config.rollout.max_staleness:
         raise ConfigError(f"megarlhf {mode}: rollout.max_staleness must be 0 (each round samples the current "
                           f"policy), got {config.rollout.max_staleness}")
+    if config.rollout.env is not None:
+        raise ConfigError(f"megarlhf {mode}: rollout.env (multi-turn tool episodes) is not supported: the kept rows "
+                          f"would lose the tool observations between the model's turns")
     if mode == "online-dpo":
         if not config.preference.paired:
             raise ConfigError(f"megarlhf online-dpo: preference.loss={config.preference.loss!r} reads unpaired "
@@ -70,17 +80,17 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
                               f"{config.rollout.n_samples}")
 
 
-def _response_mask(got: Collected, k: int) -> list[int]:
-    """1 on the response tokens the model generated (multi-turn observations are 0)."""
-    masks = got.rollout.loss_masks
-    return list(masks[k]) if masks else [1] * len(got.rollout.response_ids[k])
+def _allowed(got: Collected, config: RunConfig) -> list[bool]:
+    """Which samples may be kept or chosen: those the token limit did not cut off (unless keep_truncated)."""
+    if config.iterative.keep_truncated:
+        return [True] * len(got.rewards)
+    return [reason != "length" for reason in got.rollout.finish_reasons]
 
 
 def _sample_record(got: Collected, k: int, tokenizer) -> dict:
     """Sample ``k`` as an SFT row: the conversation (chat mode) or the prompt and response text."""
     example = got.examples[got.rollout.prompt_index[k]]
-    masks = got.rollout.loss_masks
-    text = model_text(tokenizer, got.rollout.response_ids[k], masks[k] if masks else None)
+    text = tokenizer.decode(got.rollout.response_ids[k], skip_special_tokens=True)
     if example.messages is not None:
         return {"messages": [*example.messages, {"role": "assistant", "content": text}]}
     return {"prompt": example.prompt, "response": text}
@@ -89,16 +99,18 @@ def _sample_record(got: Collected, k: int, tokenizer) -> dict:
 def _rs_round(got: Collected, config: RunConfig, tokenizer, step: int):
     """(this replica's kept samples as SFT examples, their log records, metric sums) of an RS round."""
     settings, rollout = config.iterative, got.rollout
+    allowed = _allowed(got, config)
     if settings.rs_keep == "best":
-        kept = keep_best(got.rewards, rollout.prompt_index, settings.rs_threshold)
+        kept = keep_best(got.rewards, rollout.prompt_index, settings.rs_threshold, allowed)
     else:
-        kept = keep_above(got.rewards, settings.rs_threshold)
+        kept = keep_above(got.rewards, settings.rs_threshold, allowed)
     items, records = [], []
     for k in kept:
         prompt, response = rollout.prompt_ids[k], rollout.response_ids[k]
-        items.append(SFTExample(list(prompt) + list(response), [0] * len(prompt) + _response_mask(got, k)))
+        items.append(SFTExample(list(prompt) + list(response), [0] * len(prompt) + [1] * len(response)))
         records.append({"step": step, **_sample_record(got, k, tokenizer), "reward": got.rewards[k],
-                        "ground_truth": got.examples[rollout.prompt_index[k]].ground_truth})
+                        "ground_truth": got.examples[rollout.prompt_index[k]].ground_truth,
+                        "finish_reason": rollout.finish_reasons[k]})
     prompts_kept = len({rollout.prompt_index[k] for k in kept})
     sums = [len(kept), len(got.rewards), len(got.examples), prompts_kept, sum(got.rewards[k] for k in kept)]
     return items, records, sums
@@ -108,13 +120,13 @@ def _odpo_round(got: Collected, config: RunConfig, tokenizer, step: int):
     """(this replica's pairs, their log records, metric sums) of an online-DPO round."""
     settings, rollout = config.iterative, got.rollout
     pairs = preference_pairs(got.rewards, rollout.prompt_index, rollout.response_ids, settings.pair_rule,
-                             settings.min_margin)
+                             settings.min_margin, _allowed(got, config))
     items, records = [], []
     for w, l in pairs:
-        prompt = list(rollout.prompt_ids[w])
-        items.append(PreferencePair(len(items), len(prompt), prompt + list(rollout.response_ids[w]),
-                                    [0] * len(prompt) + _response_mask(got, w),
-                                    prompt + list(rollout.response_ids[l]), [0] * len(prompt) + _response_mask(got, l)))
+        prompt, chosen, rejected = (list(x) for x in (rollout.prompt_ids[w], rollout.response_ids[w],
+                                                       rollout.response_ids[l]))
+        items.append(PreferencePair(len(items), len(prompt), prompt + chosen, [0] * len(prompt) + [1] * len(chosen),
+                                    prompt + rejected, [0] * len(prompt) + [1] * len(rejected)))
         chosen, rejected = _sample_record(got, w, tokenizer), _sample_record(got, l, tokenizer)
         if "messages" in chosen:
             row = {"prompt": chosen["messages"][:-1], "chosen": chosen["messages"][-1:],
@@ -226,13 +238,4 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
-    recorder.close()
-    reward.close()
-    if eval_reward is not None:
-        eval_reward.close()
-    phase.close()
-    export_dir = export_policy(actor, config, run.run_dir / "hf")
-    if run.is_main:
-        plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=CONSOLE_KEYS[mode][:3])
-    run.log(f"exported the trained policy to {export_dir}")
-    return export_dir
+    return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor, CONSOLE_KEYS[mode][:4])

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.metrics import plot_curves
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.config import greedy_sampling
 from megarlhf.sample_log import SampleLog
@@ -42,7 +41,7 @@ from megarlhf.seeds import sample_seed
 from megarlhf.trainers.rollout_phase import Calibration, build_rollout_phase, serve_engine_rank
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
-from megarlhf.training import actor_update, build_actor, build_critic, build_reference, critic_update, export_policy
+from megarlhf.training import actor_update, build_actor, build_critic, build_reference, critic_update
 
 
 def train_rl(config: RunConfig) -> Path | None:
@@ -108,16 +107,7 @@ def train_rl(config: RunConfig) -> Path | None:
                                          **batches.state(step + 1)})
     if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
-    recorder.close()
-    reward.close()
-    if eval_reward is not None:
-        eval_reward.close()
-    phase.close()
-    export_dir = export_policy(actor, config, run.run_dir / "hf")
-    if run.is_main:
-        plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
-    run.log(f"exported the trained actor to {export_dir}")
-    return export_dir
+    return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor)
 
 
 def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, config: RunConfig, step: int,

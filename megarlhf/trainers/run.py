@@ -16,8 +16,9 @@ from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.errors import CheckpointError, ConfigError, DataError
-from megarlhf.metrics import MetricsRecorder
+from megarlhf.metrics import MetricsRecorder, plot_curves
 from megarlhf.tracking import open_trackers
+from megarlhf.training import export_policy
 from megarlhf.training.step import prefix_sharing_notice
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
@@ -87,6 +88,21 @@ class RunContext:
         return MetricsRecorder(self.run_dir, total_steps=total_steps, trackers=trackers,
                                rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
                                log_every=settings.log_every, **options)
+
+    def finish_policy_run(self, recorder: MetricsRecorder, closables: list, actor,
+                          curve_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path:
+        """The end of a run that trains a policy on rollouts: closes the recorder and ``closables`` (rewards,
+        the rollout phase; None entries skipped), exports the actor to ``<run_dir>/hf`` and draws the curves
+        of ``curve_keys``; returns the export directory."""
+        recorder.close()
+        for thing in closables:
+            if thing is not None:
+                thing.close()
+        export_dir = export_policy(actor, self.config, self.run_dir / "hf")
+        if self.is_main:
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png", keys=curve_keys)
+        self.log(f"exported the trained policy to {export_dir}")
+        return export_dir
 
     def load_prompts(self, path: str) -> PromptDataset:
         env = self.config.rollout.env

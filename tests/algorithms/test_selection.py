@@ -39,7 +39,22 @@ def test_all_pairs_rule_and_identical_responses():
     assert preference_pairs(rewards, prompts, [[1], [2], [3]], rule="all") == [(0, 1), (0, 2), (1, 2)]
     # identical token ids carry no preference even when the rewards differ (a noisy judge)
     assert preference_pairs(rewards, prompts, [[1], [2], [1]], rule="all") == [(0, 1), (1, 2)]
-    assert preference_pairs(rewards, prompts, [[1], [2], [1]]) == []  # best_worst: (0, 2) is identical
+    # best_worst: the worst (2) repeats the best's tokens, so the next-worst distinct response is taken
+    assert preference_pairs(rewards, prompts, [[1], [2], [1]]) == [(0, 1)]
+    # all: two samples with the same tokens form each pair once
+    assert preference_pairs([1.0, 0.0, 0.0], [0, 0, 0], [[1], [2], [2]], rule="all") == [(0, 1)]
+
+
+def test_samples_not_allowed_are_never_kept_or_chosen():
+    # sample 1 (prompt 3's best) was cut off by the token limit: not kept, not chosen, still rejectable
+    allowed = [True, False, True, True, True, True]
+    assert keep_best(REWARDS, PROMPTS, allowed=allowed) == [2, 3]
+    assert keep_above(REWARDS, 0.9, allowed=allowed) == [2, 3, 4]
+    assert preference_pairs(REWARDS, PROMPTS, RESPONSES, allowed=allowed) == [(2, 0), (3, 5)]
+    assert preference_pairs([0.0, 1.0], [0, 0], [[1], [2]], allowed=[True, False]) == []
+    assert keep_best([1.0], [0], allowed=[False]) == []
+    with pytest.raises(ValueError, match="1 allowed flags for 2 samples"):
+        keep_above([1.0, 0.0], 0.5, allowed=[True])
 
 
 def test_bad_input_is_refused():

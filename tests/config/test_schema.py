@@ -109,6 +109,13 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
     ("rollout.env={name: nope}", r"unknown environment 'nope'"),
     ("eval.pass_at_k=[2]", r"eval\.pass_at_k values must be in \[1, n_samples=1\]"),
+    # preference and iterative settings
+    ("preference={loss: kto, params: {label_smoothing: 0.1}}",
+     r"preference\.loss='kto' has no label smoothing; set preference\.params\.label_smoothing=0"),
+    ("preference.params.undesirable_weight=0", r"undesirable_weight must be > 0"),
+    ("iterative={rs_keep: threshold, rs_threshold: null}", r"rs_keep='threshold' needs rs_threshold"),
+    ("iterative.pair_rule=random", r"iterative\.pair_rule: 'random' is not allowed; allowed values: 'best_worst', 'all'"),
+    ("iterative.min_margin=-1", r"iterative\.min_margin must be a finite number >= 0"),
 ])
 def test_bad_values_name_the_key(recipe, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -234,8 +234,23 @@ def test_unpaired_kl_rows_are_cut_to_the_length_limit_and_long_rows_dropped(plai
     kept = _unpaired(rows, plain_tok, max_sequence_length=limit)
     assert kept.num_dropped == 1 and [e.index for e in kept.pairs] == [0, 2]
     assert all(len(e.kl_ids) <= limit and len(e.kl_mask) == len(e.kl_ids) for e in kept.pairs)
-    with pytest.raises(ValueError, match="at least two rows"):
+    with pytest.raises(ValueError, match="at least two different prompts.* 1 rows with 1 prompts .* dropping 0"):
         _unpaired(rows[:1], plain_tok)
+
+
+def test_kl_rows_skip_rows_of_the_same_prompt(plain_tok):
+    # pairs unpaired the usual way: a prompt's desirable and undesirable rows side by side
+    rows = [{"prompt": p, "completion": c, "label": label}
+            for p, good, bad in (("a", " 1", " 2"), ("b", " 3", " 4"), ("c", " 5", " 6"))
+            for c, label in ((good, True), (bad, False))]
+    examples = _unpaired(rows, plain_tok).pairs
+    completion = [e.ids[e.prompt_len:] for e in examples]
+    # row k takes the completion of the nearest earlier row of another prompt: rows 0, 1 (prompt a) take
+    # row 5's (c, " 6"); rows 2, 3 (prompt b) take row 1's (a, " 2"); rows 4, 5 take row 3's
+    for k, source in enumerate((5, 5, 1, 1, 3, 3)):
+        assert examples[k].kl_ids[examples[k].prompt_len:] == completion[source], k
+    with pytest.raises(ValueError, match="at least two different prompts"):
+        _unpaired(rows[:2], plain_tok)
 
 
 @pytest.mark.parametrize("label, match", [(1, "must be true .* or false"), ("yes", "must be true"),

@@ -134,6 +134,18 @@ def test_each_command_plans_the_models_it_runs(command, overrides, expected):
     assert st.components["actor_weights"] == 2 * head_params  # rm trains a value-head model
 
 
+def test_pair_commands_plan_micro_batches_of_both_sides():
+    # micro_batch_tokens 128 < two 96-token sides: a pair's micro-batch holds 192 tokens
+    config = _config(data={"max_sequence_length": 96})
+    acts = {command: plan_memory(config, SHAPE, Launch(world_size=1, command=command)).stages[0]
+            .components["activations"] for command in ("sft", "dpo", "rm")}
+    sft_192 = plan_memory(_config(data={"max_sequence_length": 192}), SHAPE, Launch(world_size=1, command="sft"))
+    assert acts["dpo"] == sft_192.stages[0].components["activations"] > acts["sft"]
+    kto = _config(data={"max_sequence_length": 96}, preference={"loss": "kto"})
+    assert plan_memory(kto, SHAPE, Launch(world_size=1, command="dpo")).stages[0].components["activations"] == \
+        acts["sft"]  # unpaired rows train one at a time
+
+
 def test_plan_command_line_names_the_command(capsys, tmp_path):
     from megarlhf.cli import main
 

@@ -16,7 +16,17 @@ CASES = [(name, gpus, overrides) for name, sizes in LAYOUTS["layouts"].items() f
 CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", "tiny_ppo.yaml", "demo_rm.yaml",
                "demo_dpo.yaml", "demo_grpo_learned_reward.yaml", "demo_sft_calculator.yaml",
                "demo_grpo_calculator.yaml", "smollm2_grpo_arithmetic.yaml", "smollm2_sft_arithmetic.yaml",
-               "smollm2_sft_multistep.yaml", "smollm2_grpo_multistep.yaml"]
+               "smollm2_sft_multistep.yaml", "smollm2_grpo_multistep.yaml", "smollm2_rs_multistep.yaml",
+               "smollm2_online_dpo_multistep.yaml"]
+
+
+def _command(recipe: str) -> str:
+    """The megarlhf command that runs a shipped CPU recipe (its name says)."""
+    for part, command in (("online_dpo", "online-dpo"), ("_rs", "rs"), ("_sft", "sft"), ("_dpo", "dpo"),
+                          ("_rm", "rm")):
+        if part in recipe:
+            return command
+    return "train"
 REFUSED = [(name, gpus, overrides) for name, sizes in LAYOUTS["refused"].items() for gpus, overrides in sizes.items()]
 
 
@@ -65,9 +75,10 @@ def test_cpu_recipes_plan_on_cpu(capsys, tmp_path, recipe):
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
     learned = [f"reward.reward_model_path={model}"] if "learned_reward" in recipe else []
     status, out = _plan(capsys, RECIPES / recipe, 2, [f"model.path={model}", "data.train_path=x.jsonl", *learned],
-                        "--device", "cpu", "--gpu-mem-gib", "24")
+                        "--device", "cpu", "--gpu-mem-gib", "24", "--command", _command(recipe))
     assert status == 0, out
     assert ("reward model weights" in out) == bool(learned), out
+    assert ("vLLM KV cache" in out) == (_command(recipe) in ("train", "rs", "online-dpo")), out
 
 
 @pytest.mark.parametrize("recipe", sorted(r for r in CPU_RECIPES if r.startswith("smollm2")))
@@ -77,7 +88,7 @@ def test_smollm2_recipes_plan_on_a_fresh_clone(capsys, tmp_path, monkeypatch, re
     import json as json_module
 
     monkeypatch.chdir(tmp_path)  # no checkpoints/ or runs/ here
-    flags = ("--device", "cpu", "--gpu-mem-gib", "24")
+    flags = ("--device", "cpu", "--gpu-mem-gib", "24", "--command", _command(recipe))
     if "runs/" in yaml.safe_load((RECIPES / recipe).read_text())["model"]["path"]:  # starts from an SFT run
         status = main(["plan", "--gpus", "2", *flags, str(RECIPES / recipe), "data.train_path=x.jsonl"])
         printed = capsys.readouterr()
