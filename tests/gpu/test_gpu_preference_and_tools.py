@@ -1,7 +1,8 @@
-"""GPU check: the round's new training paths on CUDA in bf16 -- a DPO step and a reward-model step
-against the same losses written out on HF transformers in fp32, RL against a learned reward through the
-driver, and multi-turn tool rollouts through the driver (a scripted tool answers every turn) passing the
-step-0 gate with the observation tokens masked."""
+"""GPU check: the round's new training paths on CUDA in bf16 -- a DPO step, a KTO step and a
+reward-model step against the same losses written out on HF transformers in fp32, RL against a learned
+reward through the driver, rejection sampling and online DPO rounds through their driver, and multi-turn
+tool rollouts through the driver (a scripted tool answers every turn) passing the step-0 gate with the
+observation tokens masked."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,57 @@ def test_dpo_and_reward_model_steps_bf16(runtime, tiny_llama, tmp_path, report):
     report("reward-model step bf16: loss vs HF fp32", f"{rm['rm/loss']:.4f}/{float(expected):.4f}", "",
            f"accuracy {rm['rm/accuracy']:.2f}")
     assert rm["rm/loss"] == pytest.approx(float(expected), rel=3e-2)
+
+
+@pytest.mark.gpu
+def test_kto_step_bf16(runtime, tiny_llama, report):
+    from megarlhf.data.preference import UnpairedExample
+    from megarlhf.training import build_actor
+    from megarlhf.training.preference import pair_batch, preference_step
+
+    config = run_config(tiny_llama, "bfloat16", "optim.clip_grad=0.0", "preference.loss=kto")
+    pairs = _pairs(384, torch.device("cpu"))
+    sides = [pairs.input_ids[2 * i, :int(pairs.lengths[2 * i])].tolist() for i in range(len(PROMPT))]
+    labels = [True, False, True, False]
+    examples = [UnpairedExample(i, p, sides[i], [0] * p + [1] * (len(sides[i]) - p), labels[i],
+                                sides[i][:p] + sides[i - 1][PROMPT[i - 1]:],
+                                [0] * p + [1] * (len(sides[i - 1]) - PROMPT[i - 1])) for i, p in enumerate(PROMPT)]
+    batch = pair_batch(examples, runtime.device)
+    logps = _hf_summed_logps(tiny_llama, batch)
+    ref = logps - 0.5 + 0.2 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    beta, good = config.preference.params.beta, torch.tensor(labels)
+    z0 = (logps[1::2] - ref[1::2]).mean().clamp(min=0)
+    rho = logps[0::2] - ref[0::2]
+    expected = torch.where(good, 1 - torch.sigmoid(beta * (rho - z0)), 1 - torch.sigmoid(beta * (z0 - rho))).mean()
+    kto = preference_step(build_actor(config, runtime), batch, config, ref.float().to(runtime.device),
+                          desirable=good.to(runtime.device))
+    report("KTO step bf16: loss, KL baseline vs HF fp32", f"{kto['dpo/loss']:.4f}/{float(expected):.4f}", "",
+           f"z0 {kto['kto/kl']:.3f}/{float(z0):.3f}")
+    assert kto["dpo/loss"] == pytest.approx(float(expected), rel=3e-2)
+    assert kto["kto/kl"] == pytest.approx(float(z0), abs=0.05 * max(float(z0), 1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["rs", "online-dpo"])
+def test_rejection_sampling_and_online_dpo_rounds_bf16(runtime, tiny_llama, task, tmp_path, report, mode):
+    from megarlhf.config import RunConfig, load_config
+    from megarlhf.metrics import read_metrics
+    from megarlhf.trainers.iterative import train_iterative
+
+    config = load_config(RunConfig, None, [
+        f"model.path={tiny_llama}", "model.dtype=bfloat16", f"data.train_path={task / 'train.jsonl'}",
+        "data.chat_template=never", "data.max_prompt_length=96", "rollout.backend=hf", "rollout.n_samples=4",
+        "rollout.max_new_tokens=32", "train.steps=2", "train.global_batch_size=8", "train.micro_batch_tokens=2048",
+        "optim.lr=1e-4", "reward.functions=[{name: exact_match}]", "checkpoint.every=0",
+        f"logging.run_dir={tmp_path / 'run'}", "logging.backends=[]", "iterative.keep_truncated=true",
+        "iterative.rs_threshold=null"])
+    train_iterative(config, mode)
+    rounds = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    key = "rs/kept" if mode == "rs" else "odpo/pairs"
+    report(f"{mode} rounds bf16 (HF engine): {key} per round", " ".join(f"{r[key]:g}" for r in rounds), "", "")
+    assert [r["step"] for r in rounds] == [0, 1]
+    if mode == "rs":  # rs_threshold null: every prompt keeps its best sample, and the round trains on them
+        assert all(r["rs/kept"] == 8 and r["sft/loss"] > 0 for r in rounds)
 
 
 @pytest.mark.gpu
