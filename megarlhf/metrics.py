@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from megarlhf.tracking import close_trackers
+from megarlhf.tracking import close_trackers, forget_tracker
 
 CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "response_len/mean",
                 "time/step_s")
@@ -88,6 +88,7 @@ class MetricsRecorder:
             except Exception as err:  # noqa: BLE001 - any backend failure; metrics.jsonl has the step
                 # dropped, not retried: a tracking server that is gone would cost each step its timeouts
                 self.trackers.remove(tracker)
+                forget_tracker(tracker)
                 warnings.warn(f"{type(tracker).__name__} could not log step {step} ({type(err).__name__}: "
                               f"{err}); it is dropped for the rest of the run, metrics.jsonl keeps every step",
                               stacklevel=2)

@@ -2,7 +2,7 @@
 
 ``logging.backends`` names the trackers of a run; each is a class in :data:`TRACKERS` with one
 signature, ``Tracker(settings, run_dir, params, resume_after_step)``, and two methods,
-``log(step, metrics)`` and ``close()``. Only the backends a run names are imported by megarlhf
+``log(step, metrics)`` and ``close(failed=False)``. Only the backends a run names are imported by megarlhf
 (``wandb`` and ``mlflow`` are optional packages: ``pip install megarlhf[tracking]``). Only global rank 0
 opens them; :meth:`megarlhf.trainers.run.RunContext.open_recorder` shares the outcome, so a tracker that
 cannot open stops every rank with its message instead of leaving the others waiting.
@@ -23,9 +23,14 @@ Steps after the checkpoint that the interrupted run had already logged are logge
 drops the old ones (``purge_step``); W&B and MLflow keep both points at that step (neither has an API
 to delete them), the later one being the resumed run's. W&B logs against the ``step`` metric rather
 than its own monotone ``_step``, so that the re-logged steps are not refused.
+
+A run that ends without closing its trackers (an exception escaped the trainer) marks them failed as the
+process exits: the MLflow run ``FAILED``, the W&B run finished with exit code 1. A process killed
+outright (SIGKILL) cannot; its MLflow run stays ``RUNNING`` until a resume reopens it.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -47,6 +52,7 @@ STATE_FILE = "tracking.json"
 MLFLOW_MAX_PARAM_LENGTH = 6000  # MLflow refuses longer parameter values
 MLFLOW_BATCH = 100  # MLflow's limit on parameters per log_batch call
 MLFLOW_MAX_NAME_LENGTH = 250
+_OPEN: list = []  # trackers opened and not yet closed: marked failed at exit
 
 
 def read_tracking_state(run_dir: str | Path) -> dict[str, dict]:
@@ -139,7 +145,7 @@ class TensorBoardTracker:
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._writer.close()
 
 
@@ -178,8 +184,8 @@ class WandbTracker:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log({"step": step, **metrics})
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
 
 
 @TRACKERS.register("mlflow")
@@ -261,8 +267,8 @@ class MlflowTracker:
         batch = [Metric(self.metric_name(k), v, now, step) for k, v in metrics.items()]
         self._client.log_batch(self._run_id, metrics=batch)
 
-    def close(self) -> None:
-        self._client.set_terminated(self._run_id)
+    def close(self, failed: bool = False) -> None:
+        self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _import_backend(name: str):
@@ -287,15 +293,31 @@ def open_trackers(settings: "LoggingConfig", run_dir: str | Path, params: Mappin
         for name in settings.backends:
             opened.append(TRACKERS.get(name)(settings, run_dir, params, resume_after_step))
     except BaseException:
-        close_trackers(opened)
+        close_trackers(opened, failed=True)
         raise
+    _OPEN.extend(opened)
     return opened
 
 
-def close_trackers(trackers) -> None:
-    """Closes each tracker; one that fails to close (its server gone) is reported, the others still close."""
-    for tracker in trackers:
+def close_trackers(trackers, failed: bool = False) -> None:
+    """Closes each tracker (``failed``: the run did not finish); one that fails to close (its server gone)
+    is reported, the others still close."""
+    for tracker in list(trackers):
+        if tracker in _OPEN:
+            _OPEN.remove(tracker)
         try:
-            tracker.close()
+            tracker.close(failed=failed)
         except Exception as err:  # noqa: BLE001 - reported; the run's own files are complete
             warnings.warn(f"{type(tracker).__name__} could not close ({type(err).__name__}: {err})", stacklevel=2)
+
+
+def forget_tracker(tracker) -> None:
+    """Leaves a tracker the run has dropped (its backend failing) out of the close at exit."""
+    if tracker in _OPEN:
+        _OPEN.remove(tracker)
+
+
+@atexit.register
+def _close_failed_runs() -> None:
+    """At interpreter exit, trackers still open belong to a run that ended without closing them."""
+    close_trackers(list(_OPEN), failed=True)

@@ -175,7 +175,7 @@ def test_a_tracker_that_fails_to_log_is_dropped_and_training_goes_on(tmp_path):
             Broken.calls += 1
             raise ConnectionError("server gone")
 
-        def close(self):
+        def close(self, failed=False):
             Broken.closed = True
             raise ConnectionError("still gone")
 
@@ -188,6 +188,36 @@ def test_a_tracker_that_fails_to_log_is_dropped_and_training_goes_on(tmp_path):
     assert not Broken.closed and [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     with pytest.warns(UserWarning, match="Broken could not close .*still gone"):
         close_trackers([Broken()])
+
+
+FAILING_RUN = """
+import sys
+from megarlhf.config.schema import LoggingConfig
+from megarlhf.tracking import open_trackers, close_trackers
+settings = LoggingConfig(backends=["mlflow", "wandb"], project="p", wandb_mode="offline",
+                         mlflow_tracking_uri=sys.argv[2])
+trackers = open_trackers(settings, sys.argv[1], {}, -1)
+if sys.argv[3] == "crash":
+    raise RuntimeError("the trainer crashed")
+close_trackers(trackers)
+"""
+
+
+@pytest.mark.parametrize("ending, status", [("crash", "FAILED"), ("close", "FINISHED")])
+def test_a_run_that_crashes_marks_its_tracker_runs_failed(tmp_path, monkeypatch, ending, status):
+    import subprocess
+    import sys
+
+    import mlflow
+
+    uri = mlflow_store(monkeypatch, tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text(FAILING_RUN)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), uri, ending], capture_output=True,
+                          text=True, timeout=300)
+    assert (proc.returncode != 0) == (ending == "crash"), proc.stderr[-2000:]
+    run_id = read_run_ids(tmp_path / "run")["mlflow"]
+    assert mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).info.status == status
 
 
 def test_backends_are_checked_and_only_named_ones_imported(tmp_path, monkeypatch):
