@@ -79,7 +79,8 @@ def format_plan(plan: MemoryPlan, source: str, config) -> str:
         lines.append(f"  {phase:<28s}" + "".join(f"  {_gib(st.phases[phase])}  " for st in plan.stages))
     lines.append(f"  {'peak':<28s}" + "".join(f"  {_gib(st.peak)}  " for st in plan.stages))
     if not plan.sequences_per_engine:
-        lines.append(f"engine     none (megarlhf {plan.launch.command}); sequences of up to {plan.max_model_len} tokens")
+        lines.append(f"engine     none (megarlhf {plan.launch.command}); sequences of up to "
+                     f"{plan.max_model_len} tokens")
     else:
         lines.append(f"KV cache   {plan.kv_tokens} tokens = {plan.kv_tokens // plan.max_model_len} sequences of "
                      f"max_model_len {plan.max_model_len}; {plan.sequences_per_engine} sequences per engine per step")
