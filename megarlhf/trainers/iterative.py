@@ -195,8 +195,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
     if run.is_engine_rank:
         serve_engine_rank(config, runtime)
         return None
-    prompts = run.load_prompts(config.data.train_path)
-    eval_prompts = run.load_prompts(config.data.eval_path) if config.data.eval_path else None
+    prompts, eval_prompts = run.train_and_eval_prompts()
     steps = config.train.steps
     actor = build_actor(config, runtime, total_steps=steps * config.train.epochs_per_step)
     fixed_reference = (mode == "online-dpo" and config.preference.needs_reference

@@ -52,8 +52,7 @@ def train_rl(config: RunConfig) -> Path | None:
     if run.is_engine_rank:
         serve_engine_rank(config, runtime)
         return None
-    prompts = run.load_prompts(config.data.train_path)
-    eval_prompts = run.load_prompts(config.data.eval_path) if config.data.eval_path else None
+    prompts, eval_prompts = run.train_and_eval_prompts()
     actor = build_actor(config, runtime)
     reference = build_reference(config, runtime, actor) if config.algorithm.uses_reference else None
     critic = build_critic(config, runtime) if config.algorithm.uses_critic else None

@@ -104,6 +104,11 @@ class RunContext:
         self.log(f"exported the trained policy to {export_dir}")
         return export_dir
 
+    def train_and_eval_prompts(self) -> tuple[PromptDataset, PromptDataset | None]:
+        """The prompts of ``data.train_path`` and of ``data.eval_path`` (None when unset)."""
+        data = self.config.data
+        return self.load_prompts(data.train_path), (self.load_prompts(data.eval_path) if data.eval_path else None)
+
     def load_prompts(self, path: str) -> PromptDataset:
         env = self.config.rollout.env
         describe = None if env is None else tool_describer(env, self.tokenizer)

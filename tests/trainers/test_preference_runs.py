@@ -156,3 +156,19 @@ def test_kto_run_at_dp2_resumes_as_the_uninterrupted_one(pairs, tmp_path):
     for record in (r for r in train if r["step"] >= 2):
         for key in ("dpo/loss", "dpo/grad_norm", "rewards/chosen", "rewards/rejected", "kto/kl"):
             assert after[record["step"]][key] == record[key], (record["step"], key)
+
+
+@pytest.mark.slow  # ~40 s (CI runs the slow set)
+def test_rejection_sampling_keeps_the_samples_the_learned_reward_ranks_best(rl_assets, reward_model, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
+    run_torchrun(CLI, 2, ["rs", str(recipe), "reward.functions=[]", f"reward.reward_model_path={reward_model / 'hf'}",
+                          "eval.reward_functions=[{name: exact_match}]", "iterative.rs_threshold=null",
+                          "iterative.keep_truncated=true", "rollout.n_samples=3"], timeout_s=900)
+    rounds = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    kept = read_metrics(tmp_path / "run" / "rs_kept.jsonl")
+    for record in rounds:  # every prompt keeps its best sample by the learned score
+        mine = [row["reward"] for row in kept if row["step"] == record["step"]]
+        assert len(mine) == 4 and record["rs/kept"] == 4 and "sft/loss" in record
+        assert record["rs/reward_kept"] == pytest.approx(sum(mine) / 4)
+        assert record["rs/reward_kept"] >= record["reward/mean"]  # the best of each group beats the mean
+    assert any(r not in (0.0, 1.0) for r in (row["reward"] for row in kept))  # learned scores, not a verifier's
