@@ -55,6 +55,16 @@ MLFLOW_MAX_NAME_LENGTH = 250
 _OPEN: list = []  # trackers opened and not yet closed: marked failed at exit
 
 
+def _closing(tracker) -> bool:
+    """True the first time a tracker closes (it leaves ``_OPEN``); a second close does nothing, so a run
+    closed by its owner is never marked failed at exit."""
+    if getattr(tracker, "_closed", False):
+        return False
+    tracker._closed = True
+    forget_tracker(tracker)
+    return True
+
+
 def read_tracking_state(run_dir: str | Path) -> dict[str, dict]:
     """``{backend: {"id": run id, ...what it belongs to}}`` from ``<run_dir>/tracking.json`` (empty when
     there is none)."""
@@ -146,7 +156,8 @@ class TensorBoardTracker:
         self._writer.flush()
 
     def close(self, failed: bool = False) -> None:
-        self._writer.close()
+        if _closing(self):
+            self._writer.close()
 
 
 @TRACKERS.register("wandb")
@@ -185,7 +196,8 @@ class WandbTracker:
         self._run.log({"step": step, **metrics})
 
     def close(self, failed: bool = False) -> None:
-        self._run.finish(exit_code=1 if failed else 0)
+        if _closing(self):
+            self._run.finish(exit_code=1 if failed else 0)
 
 
 @TRACKERS.register("mlflow")
@@ -268,7 +280,8 @@ class MlflowTracker:
         self._client.log_batch(self._run_id, metrics=batch)
 
     def close(self, failed: bool = False) -> None:
-        self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
+        if _closing(self):
+            self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _import_backend(name: str):

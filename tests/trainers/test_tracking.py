@@ -199,11 +199,15 @@ settings = LoggingConfig(backends=["mlflow", "wandb"], project="p", wandb_mode="
 trackers = open_trackers(settings, sys.argv[1], {}, -1)
 if sys.argv[3] == "crash":
     raise RuntimeError("the trainer crashed")
-close_trackers(trackers)
+if sys.argv[3] == "close_each":  # closed one by one by their owner, twice: the second close does nothing
+    for tracker in trackers + trackers:
+        tracker.close()
+else:
+    close_trackers(trackers)
 """
 
 
-@pytest.mark.parametrize("ending, status", [("crash", "FAILED"), ("close", "FINISHED")])
+@pytest.mark.parametrize("ending, status", [("crash", "FAILED"), ("close", "FINISHED"), ("close_each", "FINISHED")])
 def test_a_run_that_crashes_marks_its_tracker_runs_failed(tmp_path, monkeypatch, ending, status):
     import subprocess
     import sys
