@@ -316,8 +316,7 @@ def close_trackers(trackers, failed: bool = False) -> None:
     """Closes each tracker (``failed``: the run did not finish); one that fails to close (its server gone)
     is reported, the others still close."""
     for tracker in list(trackers):
-        if tracker in _OPEN:
-            _OPEN.remove(tracker)
+        forget_tracker(tracker)
         try:
             tracker.close(failed=failed)
         except Exception as err:  # noqa: BLE001 - reported; the run's own files are complete

@@ -28,13 +28,17 @@ from typing import Sequence
 PAIR_RULES = ("best_worst", "all")
 
 
+def _check_rewards(rewards: Sequence[float]) -> None:
+    bad = [k for k, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise ValueError(f"sample {bad[0]} has a non-finite reward {rewards[bad[0]]!r}")
+
+
 def _groups(rewards: Sequence[float], prompt_index: Sequence[int]) -> dict[int, list[int]]:
     """Sample indices by prompt, in order of first appearance; refuses mismatched or non-finite input."""
     if len(rewards) != len(prompt_index):
         raise ValueError(f"{len(rewards)} rewards for {len(prompt_index)} samples")
-    bad = [k for k, r in enumerate(rewards) if not math.isfinite(r)]
-    if bad:
-        raise ValueError(f"sample {bad[0]} has a non-finite reward {rewards[bad[0]]!r}")
+    _check_rewards(rewards)
     groups: dict[int, list[int]] = {}
     for k, p in enumerate(prompt_index):
         groups.setdefault(p, []).append(k)
@@ -67,7 +71,7 @@ def keep_best(rewards: Sequence[float], prompt_index: Sequence[int], threshold: 
 
 def keep_above(rewards: Sequence[float], threshold: float, allowed: Sequence[bool] | None = None) -> list[int]:
     """Every allowed sample whose reward is at least ``threshold``, in sample order."""
-    _groups(rewards, range(len(rewards)))
+    _check_rewards(rewards)
     allowed = _allowed(allowed, len(rewards))
     return [k for k, r in enumerate(rewards) if r >= threshold and allowed[k]]
 

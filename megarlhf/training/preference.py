@@ -123,6 +123,16 @@ def _metric_names(names) -> list[str]:
     return [key for name in names for key in (name, name + COUNT)]
 
 
+def _pair_inputs(summed: Tensor, lengths: Tensor, ref: Tensor | None) -> PreferenceLossInputs:
+    """The paired loss's inputs from per-row summed log-probs, response lengths and reference log-probs
+    (None: reference-free), all [2P] in the pair layout ``[chosen_0, rejected_0, ...]``."""
+    summed, lengths = summed.view(-1, 2), lengths.view(-1, 2)
+    ref = None if ref is None else ref.view(-1, 2)
+    return PreferenceLossInputs(chosen_logps=summed[:, 0], rejected_logps=summed[:, 1], chosen_lengths=lengths[:, 0],
+                                rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
+                                ref_rejected_logps=None if ref is None else ref[:, 1])
+
+
 def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig,
                     reference_logps: Tensor | None = None, *, desirable: Tensor | None = None,
                     on_nonfinite: str = "abort") -> dict[str, float]:
@@ -143,13 +153,9 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
     def loss_fn(mb, out):
         rows, width = mb.rows, mb.width
         mask = batch.response_mask[rows, :width]
-        summed = torch.where(mask, out["logprobs"], out["logprobs"].new_zeros(())).sum(dim=1).view(-1, 2)
-        lengths = mask.sum(dim=1).view(-1, 2)
-        ref = None if reference_logps is None else reference_logps[rows].view(-1, 2)
-        result = loss(PreferenceLossInputs(
-            chosen_logps=summed[:, 0], rejected_logps=summed[:, 1], chosen_lengths=lengths[:, 0],
-            rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
-            ref_rejected_logps=None if ref is None else ref[:, 1]), config.preference.params)
+        summed = torch.where(mask, out["logprobs"], out["logprobs"].new_zeros(())).sum(dim=1)
+        ref = None if reference_logps is None else reference_logps[rows]
+        result = loss(_pair_inputs(summed, mask.sum(dim=1), ref), config.preference.params)
         share = result.loss.sum() * (factor / pairs)
         n = float(result.loss.numel())  # device tensors: reduce_metric_sums reads them once per step
         return share, {"loss": result.loss.detach().sum(), "pairs": n, **_metric_sums(loss.metrics, result, n)}
@@ -162,11 +168,14 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
 
 def _kl_mean(policy_kl: Tensor | None, ref_kl: Tensor | None, runtime) -> Tensor:
     """The clamped global mean of ``policy_kl - ref_kl`` over every DP rank's KL rows (None: this rank has
-    none but takes part), as a float32 scalar on the runtime's device."""
-    local = [0.0, 0.0] if policy_kl is None else [float((policy_kl.double() - ref_kl.double()).sum()),
-                                                  float(policy_kl.numel())]
-    total, count = runtime.all_reduce(local)
-    return torch.tensor(max(total / max(count, 1.0), 0.0), dtype=torch.float32, device=runtime.device)
+    none but takes part), as a float32 scalar on the runtime's device. Summed and reduced in float64 on the
+    device: no host read before the step that uses it."""
+    local = torch.zeros(2, dtype=torch.float64, device=runtime.device)  # (sum, rows)
+    if policy_kl is not None:
+        local[0] = (policy_kl.double() - ref_kl.double()).sum()
+        local[1] = policy_kl.numel()
+    total, count = runtime.all_reduce_on_device(local)
+    return (total / count.clamp(min=1.0)).clamp(min=0.0).float()
 
 
 def kl_baseline(model: TrainModel, batch: ExperienceBatch, config: RunConfig, reference_logps: Tensor) -> Tensor:
@@ -283,9 +292,4 @@ def _held_out_loss(loss, summed: Tensor | None, batch: ExperienceBatch | None, r
                                        ref_logps=reference_logps[0::2], kl_baseline=z0), params), {"kto/kl": float(z0)}
     if summed is None:
         return None, {}
-    summed, lengths = summed.view(-1, 2), batch.response_mask.sum(dim=1).view(-1, 2)
-    ref = None if reference_logps is None else reference_logps.view(-1, 2)
-    return loss(PreferenceLossInputs(
-        chosen_logps=summed[:, 0], rejected_logps=summed[:, 1], chosen_lengths=lengths[:, 0],
-        rejected_lengths=lengths[:, 1], ref_chosen_logps=None if ref is None else ref[:, 0],
-        ref_rejected_logps=None if ref is None else ref[:, 1]), params), {}
+    return loss(_pair_inputs(summed, batch.response_mask.sum(dim=1), reference_logps), params), {}
