@@ -146,24 +146,33 @@ def preference_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
                          f"model's log-probs")
     if not loss.paired:
         return _unpaired_step(actor, batch, config, reference_logps, desirable, on_nonfinite)
-    runtime = actor.runtime
-    pairs = _global_pairs(batch, runtime)
-    factor = float(runtime.dp_cp.size)
+
+    def inputs_of(rows, summed, lengths):
+        return _pair_inputs(summed, lengths, None if reference_logps is None else reference_logps[rows])
+
+    mbs = _pair_micro_batches(batch, config, actor.runtime)
+    return _loss_step(actor, batch, mbs, config, _global_pairs(batch, actor.runtime), inputs_of, on_nonfinite)
+
+
+def _loss_step(actor: TrainModel, rows_batch: ExperienceBatch, mbs, config: RunConfig, count: float, inputs_of,
+               on_nonfinite: str) -> dict[str, float]:
+    """One optimizer step of the registered preference loss over ``rows_batch``'s micro-batches ``mbs``:
+    ``inputs_of(rows, summed, lengths)`` makes the loss's inputs of a micro-batch's rows; ``count`` is the
+    global number of loss items (pairs or examples) the loss is averaged over."""
+    loss = PREFERENCE_LOSSES.get(config.preference.loss)
+    factor = float(actor.runtime.dp_cp.size)
 
     def loss_fn(mb, out):
-        rows, width = mb.rows, mb.width
-        mask = batch.response_mask[rows, :width]
+        mask = rows_batch.response_mask[mb.rows, :mb.width]
         summed = torch.where(mask, out["logprobs"], out["logprobs"].new_zeros(())).sum(dim=1)
-        ref = None if reference_logps is None else reference_logps[rows]
-        result = loss(_pair_inputs(summed, mask.sum(dim=1), ref), config.preference.params)
-        share = result.loss.sum() * (factor / pairs)
+        result = loss(inputs_of(mb.rows, summed, mask.sum(dim=1)), config.preference.params)
+        share = result.loss.sum() * (factor / count)
         n = float(result.loss.numel())  # device tensors: reduce_metric_sums reads them once per step
         return share, {"loss": result.loss.detach().sum(), "pairs": n, **_metric_sums(loss.metrics, result, n)}
 
-    result = optimizer_step(actor, _pair_micro_batches(batch, config, runtime), loss_fn,
-                            ["loss", "pairs", *_metric_names(loss.metrics)], loss_name="loss",
+    result = optimizer_step(actor, mbs, loss_fn, ["loss", "pairs", *_metric_names(loss.metrics)], loss_name="loss",
                             on_nonfinite=on_nonfinite)
-    return _step_metrics("dpo", result, loss.metrics, pairs)
+    return _step_metrics("dpo", result, loss.metrics, count)
 
 
 def _kl_mean(policy_kl: Tensor | None, ref_kl: Tensor | None, runtime) -> Tensor:
@@ -191,30 +200,19 @@ def kl_baseline(model: TrainModel, batch: ExperienceBatch, config: RunConfig, re
 def _unpaired_step(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, reference_logps: Tensor,
                    desirable: Tensor | None, on_nonfinite: str) -> dict[str, float]:
     """:func:`preference_step` of an unpaired loss: the KL baseline first, then the step on the examples."""
-    loss = PREFERENCE_LOSSES.get(config.preference.loss)
     if desirable is None or tuple(desirable.shape) != (batch.batch_size // 2,):
         raise ValueError(f"preference_step: preference.loss={config.preference.loss!r} reads unpaired rows and "
                          f"needs desirable [{batch.batch_size // 2}] (one label per example)")
-    runtime = actor.runtime
     z0 = kl_baseline(actor, batch, config, reference_logps)
     examples, ref = batch.select(range(0, batch.batch_size, 2)), reference_logps[0::2]
-    count = _global_pairs(batch, runtime)
-    factor = float(runtime.dp_cp.size)
+    mbs = micro_batches_for(examples.input_ids, examples.lengths, examples.response_mask, config, actor.runtime)
 
-    def loss_fn(mb, out):
-        rows, width = mb.rows, mb.width
-        mask = examples.response_mask[rows, :width]
-        summed = torch.where(mask, out["logprobs"], out["logprobs"].new_zeros(())).sum(dim=1)
-        result = loss(UnpairedLossInputs(logps=summed, lengths=mask.sum(dim=1), desirable=desirable[rows],
-                                         ref_logps=ref[rows], kl_baseline=z0), config.preference.params)
-        share = result.loss.sum() * (factor / count)
-        n = float(result.loss.numel())
-        return share, {"loss": result.loss.detach().sum(), "pairs": n, **_metric_sums(loss.metrics, result, n)}
+    def inputs_of(rows, summed, lengths):
+        return UnpairedLossInputs(logps=summed, lengths=lengths, desirable=desirable[rows], ref_logps=ref[rows],
+                                  kl_baseline=z0)
 
-    mbs = micro_batches_for(examples.input_ids, examples.lengths, examples.response_mask, config, runtime)
-    result = optimizer_step(actor, mbs, loss_fn, ["loss", "pairs", *_metric_names(loss.metrics)],
-                            loss_name="loss", on_nonfinite=on_nonfinite)
-    return {**_step_metrics("dpo", result, loss.metrics, count), "kto/kl": float(z0)}
+    metrics = _loss_step(actor, examples, mbs, config, _global_pairs(batch, actor.runtime), inputs_of, on_nonfinite)
+    return {**metrics, "kto/kl": float(z0)}
 
 
 def reward_model_step(model: TrainModel, batch: ExperienceBatch, config: RunConfig, *,
