@@ -6,7 +6,8 @@ subclass called as ``provider_cls(hf_config)``. :func:`get_provider` is the one 
 """
 from __future__ import annotations
 
-from model_providers import llama, mistral, qwen2, qwen3  # noqa: F401  (importing them registers them)
+from model_providers import (  # noqa: F401  (importing them registers them)
+    llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)
 from model_providers.base import PROVIDERS, ModelProvider, UnsupportedModelError
 
 

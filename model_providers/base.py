@@ -74,12 +74,23 @@ def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool
     attention refuses both). ``unfused_norms`` (LoRA models): TE's spec fuses the pre-attention and
     pre-MLP norms into ``linear_qkv`` / ``linear_fc1``, whose input is then the un-normalised hidden
     state; an adapter must read the normalised one, so the norms become modules of their own
-    (``input_layernorm`` / ``pre_mlp_layernorm``, the names the weight tables already use).
+    (``input_layernorm`` / ``pre_mlp_layernorm``, the names the weight tables already use). A
+    mixture-of-experts config gets Megatron's block spec instead: one layer spec per layer of this pipeline
+    stage, MoE or dense as ``moe_layer_freq`` says.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     from parallel.context_parallel import with_cp_attention
 
+    if config.num_moe_experts:
+        if unfused_norms:
+            raise UnsupportedModelError("LoRA adapters on a mixture-of-experts model are not supported yet "
+                                        "(model.lora with an MoE checkpoint)")
+        # one spec per layer of this pipeline stage: MoE layers and the model's dense ones (moe_layer_freq)
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=uses_transformer_engine(),
+                                                          normalization="RMSNorm")
+        return spec if uses_transformer_engine() else with_cp_attention(spec, config.context_parallel_size,
+                                                                         packed=packed_sequences)
     if uses_transformer_engine():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         return _with_unfused_te_norms(spec) if unfused_norms else spec
@@ -120,6 +131,7 @@ class ModelProvider:
     hf_sequence_classifier: ClassVar[str]  # e.g. "LlamaForSequenceClassification"
     qkv_bias: ClassVar[bool] = False
     qk_layernorm: ClassVar[bool] = False
+    is_moe: ClassVar[bool] = False  # routed experts (model_providers.moe.MoEProvider)
     # The architecture's table: decoder-layer entries plus embedding and final norm (no output head).
     body_mappings: ClassVar[tuple[WeightMapping, ...]]
 
@@ -150,8 +162,8 @@ class ModelProvider:
         if getattr(c, "hidden_act", "silu") != "silu":
             raise self._unsupported(f"hidden_act={c.hidden_act!r} (only 'silu', i.e. SwiGLU)")
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if getattr(c, key, None):
-                raise self._unsupported(f"mixture of experts ({key}={getattr(c, key)})")
+            if getattr(c, key, None) and not self.is_moe:
+                raise self._unsupported(f"mixture of experts ({key}={getattr(c, key)}) in a dense architecture")
         if getattr(c, "mlp_bias", False):
             raise self._unsupported("mlp_bias=True")
         if getattr(c, "attention_bias", False) and not self.qkv_bias:
@@ -177,6 +189,9 @@ class ModelProvider:
         if c.intermediate_size % tp:
             raise LayoutError(f"tensor_model_parallel_size={tp} does not divide intermediate_size="
                               f"{c.intermediate_size} of this {self.model_type} model")
+        if parallel.expert_model_parallel_size > 1 and not self.is_moe:
+            raise LayoutError(f"expert_model_parallel_size={parallel.expert_model_parallel_size} needs a "
+                              f"mixture-of-experts model; this {self.model_type} model is dense")
         try:
             parallel.stage_layers(c.num_hidden_layers)
         except LayoutError as err:
@@ -217,6 +232,8 @@ class ModelProvider:
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             **parallel.uneven_stages,  # Megatron's layer offsets follow them (and the converters read those)
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            **(self.moe_config_fields() if self.is_moe else {}),
         )
         kwargs.update(cpu_compat.transformer_config_overrides())
         kwargs.update(overrides)
@@ -249,14 +266,17 @@ class ModelProvider:
 
     def hf_tensor_shapes(self, head: str = "lm") -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, with its shape, read off transformers' own
-        model built on the meta device (an independent statement of the HF layout)."""
+        model built on the meta device (an independent statement of the HF layout), through transformers'
+        own save-time conversion (MoE experts are fused in memory, stored per expert on disk)."""
         cache = self.__dict__.setdefault("_hf_shapes", {})
         if head not in cache:
             from transformers import AutoModelForCausalLM
+            from transformers.core_model_loading import revert_weight_conversion
 
             with torch.device("meta"):
                 hf_model = AutoModelForCausalLM.from_config(self.hf_config)
-            shapes = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+            on_disk = revert_weight_conversion(hf_model, hf_model.state_dict())
+            shapes = {name: tuple(t.shape) for name, t in on_disk.items()}
             if head != "lm" or self.tied_embeddings:
                 shapes.pop("lm_head.weight", None)
             if head == "value":

@@ -104,6 +104,7 @@ class _Bound:
     param: torch.nn.Parameter
     hf_names: tuple[str, ...]
     order: tuple[int, int, int]  # global position: (section, global layer, table index)
+    expert: int | None = None  # the global routed expert (per-expert entries; all experts share an order)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -113,32 +114,58 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _bind(model: torch.nn.Module, mappings: list[WeightMapping]) -> list[_Bound]:
+def _expert_parallel() -> tuple[int, int]:
+    """(this rank's expert-parallel rank, the EP size); (0, 1) without Megatron state."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def _bind(model: torch.nn.Module, mappings: list[WeightMapping], num_experts: int = 0) -> list[_Bound]:
+    """The table applied to this rank's parameters; per-expert entries once per local expert."""
     params = dict(model.named_parameters())
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     global_layer = {local: layer.layer_number - 1 for local, layer in enumerate(layers)}
+    ep_rank, ep_size = _expert_parallel()
+    local_experts = num_experts // ep_size
     bound = []
     for idx, mapping in enumerate(mappings):
-        if mapping.per_layer:
-            targets = [(mapping.megatron.format(layer=local), tuple(h.format(layer=g) for h in mapping.hf), (1, g))
+        if mapping.per_expert:  # absent at dense layers of an MoE model, which the dense entries cover
+            targets = [(mapping.megatron.format(layer=local, expert=i), mapping.hf_names(g, ep_rank * local_experts + i),
+                        (1, g), ep_rank * local_experts + i)
+                       for local, g in global_layer.items() for i in range(local_experts)]
+        elif mapping.per_layer:
+            targets = [(mapping.megatron.format(layer=local), mapping.hf_names(g), (1, g), None)
                        for local, g in global_layer.items()]
         else:
             section = 0 if mapping.megatron.startswith("embedding.") else 2
-            targets = [(mapping.megatron, mapping.hf, (section, 0))]
-        for name, hf_names, (section, layer) in targets:
+            targets = [(mapping.megatron, mapping.hf, (section, 0), None)]
+        for name, hf_names, (section, layer), expert in targets:
             if name not in params:
                 for local_name, te_name in TE_FUSED_NORM_NAMES.items():
                     if name.endswith(local_name) and name[:-len(local_name)] + te_name in params:
                         name = name[:-len(local_name)] + te_name
-            if name in params:  # absent: this entry lives on another pipeline stage
-                bound.append(_Bound(mapping, name, params[name], hf_names, (section, layer, idx)))
+            if name in params:  # absent: this entry lives on another pipeline stage (or another MLP kind)
+                bound.append(_Bound(mapping, name, params[name], hf_names, (section, layer, idx), expert))
     return bound
+
+
+def _num_experts(provider: ModelProvider) -> int:
+    return provider.num_experts if provider.is_moe else 0
 
 
 def _tp_context(provider: ModelProvider):
     from megatron.core import parallel_state as ps
 
     return provider.shard_context(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+
+
+def _expert_tp_context(provider: ModelProvider):
+    from megatron.core import parallel_state as ps
+
+    return provider.shard_context(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
 
 
 def _check_names_and_shapes(ckpt: HFCheckpoint, bound: list[_Bound], expected: dict) -> None:
@@ -163,24 +190,26 @@ def load_hf_weights(model: torch.nn.Module, provider: ModelProvider, hf_dir: str
     freshly initialised value head). Errors name missing files/tensors and mismatched shapes.
     """
     model = unwrap(model)
-    bound = _bind(model, provider.mappings(head))
+    bound = _bind(model, provider.mappings(head), _num_experts(provider))
     covered = {b.param_name for b in bound}
     unmapped = [n for n, _ in model.named_parameters() if n not in covered and n not in allow_unmapped]
     if unmapped:
         raise CheckpointError(f"{provider.model_type} mapping table covers no HF tensor for Megatron parameters "
                               f"{unmapped}")
     with HFCheckpoint(hf_dir) as ckpt:
-        load_bound(ckpt, bound, provider.hf_tensor_shapes(head), _tp_context(provider))
+        load_bound(ckpt, bound, provider.hf_tensor_shapes(head), _tp_context(provider),
+                   _expert_tp_context(provider) if provider.is_moe else None)
 
 
 @torch.no_grad()
-def load_bound(ckpt: HFCheckpoint, bound: list[_Bound], shapes: dict, ctx) -> None:
+def load_bound(ckpt: HFCheckpoint, bound: list[_Bound], shapes: dict, ctx, expert_ctx=None) -> None:
     """Copies the HF tensors of ``bound`` entries from ``ckpt`` into their parameters, each rank reading
-    only its slices, after checking every name and shape against ``shapes``."""
+    only its slices (of the expert tensor-parallel split for routed experts, ``expert_ctx``), after
+    checking every name and shape against ``shapes``."""
     _check_names_and_shapes(ckpt, bound, shapes)
     for b in bound:
         try:
-            shard = b.mapping.kind.load([ckpt.source(n) for n in b.hf_names], ctx)
+            shard = b.mapping.kind.load([ckpt.source(n) for n in b.hf_names], ctx if b.expert is None else expert_ctx)
         except ValueError as err:
             raise CheckpointError(f"{ckpt.path}: {b.param_name} from {list(b.hf_names)}: {err}") from None
         if tuple(shard.shape) != tuple(b.param.shape):
@@ -189,11 +218,18 @@ def load_bound(ckpt: HFCheckpoint, bound: list[_Bound], shapes: dict, ctx) -> No
         b.param.copy_(shard)
 
 
-def _stage_schedule(bound: list[_Bound]) -> list[tuple[tuple, tuple[str, ...], str, int]]:
-    """The global export order as (order, hf names, dtype, owning pipeline stage), the same on every rank."""
+def _stage_schedule(groups: dict[tuple, list[_Bound]], num_experts: int
+                    ) -> list[tuple[tuple, tuple[str, ...], str, int]]:
+    """The global export order as (order, hf names, dtype, owning pipeline stage), the same on every rank.
+    A per-expert entry is one item whose names are every global expert's, expert after expert."""
     from megatron.core import parallel_state as ps
 
-    local = [(b.order, b.hf_names, str(b.param.dtype).removeprefix("torch.")) for b in bound]
+    local = []
+    for order, bound in groups.items():
+        b = bound[0]
+        names = b.hf_names if b.expert is None else tuple(
+            n for e in range(num_experts) for n in b.mapping.hf_names(order[1], e))
+        local.append((order, names, str(b.param.dtype).removeprefix("torch.")))
     pp_size = ps.get_pipeline_model_parallel_world_size()
     per_stage = [local]
     if pp_size > 1:
@@ -203,18 +239,50 @@ def _stage_schedule(bound: list[_Bound]) -> list[tuple[tuple, tuple[str, ...], s
                   for order, names, dtype in entries)
 
 
+def _gather_shards(shard: torch.Tensor, ctx, group) -> list[torch.Tensor]:
+    """Every tensor-parallel rank's shard of one parameter, in rank order."""
+    if ctx.tp_size == 1:
+        return [shard]
+    local = shard.contiguous()
+    shards = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+    dist.all_gather(shards, local, group=group)
+    return shards
+
+
+def _all_experts(bound: list[_Bound], ctx) -> list[torch.Tensor]:
+    """The HF tensors of one per-expert entry for every global expert (expert after expert): each rank's
+    local experts, gathered over the expert tensor-parallel group, then stacked and gathered over the
+    expert-parallel group in one collective per HF tensor."""
+    from megatron.core import parallel_state as ps
+
+    etp_group = ps.get_expert_tensor_parallel_group() if ctx.tp_size > 1 else None
+    kind = bound[0].mapping.kind
+    local = [kind.export(_gather_shards(b.param, ctx, etp_group) if kind.tp_sharded else [b.param], ctx)
+             for b in sorted(bound, key=lambda b: b.expert)]
+    per_position = [torch.stack([tensors[j] for tensors in local]) for j in range(kind.num_hf)]
+    ep_size = ps.get_expert_model_parallel_world_size()
+    if ep_size > 1:
+        gathered = []
+        for stacked in per_position:
+            parts = [torch.empty_like(stacked) for _ in range(ep_size)]
+            dist.all_gather(parts, stacked.contiguous(), group=ps.get_expert_model_parallel_group())
+            gathered.append(torch.cat(parts))
+        per_position = gathered
+    return [per_position[j][e] for e in range(per_position[0].shape[0]) for j in range(kind.num_hf)]
+
+
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: str = "lm",
                     dtype: torch.dtype | None = None, copies: bool = True,
                     table: tuple[list[WeightMapping], dict] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields every HF-named full tensor of the live sharded model, on every rank, in a fixed order.
 
-    Collective: all ranks of the model-parallel group must iterate to the end together. Tensors are
-    fresh copies (cast to ``dtype`` if given), so callers may keep or bucket them; ``copies=False``
-    (the weight sync, whose engine copies each tensor into its own parameters at once) skips the copy
-    where the tensor is already contiguous: it may then be a view of a live parameter. A weight with a
-    LoRA adapter is sent merged with it (:func:`parallel.lora.merged_weight`). ``table``: another
-    ``(mappings, HF shapes)`` to read instead of the provider's (the PEFT adapter export).
+    Collective: all ranks of the model-parallel group must iterate to the end together (with experts, the
+    expert-parallel group too). Tensors are fresh copies (cast to ``dtype`` if given), so callers may keep
+    or bucket them; ``copies=False`` (the weight sync, whose engine copies each tensor into its own
+    parameters at once) skips the copy where the tensor is already contiguous: it may then be a view of a
+    live parameter. A weight with a LoRA adapter is sent merged with it (:func:`parallel.lora.merged_weight`).
+    ``table``: another ``(mappings, HF shapes)`` to read instead of the provider's (the PEFT adapter export).
     """
     from megatron.core import parallel_state as ps
 
@@ -222,19 +290,21 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
 
     model = unwrap(model)
     mappings, shapes = table if table is not None else (provider.mappings(head), provider.hf_tensor_shapes(head))
-    bound = {b.order: b for b in _bind(model, mappings) if b.mapping.export}
+    groups: dict[tuple, list[_Bound]] = {}
+    for b in _bind(model, mappings, _num_experts(provider)):
+        if b.mapping.export:
+            groups.setdefault(b.order, []).append(b)
     ctx = _tp_context(provider)
     device = next(model.parameters()).device
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    for order, hf_names, dtype_name, stage in _stage_schedule(list(bound.values())):
-        if stage == pp_rank:
-            b = bound[order]
-            shards = [merged_weight(model, b.param_name, b.param)]
-            if b.mapping.kind.tp_sharded and ctx.tp_size > 1:
-                local = shards[0].contiguous()
-                shards = [torch.empty_like(local) for _ in range(ctx.tp_size)]
-                dist.all_gather(shards, local, group=tp_group)
+    for order, hf_names, dtype_name, stage in _stage_schedule(groups, _num_experts(provider)):
+        if stage == pp_rank and groups[order][0].expert is not None:
+            tensors = _all_experts(groups[order], _expert_tp_context(provider))
+        elif stage == pp_rank:
+            b = groups[order][0]
+            weight = merged_weight(model, b.param_name, b.param)
+            shards = _gather_shards(weight, ctx, tp_group) if b.mapping.kind.tp_sharded else [weight]
             tensors = [t.contiguous().clone() if copies else t.contiguous() for t in b.mapping.kind.export(shards, ctx)]
         else:
             tensors = [torch.empty(shapes[n], dtype=getattr(torch, dtype_name), device=device) for n in hf_names]

@@ -198,7 +198,9 @@ class WeightMapping:
     """One Megatron parameter <-> its HF tensor(s) through one kind.
 
     Names may contain ``{layer}``: the Megatron name takes this stage's local layer index, the HF names
-    the global one. ``export=False`` marks a parameter that is loaded but never exported because another
+    the global one; and ``{expert}`` (a routed expert of an MoE layer): the Megatron name takes this
+    rank's local expert index, the HF names the global one, and the kind's tensor-parallel split is the
+    expert tensor-parallel one. ``export=False`` marks a parameter that is loaded but never exported because another
     entry already exports the same HF tensor (the last pipeline stage's copy of a tied embedding).
     """
 
@@ -215,3 +217,10 @@ class WeightMapping:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+    def hf_names(self, layer: int = 0, expert: int = 0) -> tuple[str, ...]:
+        return tuple(h.format(layer=layer, expert=expert) for h in self.hf)

@@ -54,6 +54,27 @@ TINY_CONFIGS: dict[str, dict] = {
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
 
+# Mixture-of-experts models: >= 6 experts and top-2 each; Qwen3-MoE with a dense first layer and renormalised
+# top-k weights, Qwen2-MoE with its gated shared expert and plain top-k weights, Mixtral in every layer.
+TINY_MOE_CONFIGS: dict[str, dict] = {
+    "qwen3_moe": dict(_COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False,
+                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen2_moe": dict(_COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+                      tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "mixtral": dict(_COMMON, hidden_size=128, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=None,
+                    tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+}
+TINY_CONFIGS.update(TINY_MOE_CONFIGS)
+# Router weights get a wider spread than the rest (ROUTER_STD), so that in the tiny models a token's top-k
+# experts are chosen by clear margins and fp32 rounding differences between implementations do not flip
+# them (near-tied routing is built on purpose where a test needs it).
+ROUTER_STD = 1.0
+
 QWEN2_0_5B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                         max_position_embeddings=32768)
@@ -117,6 +138,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
             value = 1.0 + 0.1 * noise
+        elif name.endswith("mlp.gate.weight"):  # an MoE router (transformers' in-memory name, every family)
+            value = ROUTER_STD * noise
         elif name.endswith(".bias"):
             value = 0.1 * noise
         else:

@@ -1,5 +1,5 @@
-"""The typed parallel layout of one model: tensor, pipeline, context and (derived) data parallel sizes, and
-how many layers each pipeline stage holds."""
+"""The typed parallel layout of one model: tensor, pipeline, context, expert and (derived) data parallel
+sizes, and how many layers each pipeline stage holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +20,12 @@ class ParallelConfig:
     The data-parallel size is not a field: it is whatever is left of the world size once tensor,
     pipeline and context parallelism have taken their share (``world = tp * pp * cp * dp``).
 
+    Expert parallelism (mixture-of-experts models) splits each MoE layer's experts over
+    ``expert_model_parallel_size`` ranks. Megatron lays the expert groups out over the same ranks as the
+    dense ones: expert tensor parallelism equals ``tensor_model_parallel_size`` (Megatron's default), the
+    EP ranks come out of the dense data x context ranks, and the expert data-parallel size is what is left:
+    ``world = tp * ep * pp * expert_dp``. A dense model ignores it (it must be 1 there).
+
     Pipeline stages hold equal numbers of layers unless the first and/or last stage's count is given
     (Megatron's fields of the same names); the other stages then share the remaining layers equally. A
     model whose layer count PP does not divide (SmolLM2's 30 at PP=4: 6 + 9 + 9 + 6) needs them, and a
@@ -31,10 +37,16 @@ class ParallelConfig:
     context_parallel_size: int = 1
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    expert_model_parallel_size: int = 1
 
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_layout_size(self) -> int:
+        """Ranks one copy of the experts spans: expert-TP (= TP) x EP x PP."""
+        return self.tensor_model_parallel_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks; raises if the layout does not divide it."""
@@ -42,7 +54,8 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -88,3 +101,9 @@ class ParallelConfig:
                 f"({self.pipeline_model_parallel_size}) x context_parallel_size ({self.context_parallel_size}) "
                 f"= {self.model_parallel_size}"
             )
+        if world_size % self.expert_layout_size:
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({self.tensor_model_parallel_size}) x expert_model_parallel_size ({self.expert_model_parallel_size}) "
+                f"x pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) = {self.expert_layout_size} "
+                f"(the ranks one copy of the experts spans)")

@@ -32,6 +32,11 @@ Patches (every one of them, and why):
    kernels), ``persist_layer_norm=False`` and ``batch_p2p_comm=False`` (gloo has no batched P2P).
    Code that builds a TransformerConfig merges it in; on GPU it is empty.
 
+5. The MoE alltoall token dispatcher moves its split sizes to the host with Megatron's
+   ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU tensor would
+   stay a tensor, which ``all_to_all_single`` (gloo) refuses as split sizes. The dispatcher's copy of that
+   function also makes host tensors numpy arrays when asked (:func:`_patch_moe_dispatcher`).
+
 (Packed-sequence RoPE without Megatron's per-sequence loop is not a CPU matter: it lives in
 :mod:`parallel.megatron_fallbacks`, on every device.)
 
@@ -154,6 +159,19 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_RngMessageFilter())
 
 
+def _patch_moe_dispatcher() -> None:
+    """Patch 5: the dispatcher's host copies of its split sizes are numpy arrays on CPU as on GPU."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        tensor = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
 def is_active() -> bool:
     return _MODE is not None
 
@@ -169,6 +187,7 @@ def activate() -> bool:
     if _MODE is None:
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_moe_dispatcher()
         _MODE = _CudaToCpu()
         _MODE.__enter__()
     return True

@@ -129,7 +129,8 @@ class ParallelGroup:
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica", "channel", "payload")
+GROUP_NAMES = ("world", "trainers", "tp", "pp", "cp", "dp", "dp_cp", "replica", "channel", "payload", "ep", "etp",
+               "edp")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,9 @@ class Runtime:
     ``payload`` the same ranks over the device's backend (NCCL on CUDA, the gloo channel on CPU) for
     tensors that stay on the device. ``dp_cp`` is
     the group DDP averages gradients over (data x context parallel); ``replica`` the TP x PP x CP ranks
-    of this rank's model replica (the ranks with its data-parallel rank). ``is_engine_rank``: a rank of
+    of this rank's model replica (the ranks with its data-parallel rank). ``ep``, ``etp``, ``edp``: the
+    expert-parallel, expert-tensor-parallel and expert-data-parallel groups of a mixture-of-experts model
+    (``alone`` at EP 1 and TP 1; DDP averages expert gradients over ``edp``). ``is_engine_rank``: a rank of
     the disaggregated placement that only serves a rollout engine (its model groups are ``alone``).
     """
 
@@ -160,6 +163,9 @@ class Runtime:
     is_engine_rank: bool = False
     channel: ParallelGroup = ParallelGroup(0, 1, None)
     payload: ParallelGroup = ParallelGroup(0, 1, None)
+    ep: ParallelGroup = ParallelGroup(0, 1, None)
+    etp: ParallelGroup = ParallelGroup(0, 1, None)
+    edp: ParallelGroup = ParallelGroup(0, 1, None)
 
     @property
     def is_first_stage(self) -> bool:
@@ -266,7 +272,13 @@ def build_runtime(launch: LaunchEnv, trainers: ParallelGroup | None = None, is_e
                               ps.get_data_parallel_rank(with_context_parallel=True),
                               lambda: ps.get_data_parallel_group(with_context_parallel=True)),
         replica=_replica_group(ps.get_data_parallel_rank()),
-        pp_last_global_rank=last)
+        pp_last_global_rank=last,
+        ep=_megatron_group(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+                           ps.get_expert_model_parallel_group),
+        etp=_megatron_group(ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                            ps.get_expert_tensor_parallel_group),
+        edp=_megatron_group(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank(),
+                            ps.get_expert_data_parallel_group))
 
 
 def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None = None) -> Runtime:
@@ -290,6 +302,7 @@ def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
         local_world_size=local_world_size,
     )
     _STAGE_SPLIT = config.uneven_stages
@@ -306,6 +319,7 @@ def current_layout() -> ParallelConfig:
 
     pp = ps.get_pipeline_model_parallel_world_size()
     return ParallelConfig(ps.get_tensor_model_parallel_world_size(), pp, ps.get_context_parallel_world_size(),
+                          expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                           **(_STAGE_SPLIT if pp > 1 else {}))
 
 

@@ -12,18 +12,19 @@ from parallel.config import ParallelConfig
 
 
 def test_registry_keys_are_hf_model_types():
-    assert PROVIDERS.names() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert PROVIDERS.names() == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_unsupported_architecture_names_it_and_lists_supported():
     with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'gpt2' \(GPT2LMHeadModel\); "
-                                                     r"supported: llama, mistral, qwen2, qwen3"):
+                                                     r"supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
+                                                     r"qwen3_moe"):
         get_provider(GPT2Config(architectures=["GPT2LMHeadModel"]))
 
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope scaling type 'yarn'"),
-    (dict(num_local_experts=8), r"mixture of experts \(num_local_experts=8\)"),
+    (dict(num_local_experts=8), r"mixture of experts \(num_local_experts=8\) in a dense architecture"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(attention_bias=True), "attention_bias=True"),
