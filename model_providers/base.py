@@ -206,6 +206,10 @@ class ModelProvider:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         self.check_parallel(parallel)
+        moe_settings = sorted(k for k in overrides if k.startswith("moe_"))
+        if moe_settings and not self.is_moe:
+            raise UnsupportedModelError(f"mixture-of-experts settings {moe_settings} (model.moe) given for this dense "
+                                        f"{self.model_type} model")
         c = self.hf_config
         kwargs = dict(
             num_layers=c.num_hidden_layers,

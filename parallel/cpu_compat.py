@@ -29,7 +29,12 @@ Patches (every one of them, and why):
    are the same generator) and is filtered out.
 4. :func:`transformer_config_overrides` gives the ``TransformerConfig`` settings CPU needs:
    ``use_cpu_initialization`` (no CUDA init path), every fused kernel off (they are CUDA/TE/apex
-   kernels), ``persist_layer_norm=False`` and ``batch_p2p_comm=False`` (gloo has no batched P2P).
+   kernels), ``persist_layer_norm=False`` and ``batch_p2p_comm=False`` (gloo has no batched P2P), and
+   ``deallocate_pipeline_outputs=True``: Megatron's schedules then run backward through its
+   ``custom_backward`` (the autograd engine called directly) rather than ``torch.autograd.backward``,
+   which is a torch function: patch 1's mode is popped while it handles one, so the backward of
+   Megatron's autograd Functions would run without it (the MoE dispatcher's all-to-all allocates with
+   ``device=torch.cuda.current_device()`` in its backward).
    Code that builds a TransformerConfig merges it in; on GPU it is empty.
 
 5. The MoE alltoall token dispatcher moves its split sizes to the host with Megatron's
@@ -206,4 +211,5 @@ def transformer_config_overrides() -> dict:
         "apply_rope_fusion": False,
         "persist_layer_norm": False,
         "batch_p2p_comm": False,
+        "deallocate_pipeline_outputs": True,
     }

@@ -24,6 +24,7 @@ from megarlhf.gates import GateConfig, coarser_dtype
 from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig, vllm_lora_rank
 from megarlhf.tracking import TRACKERS
+from model_providers.moe import MoEConfig
 from parallel.config import ParallelConfig
 from parallel.lora import LoRAConfig
 
@@ -48,6 +49,8 @@ class ModelConfig:
     # LoRA adapters on the actor and critic (parallel.lora); the base weights are frozen, and the
     # reference policy is the base model with adapters off (None: train all weights)
     lora: LoRAConfig | None = None
+    # router training signals of a mixture-of-experts model (load-balancing and z-loss; off by default)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self):
         check_dtype_name(self.dtype, "ModelConfig.dtype")

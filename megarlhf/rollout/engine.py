@@ -216,6 +216,13 @@ class RolloutEngine:
             return {}
         return self.run_in_worker(lambda worker: fused_parameters(worker.model_runner.model))
 
+    def placement(self, hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
+        """Each HF tensor's place in the engine's parameters (:func:`~megarlhf.rollout.weight_sync.engine_placement`
+        over :meth:`fused_parameters`)."""
+        from megarlhf.rollout.weight_sync import engine_placement
+
+        return engine_placement(hf_shapes, self.fused_parameters())
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Reloads the engine's weights in place from ``(hf_name, full tensor)`` pairs, then drops the
         prefix cache (its KV entries were computed with the old weights); returns the fingerprints of the

@@ -17,9 +17,11 @@ surface as the vLLM engine (``generate``, ``prompt_logprobs``, ``load_weights``,
 * Reported log-probs are ``log_softmax(logits / T)[token]`` in fp32 over the whole vocabulary, T the
   sampling temperature (1 when greedy): what the trainer computes when it scores the response.
 * ``prompt_logprobs``: teacher-forced ``log p(x_t | x_<t)``, t = 1..L-1, temperature 1, fp32.
-* ``load_weights``: in-place copies of ``(hf_name, full tensor)`` pairs into the parameters of those
-  names; a tied LM head is not a parameter of its own and stays tied; returns the fingerprints of the
-  parameters afterwards (the weight sync compares them with the trainer's, bit for bit).
+* ``load_weights``: in-place copies of ``(hf_name, full tensor)`` pairs, named as the HF checkpoint names
+  them, into the parameters holding them (:func:`checkpoint_layout`: transformers keeps an MoE layer's
+  experts fused in one parameter); a tied LM head is not a parameter of its own and stays tied; returns
+  the fingerprints of the parameters afterwards (the weight sync compares them with the trainer's, bit for
+  bit, predicting each fused parameter from its parts with :meth:`HFRolloutEngine.placement`).
 * ``sleep`` / ``wake_up``: on CUDA the weights go to host memory and back; nothing to do on CPU.
 
 Hand-written rather than ``model.generate``: the RL contract needs one seeded generator per sample
@@ -56,6 +58,36 @@ def _ids(value) -> set[int]:
     return {int(value)} if isinstance(value, int) else {int(v) for v in value}
 
 
+def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Each tensor of the model's HF checkpoint (the names transformers saves) -> (the parameter holding it,
+    element offset in that parameter, shape).
+
+    transformers 5 keeps some checkpoint tensors fused or renamed in memory (an MoE layer's experts as one
+    ``[experts, ...]`` parameter, Mixtral's ``block_sparse_moe`` as ``mlp``). Its own save-time conversion,
+    applied to a parameter filled with its element indices, shows where each checkpoint tensor's elements
+    sit; a parameter the conversion leaves as it is (found on the meta device, no indices) is its own
+    tensor. A checkpoint tensor that is not one contiguous block of a parameter is refused.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    layout = {}
+    for name, param in model.named_parameters():
+        shapes = {n: tuple(t.shape) for n, t in revert_weight_conversion(
+            model, {name: torch.empty(param.shape, device="meta")}).items()}
+        if shapes == {name: tuple(param.shape)}:
+            layout[name] = (name, 0, tuple(param.shape))
+            continue
+        index = torch.arange(param.numel(), dtype=torch.int64).view(param.shape)
+        for hf_name, part in revert_weight_conversion(model, {name: index}).items():
+            flat = part.reshape(-1)
+            start = int(flat[0])
+            if not torch.equal(flat, torch.arange(start, start + flat.numel())):
+                raise ValueError(f"HF rollout engine: checkpoint tensor {hf_name} is not one contiguous block of "
+                                 f"the model's parameter {name}")
+            layout[hf_name] = (name, start, tuple(part.shape))
+    return layout
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids from a left-padded attention mask: every row's first real token is at position 0."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
@@ -79,6 +111,7 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        self.layout = checkpoint_layout(self.model)
         config = self.model.config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         limit = getattr(config, "max_position_embeddings", None)
@@ -247,28 +280,35 @@ class HFRolloutEngine:
 
     # ---- weights and memory -------------------------------------------------------------------------
     def fused_parameters(self) -> dict[str, list[str]]:
-        """The engine's parameters are the HF tensors themselves: nothing fused."""
+        """No module fuses differently named HF tensors (vLLM's ``qkv_proj``); fused experts are in
+        :meth:`placement`."""
         return {}
+
+    def placement(self, hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
+        """Each HF tensor's place in the engine, ``hf_name -> (parameter, element offset)``
+        (:func:`checkpoint_layout`); for the trainer's prediction of the engine's fingerprints."""
+        return {name: self.layout[name][:2] for name in hf_shapes if name in self.layout}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Copies ``(hf_name, full tensor)`` pairs into the model's parameters of those names; returns the
-        fingerprints of the parameters afterwards (:func:`~megarlhf.rollout.engine_weights.parameter_report`).
+        """Copies ``(hf_name, full tensor)`` pairs into the parameters holding those checkpoint tensors;
+        returns the fingerprints of the parameters afterwards
+        (:func:`~megarlhf.rollout.engine_weights.parameter_report`).
 
         A tied LM head has no parameter of its own (it is the embedding), so ``lm_head.weight`` is an
         unknown name there. Tensors are copied (converted to the engine's dtype and device), never kept.
         """
         params = dict(self.model.named_parameters())
         for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
+            if name not in self.layout:
                 tied = " (the model ties its LM head to the embedding)" if name == "lm_head.weight" else ""
-                raise ValueError(f"HF rollout engine: load_weights got {name!r}, which is not a parameter of "
-                                 f"the model{tied}")
-            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"HF rollout engine: load_weights got {name!r}, which is not a tensor of the "
+                                 f"model's checkpoint{tied}")
+            param_name, offset, shape = self.layout[name]
+            if tuple(tensor.shape) != shape:
                 raise ValueError(f"HF rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
-                                 f"the model's is {tuple(param.shape)}")
-            param.copy_(tensor)
+                                 f"the model's is {shape}")
+            params[param_name].view(-1)[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
         return parameter_report(self.model, None, self.model.dtype)
 
     def checkpoint_report(self) -> dict:

@@ -246,7 +246,7 @@ class WeightSync:
         hf_shapes = actor.provider.hf_tensor_shapes("lm")
         self.expected = set(hf_shapes)
         self.fused = engine.fused_parameters()
-        self.placement = engine_placement(hf_shapes, self.fused)
+        self.placement = engine.placement(hf_shapes)
         self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                      longest_probe_length(config))

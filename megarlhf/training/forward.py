@@ -18,6 +18,13 @@ handed to a loss function (training; :mod:`megarlhf.training.step`) or collected
 :func:`forward_only` returns [B, L] tensors on every rank). Training, scoring and the weight-sync
 probe all read log-probs through this module: there is one trainer-side log-prob path.
 
+Expert parallelism: an MoE layer exchanges tokens with its expert-parallel peers in every forward and
+backward, so those ranks must run the same number of micro-batches, while packing gives each data-parallel
+rank as many as its own sequences need. :func:`expert_parallel_padding` agrees on the largest count; a rank
+with fewer runs the difference as padding micro-batches (a copy of its first one, every token marked as
+padding for the routers, so the router losses and the routing metrics leave them out; their loss share is
+0 times their outputs, so backward runs and every gradient they add is zero). Their outputs are dropped.
+
 Hand-written because the hook, the padded-vocab handling and the token-aligned layout are the project's
 own plumbing around Megatron's schedule.
 """
@@ -96,6 +103,16 @@ def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int) -> None:
 LossFn = Callable[[MicroBatch, dict], tuple[Tensor, dict]]
 
 
+def expert_parallel_padding(micro_batches: list[MicroBatch], runtime: Runtime) -> list[MicroBatch]:
+    """The padding micro-batches this rank runs so that its expert-parallel peers, which exchange tokens in
+    every micro-batch, run as many as it does (module docstring); none without expert parallelism. One
+    all-reduce of the counts over the data x context parallel ranks (host read: the count sizes the schedule)."""
+    if runtime.ep.size == 1:
+        return []
+    most = runtime.all_reduce([len(micro_batches)], op="max", over="dp_cp")[0]
+    return [micro_batches[0]] * (int(most) - len(micro_batches))
+
+
 def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, *, kind: str,
                  vocab_size: int, temperature: float = 1.0, entropy: bool = False,
                  loss_fn: LossFn | None = None) -> list:
@@ -116,28 +133,35 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
         raise ValueError("run_schedule: no micro-batches")
     if kind == "logprobs":
         check_token_ids(micro_batches, vocab_size)
-    count = len(micro_batches)
+    real = len(micro_batches)
+    scheduled = [*micro_batches, *expert_parallel_padding(micro_batches, runtime)]
+    count = len(scheduled)
 
     def step(data_iterator, chunk):
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
+        padding = {"padding_mask": torch.ones_like(mb.tokens, dtype=torch.bool)} if index >= real else {}
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy))
+                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy), **padding)
 
         def finish(output_tensor, non_loss_data=False):
             rows = {name: mb.last_token_outputs(value) if name == "scores" else mb.to_rows(value)
                     for name, value in output_tensor.items()}
             if loss_fn is None:
                 return {name: value.detach() for name, value in rows.items()}
+            if padding:  # zero share, but a backward through the model like its peers'
+                share = sum(value.sum() for value in rows.values()) * 0.0
+                return share * count, torch.ones((), dtype=torch.int, device=share.device), {}
             share, metrics = loss_fn(mb, rows)
             return share * count, torch.ones((), dtype=torch.int, device=share.device), metrics
 
         return output, finish
 
-    longest = max(int(mb.tokens.shape[-1]) for mb in micro_batches)
-    return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(micro_batches), model=[model], num_microbatches=count,
-        seq_length=longest, micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
+    longest = max(int(mb.tokens.shape[-1]) for mb in scheduled)
+    outputs = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(enumerate(scheduled)), model=[model], num_microbatches=count,
+        seq_length=longest, micro_batch_size=max(int(mb.tokens.shape[0]) for mb in scheduled),
         forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
+    return outputs[:real]
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ import torch
 from megarlhf.dtypes import torch_dtype
 from megarlhf.config.schema import RunConfig
 from megarlhf.errors import ConfigError
+from parallel.config import LayoutError
 from parallel.runtime import Runtime
 
 
@@ -50,6 +51,7 @@ class TrainModel:
     optimizer: Any = None  # Megatron optimizer (None for the reference)
     scheduler: Any = None  # Megatron OptimizerParamScheduler (None for the reference)
     shares_actor: bool = False  # a view of the actor's parameters (the LoRA reference): never offloaded apart
+    router_stats: Any = None  # megarlhf.training.moe_metrics.RouterStats of a trainable MoE model (else None)
 
     @property
     def kind(self) -> str:
@@ -78,11 +80,12 @@ def rl_optimizer_steps(config: RunConfig) -> int:
 def _model_overrides(config: RunConfig, trainable: bool = True) -> dict:
     """Every model is built for packed micro-batches; trained ones recompute activations as
     ``train.recompute`` says (a frozen model keeps no activations for backward), and get LoRA adapters'
-    unfused norms (:func:`model_providers.base.build_layer_spec`) when ``model.lora`` is set."""
+    unfused norms (:func:`model_providers.base.build_layer_spec`) when ``model.lora`` is set, and the router
+    losses of ``model.moe`` (an MoE model's; a dense one refuses them)."""
     if not trainable:
         return dict(packed_sequences=True)
     return dict(packed_sequences=True, unfused_norms=config.model.lora is not None,
-                **config.train.recompute.transformer_config_fields())
+                **config.train.recompute.transformer_config_fields(), **config.model.moe.transformer_config_fields())
 
 
 def _variable_lengths(model):
@@ -118,6 +121,13 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optim, dtype = config.optim, params_dtype(config)
+    if provider.is_moe and runtime.tp.size > 1:
+        # Megatron's MoE layer then needs sequence parallelism: without it every TP rank dispatches the same
+        # tokens and the experts' gradients are counted tensor_model_parallel_size times
+        raise LayoutError(f"training the {role} of a mixture-of-experts model with tensor_model_parallel_size="
+                          f"{runtime.tp.size} needs sequence parallelism, which megarlhf does not support yet; "
+                          f"split the experts with parallel.expert_model_parallel_size instead (frozen MoE models: "
+                          f"reference, reward model, evaluation, take any tensor-parallel size)")
     tconfig = model.config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=optim.use_distributed_optimizer)
@@ -136,7 +146,10 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim.schedule,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps,
         wd_incr_style="constant")
-    return TrainModel(role, ddp, provider, runtime, optimizer, scheduler)
+    from megarlhf.training.moe_metrics import RouterStats
+
+    return TrainModel(role, ddp, provider, runtime, optimizer, scheduler,
+                      router_stats=RouterStats.attach(model, provider, runtime.device))
 
 
 def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = None) -> TrainModel:

@@ -43,6 +43,7 @@ from megarlhf.data.preference import PreferencePair, UnpairedExample
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
+from megarlhf.training.moe_metrics import mean_moe_metrics
 from megarlhf.training.step import PREFIX_TOKENS_SAVED, micro_batches_for, optimizer_step
 
 RM_METRICS = ["rm/accuracy", "rm/chosen_score", "rm/rejected_score", "rm/margin"]
@@ -116,7 +117,7 @@ def _step_metrics(prefix: str, result, names, pairs: float) -> dict[str, float]:
         count = result.metrics.get(name + COUNT, pairs)
         metrics[name] = result.metrics[name] / count if count else float("nan")
     metrics["train/shared_prefix_tokens_saved"] = result.metrics[PREFIX_TOKENS_SAVED]
-    return metrics
+    return {**metrics, **mean_moe_metrics(prefix, [result.moe])}
 
 
 def _metric_names(names) -> list[str]:

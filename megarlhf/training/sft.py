@@ -19,6 +19,7 @@ from megarlhf.algorithms import aggregate_loss
 from megarlhf.config.schema import RunConfig
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.models import TrainModel
+from megarlhf.training.moe_metrics import mean_moe_metrics
 from megarlhf.training.step import PREFIX_TOKENS_SAVED, loss_normaliser, micro_batches_for, optimizer_step
 
 
@@ -63,4 +64,5 @@ def sft_step(actor: TrainModel, examples: Sequence, config: RunConfig, *, on_non
     return {"sft/loss": result.metrics["loss"], "sft/tokens": result.metrics["tokens"],
             "sft/grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
             "sft/lr": result.lr, "sft/skipped_steps": float(result.skipped),
-            "train/shared_prefix_tokens_saved": result.metrics[PREFIX_TOKENS_SAVED]}
+            "train/shared_prefix_tokens_saved": result.metrics[PREFIX_TOKENS_SAVED],
+            **mean_moe_metrics("sft", [result.moe])}

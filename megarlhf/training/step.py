@@ -58,6 +58,7 @@ class OptimizerStepResult:
     lr: float  # the learning rate of this step
     skipped: bool
     reason: str = ""  # why it was skipped
+    moe: dict[str, float] = dataclasses.field(default_factory=dict)  # routing metrics of an MoE model (moe_metrics)
 
 
 def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: Runtime) -> dict[str, float]:
@@ -140,6 +141,8 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     _zero_grads(trainable)
     trainable.model.train()
     runtime = trainable.runtime
+    if trainable.router_stats is not None:
+        trainable.router_stats.reset()
 
     def counted(mb, outputs):  # host integers, summed and reduced with the loss_fn's metrics
         share, metrics = loss_fn(mb, outputs)
@@ -148,6 +151,7 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     per_mb = run_schedule(trainable.model, micro_batches, runtime, kind=trainable.kind,
                           vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=counted)
     metrics = reduce_metric_sums(per_mb, [*metric_names, PREFIX_TOKENS_SAVED], runtime)
+    moe = {} if trainable.router_stats is None else trainable.router_stats.step_metrics(runtime, len(micro_batches))
     lr = float(trainable.optimizer.param_groups[0]["lr"])
     bad_params, bad_grads = _nonfinite(trainable.model)
     loss = metrics[loss_name]
@@ -156,13 +160,13 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
         _zero_grads(trainable)
         if on_nonfinite == "abort":
             raise NonFiniteError(f"{trainable.role} update: {reason}")
-        return OptimizerStepResult(metrics, None, lr, skipped=True, reason=reason)
+        return OptimizerStepResult(metrics, None, lr, skipped=True, reason=reason, moe=moe)
     success, norm, _ = trainable.optimizer.step()
     if not success:
         raise NonFiniteError(f"{trainable.role} update: Megatron's optimizer reported an overflow")
     grad_norm = _grad_norm(trainable, norm)
     trainable.scheduler.step(increment=1)
-    return OptimizerStepResult(metrics, grad_norm, lr, skipped=False)
+    return OptimizerStepResult(metrics, grad_norm, lr, skipped=False, moe=moe)
 
 
 def skipped_step(trainable: TrainModel, metric_names: list[str], reason: str) -> OptimizerStepResult:

@@ -47,6 +47,7 @@ from megarlhf.rollout.config import scoring_temperature
 from megarlhf.training.batch import ExperienceBatch
 from megarlhf.training.forward import forward_only
 from megarlhf.training.models import TrainModel
+from megarlhf.training.moe_metrics import mean_moe_metrics
 from megarlhf.training.step import (PREFIX_TOKENS_SAVED, OptimizerStepResult, loss_normaliser, micro_batches_for,
                                     optimizer_step, skipped_step)
 from parallel.runtime import Runtime
@@ -157,6 +158,8 @@ def _mean_of_steps(role: str, results: list[OptimizerStepResult], per_token: tup
     for name in per_token:
         out[f"{role}/{name}"] = sum(r.metrics[name] / max(r.metrics["tokens"], 1.0) for r in results) / len(results)
     out[f"{role}/grad_norm"] = (sum(r.grad_norm for r in done) / len(done)) if done else math.nan
+    if results[0].moe:
+        out.update(mean_moe_metrics(role, [r.moe for r in results]))
     return out
 
 

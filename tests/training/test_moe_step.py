@@ -1,0 +1,127 @@
+"""Training a mixture-of-experts model (Qwen2-MoE with a gated shared expert, 6 experts, top-2): an SFT step
+and an actor update give the same loss and gradients at EP2 as at EP1 (both DP2 on 2 ranks); the routing
+metrics equal the expert load HF's router gives the same tokens; the router losses reach the metrics and
+the gradients; MoE training at TP > 1 is refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+
+HERE = Path(__file__).parent
+GRAD_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    from model_providers.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_step")
+    model = make_tiny_model("qwen2_moe", root / "qwen2_moe", seed=4)
+    runs = {}
+    for name, (tp, ep) in {"ep1": (1, 1), "ep2": (1, 2)}.items():
+        run_torchrun(HERE / "_worker_moe.py", 2, [str(tp), str(ep), str(model), str(root / name)], timeout_s=600)
+        runs[name] = (read_rank_results(root / name, 2), root / name)
+    return model, runs
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / a.norm()) if a.norm() > 0 else float(b.norm())
+
+
+@pytest.mark.parametrize("step", ["sft", "actor"])
+def test_ep2_equals_ep1(moe_runs, step):
+    _, runs = moe_runs
+    (ranks1, dir1), (ranks2, dir2) = runs["ep1"], runs["ep2"]
+    assert (ranks1[0]["ep"], ranks1[0]["edp"], ranks2[0]["ep"], ranks2[0]["edp"]) == (1, 2, 2, 1)
+    assert ranks1[0]["dp"] == ranks2[0]["dp"] == 2
+    for key in (f"{step}/loss", f"{step}/grad_norm"):
+        assert ranks2[0][key] == pytest.approx(ranks1[0][key], rel=GRAD_TOL), key
+    g1, g2 = torch.load(dir1 / f"grads-{step}.pt"), torch.load(dir2 / f"grads-{step}.pt")
+    assert g1.keys() == g2.keys() and any("experts.5.down_proj" in k for k in g1)
+    worst = max(g1, key=lambda k: _relative(g1[k], g2[k]))
+    assert _relative(g1[worst], g2[worst]) <= GRAD_TOL, worst
+    assert sum(bool(g.norm() > 0) for g in g1.values()) > len(g1) * 0.8  # most tensors get a gradient
+
+
+def test_uneven_micro_batch_counts_are_padded_under_expert_parallelism(moe_runs):
+    """The global batch split 6 + 2 over the two ranks: different micro-batch counts; EP2 (whose MoE layers
+    exchange tokens in every micro-batch) pads the shorter rank's schedule and gives EP1's gradients, which
+    are the even split's."""
+    _, runs = moe_runs
+    (ranks1, dir1), (ranks2, dir2) = runs["ep1"], runs["ep2"]
+    counts = ranks2[0]["uneven_micro_batches"]
+    assert counts[0] > counts[1], counts
+    even, uneven1, uneven2 = (torch.load(d / f"grads-{name}.pt") for d, name in
+                              ((dir1, "actor"), (dir1, "actor-uneven"), (dir2, "actor-uneven")))
+    for name in even:
+        assert _relative(uneven1[name], uneven2[name]) <= GRAD_TOL, name
+        # other micro-batches than the even split's: the same sums in another order (fp32 rounding, ~1e-6)
+        assert _relative(even[name], uneven2[name]) <= 10 * GRAD_TOL, name
+    assert ranks2[0]["uneven/actor/loss"] == pytest.approx(ranks1[0]["actor/loss"], rel=GRAD_TOL)
+    # the padding micro-batches' tokens are not counted (a shared prompt is computed once in the uneven split,
+    # so its token counts differ from the even split's)
+    assert ranks2[0]["uneven/actor/moe/imbalance"] == pytest.approx(ranks1[0]["uneven/actor/moe/imbalance"], rel=1e-9)
+
+
+def test_routing_metrics_equal_hf_router_load(moe_runs):
+    """Each MoE layer's max/mean expert load over the step's tokens, recomputed from HF's router logits."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(HERE))
+    from _batch import experience
+
+    model, runs = moe_runs
+    batch = experience()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    counts = torch.zeros(hf.config.num_hidden_layers, hf.config.num_experts, dtype=torch.float64)
+    with torch.no_grad():
+        for i, n in enumerate(batch.lengths.tolist()):
+            out = hf(input_ids=batch.input_ids[i:i + 1, :n], output_router_logits=True)
+            for layer, logits in enumerate(out.router_logits):
+                top = logits.topk(hf.config.num_experts_per_tok, dim=-1).indices
+                counts[layer] += torch.bincount(top.flatten(), minlength=hf.config.num_experts)
+    imbalance = counts.max(1).values / counts.mean(1)
+    for name in ("ep1", "ep2"):
+        metrics = runs[name][0][0]
+        for step in ("sft", "actor"):
+            assert metrics[f"{step}/moe/imbalance"] == pytest.approx(float(imbalance.mean()), rel=1e-9)
+            assert metrics[f"{step}/moe/imbalance_max"] == pytest.approx(float(imbalance.max()), rel=1e-9)
+            for layer in range(len(imbalance)):
+                assert metrics[f"{step}/moe/layer{layer}/imbalance"] == pytest.approx(float(imbalance[layer]), rel=1e-9)
+
+
+def test_router_losses_reach_metrics_and_gradients(moe_runs):
+    _, runs = moe_runs
+    for name in ("ep1", "ep2"):
+        ranks, directory = runs[name]
+        metrics = ranks[0]
+        assert metrics["aux/sft/loss"] == pytest.approx(metrics["sft/loss"], rel=1e-12)  # not in the reported loss
+        assert metrics["aux/sft/moe/load_balancing_loss"] >= 1.0  # Switch-style balance loss: 1 when balanced
+        assert metrics["aux/sft/moe/z_loss"] > 0.0
+        assert "sft/moe/load_balancing_loss" not in metrics  # off by default
+        plain, with_aux = torch.load(directory / "grads-sft.pt"), torch.load(directory / "grads-sft-aux.pt")
+        router = "model.layers.1.mlp.gate.weight"
+        assert _relative(plain[router], with_aux[router]) > 1e-3  # the router losses change the router's gradient
+        attention = "model.layers.0.self_attn.o_proj.weight"
+        assert _relative(plain[attention], with_aux[attention]) > 0  # and, through the router input, the body's
+    for key in ("aux/sft/moe/load_balancing_loss", "aux/sft/moe/z_loss", "aux/sft/grad_norm"):
+        assert runs["ep2"][0][0][key] == pytest.approx(runs["ep1"][0][0][key], rel=1e-6), key
+
+
+def test_moe_training_with_tensor_parallelism_is_refused():
+    from megarlhf.training.models import _wrap_trainable
+    from parallel.config import LayoutError
+
+    runtime = SimpleNamespace(tp=SimpleNamespace(size=2))
+    provider = SimpleNamespace(is_moe=True)
+    config = SimpleNamespace(optim=None, model=SimpleNamespace(dtype="float32"))
+    with pytest.raises(LayoutError, match="mixture-of-experts model with tensor_model_parallel_size=2 needs sequence "
+                                          "parallelism"):
+        _wrap_trainable("actor", None, provider, config, runtime, 1e-3, 1)
