@@ -74,7 +74,7 @@ from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibr
 from megarlhf.rollout.config import SamplingConfig, vllm_lora_rank
 from megarlhf.rollout.engine import EngineConfig, RolloutEngine
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, parameter_report,
-                                             reprocess_tied, tied_modules)
+                                             repack_experts, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import to_host
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
@@ -159,13 +159,16 @@ def _worker_finish(worker) -> dict:
     finally:
         capture.__exit__(None, None, None)
         worker.megarlhf_notices.__exit__(None, None, None)
-    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
+    report = parameter_report(model, capture, worker.model_runner.model_config.dtype)
+    repack_experts(model)  # after the report: see engine_weights.repack_experts
+    return report
 
 
-def _worker_fused(worker) -> dict[str, list[str]]:
-    from megarlhf.rollout.engine_weights import fused_parameters
+def _worker_layout(worker) -> tuple[dict[str, list[str]], dict[str, tuple[str, int]]]:
+    """The engine's fused modules and its stacked experts' placement (:mod:`megarlhf.rollout.engine_weights`)."""
+    from megarlhf.rollout.engine_weights import expert_placement, fused_parameters
 
-    return fused_parameters(worker.model_runner.model)
+    return fused_parameters(worker.model_runner.model), expert_placement(worker.model_runner.model)
 
 
 class DisaggregatedRollout:
@@ -253,7 +256,7 @@ class DisaggregatedRollout:
             elif command[0] == "adapter":
                 self._serve_adapter(command[1])
             elif command[0] == "layout":
-                self._from_engines(self.engine.run_in_worker(_worker_fused))
+                self._from_engines(self.engine.run_in_worker(_worker_layout))
             elif command[0] == "checkpoint":
                 self._serve_checkpoint(command[1])
             elif command[0] == "calibrate":
@@ -396,8 +399,8 @@ class DisaggregatedRollout:
         """Trainer ranks: where each HF tensor sits in the engines' parameters (asked once; the source's)."""
         if self.rank == SOURCE_RANK and self.placement is None:
             self._channel_bcast(("layout",))
-            self.fused = self._from_engines()[0]  # every engine runs the same model class
-            self.placement = engine_placement(self.hf_shapes, self.fused)
+            self.fused, experts = self._from_engines()[0]  # every engine runs the same model class
+            self.placement = {**engine_placement(self.hf_shapes, self.fused), **experts}
         return self.placement
 
     def sync(self) -> dict[str, float]:

@@ -36,7 +36,8 @@ from megarlhf.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.batch import FINISH_REASONS, RolloutBatch, check_prompt_ids
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode, vllm_lora_rank
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report,
-                                             fused_parameters, parameter_report, reprocess_tied, tied_modules)
+                                             expert_placement, fused_parameters, parameter_report, repack_experts,
+                                             reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
 from megarlhf.rollout.hf_engine import HFRolloutEngine
 
@@ -218,10 +219,12 @@ class RolloutEngine:
 
     def placement(self, hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
         """Each HF tensor's place in the engine's parameters (:func:`~megarlhf.rollout.weight_sync.engine_placement`
-        over :meth:`fused_parameters`)."""
+        over :meth:`fused_parameters`, and the stacked experts of an MoE model: :func:`expert_placement`)."""
         from megarlhf.rollout.weight_sync import engine_placement
 
-        return engine_placement(hf_shapes, self.fused_parameters())
+        experts = {} if self.config.tensor_parallel_size > 1 else \
+            self.run_in_worker(lambda worker: expert_placement(worker.model_runner.model))
+        return {**engine_placement(hf_shapes, self.fused_parameters()), **experts}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Reloads the engine's weights in place from ``(hf_name, full tensor)`` pairs, then drops the
@@ -306,9 +309,10 @@ def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], shard
     with ProcessingCapture(model) as capture, ExpectedReloadNotices(model):
         worker.reload_weights(weights_iterator=arriving())
         reprocess_tied(tied)
-    if sharded:
-        return arrival_report(arrived, capture)
-    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
+    report = arrival_report(arrived, capture) if sharded else \
+        parameter_report(model, capture, worker.model_runner.model_config.dtype)
+    repack_experts(model)  # after the report: see engine_weights.repack_experts
+    return report
 
 
 def reload_checkpoint_and_report(worker, sharded: bool) -> dict:

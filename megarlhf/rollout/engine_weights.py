@@ -91,10 +91,51 @@ def reprocess_tied(modules: list[torch.nn.Module]) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
+def repack_experts(model: torch.nn.Module) -> None:
+    """Re-runs the MoE kernel's own weight preparation of every expert layer after an in-place reload.
+
+    vLLM (0.32) prepares the experts' weights for its kernel (on CPU: prepacked into the grouped-GEMM
+    layout, in place) only at the first load; after a reload the parameters hold the checkpoint layout
+    again while the kernel still reads them as prepacked, and the engine computes with scrambled experts
+    (the probe of the weight sync saw a 0.2 log-prob gap on a tiny Qwen3-MoE). Call it after the report:
+    the fingerprints are of the checkpoint layout the trainer predicts, the preparation a deterministic
+    function of it. Does nothing for layers without such a kernel (dense models)."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 def fused_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
     """vLLM's fused modules and their HF parts in order, e.g. ``{"qkv_proj": ["q_proj", "k_proj",
     "v_proj"]}`` (the model class's ``packed_modules_mapping``; empty where nothing is fused)."""
     return {fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
+
+
+def expert_placement(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """Where vLLM keeps each routed expert's HF tensors: ``hf_name -> (parameter, element offset)``.
+
+    vLLM stacks an MoE layer's experts in two parameters, ``w13_weight`` [experts, 2 x ffn, hidden] (each
+    expert's gate rows, then its up rows) and ``w2_weight`` [experts, hidden, ffn]; each expert module's
+    ``get_expert_mapping()`` names the checkpoint tensor of every (expert, shard), relative to the module
+    that holds the experts (``<block>.experts.<e>.<gate>.``). Empty for a dense model.
+    """
+    placement = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "get_expert_mapping") and hasattr(module, "w13_weight")):
+            continue
+        block = name.split(".experts.")[0]
+        slot = module.expert_map.tolist() if getattr(module, "expert_map", None) is not None else None
+        w13, w2 = module.w13_weight, module.w2_weight
+        ffn = w13.shape[1] // 2
+        for param_prefix, weight_name, expert, shard in module.get_expert_mapping():
+            local = expert if slot is None else slot[expert]
+            if local < 0:  # another engine rank's expert
+                continue
+            param = w2 if shard == "w2" else w13
+            offset = local * param[0].numel() + (ffn * w13.shape[2] if shard == "w3" else 0)
+            placement[f"{block}.{weight_name}weight"] = (f"{name}.{param_prefix.split('.')[-1]}weight", offset)
+    return placement
 
 
 def _processed_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

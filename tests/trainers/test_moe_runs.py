@@ -1,5 +1,5 @@
 """GRPO on a tiny mixture-of-experts model (Qwen3-MoE: a dense first layer, 8 experts, top-2) through the
-command line at EP2 on 2 ranks with the HF rollout backend: the step-0 gate and the bit-verified weight
+command line at EP2 on 2 ranks with the HF rollout backend (and vLLM's, slow): the step-0 gate and the bit-verified weight
 sync pass with the engine's fused experts, the routing metrics are logged, the reward rises, the export
 loads in transformers; a killed and resumed run is bit-identical (slow)."""
 from pathlib import Path
@@ -17,7 +17,7 @@ from _rl_recipe import kill_after_checkpoint, write_recipe
 
 CLI = Path(megarlhf.__file__).with_name("__main__.py")
 REWARDS = {"PYTHONPATH": str(Path(__file__).parent)}  # the test reward module '_rewards'
-MOE = ["parallel.expert_model_parallel_size=2", "rollout.backend=hf", "reward.functions=[{name: '_rewards:digit_fraction'}]",
+MOE = ["parallel.expert_model_parallel_size=2", "reward.functions=[{name: '_rewards:digit_fraction'}]",
        "optim.lr=1.0e-2", "eval.every=0", "train.global_batch_size=8"]
 TIMING = ("time/", "weight_sync/bytes_per_s")
 
@@ -30,9 +30,11 @@ def moe_assets(tmp_path_factory):
     return model, root / "data"
 
 
-def test_grpo_on_moe_at_ep2(moe_assets, tmp_path):
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_grpo_on_moe_at_ep2(moe_assets, tmp_path, backend):
     recipe = write_recipe(tmp_path / "grpo.yaml", moe_assets, "grpo", tmp_path / "run")
-    run_torchrun(CLI, 2, ["train", str(recipe), *MOE, "train.steps=8"], timeout_s=900, env=REWARDS)
+    run_torchrun(CLI, 2, ["train", str(recipe), *MOE, "train.steps=8", f"rollout.backend={backend}"], timeout_s=900,
+                 env=REWARDS)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     first = records[0]
@@ -54,7 +56,7 @@ def test_grpo_on_moe_at_ep2(moe_assets, tmp_path):
 
 @pytest.mark.slow  # three 2-rank runs (~2 min on 2 cores): make test-slow
 def test_moe_run_killed_and_resumed_matches_uninterrupted(moe_assets, tmp_path):
-    overrides = [*MOE, "train.steps=4", "checkpoint.every=2"]
+    overrides = [*MOE, "rollout.backend=hf", "train.steps=4", "checkpoint.every=2"]
     full = tmp_path / "full"
     run_torchrun(CLI, 2, ["train", str(write_recipe(tmp_path / "full.yaml", moe_assets, "grpo", full)), *overrides],
                  timeout_s=900, env=REWARDS)
