@@ -41,6 +41,15 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   one (the others store everything). ``activations_recompute`` is the figure for full recomputation
   of every layer, shown for comparison. The final norm keeps ``8h`` bytes per token, and the fused
   log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
+* mixture of experts: an MoE layer holds its router, ``num_experts / EP`` routed experts split over TP and
+  a shared expert; the routed experts' optimizer state is sharded over the expert-data-parallel ranks
+  (``world / (TP x EP x PP)``), the rest over DP x CP. Per token, an MoE layer's MLP keeps, instead of the
+  dense ``5F/t``: for each of its ``k`` routed copies the dispatched input, the all-to-all buffer and the
+  expert output (``3h``) and fc1's output and SwiGLU (``5F_e/t``), plus ``5F_s/t + 1`` for a shared expert
+  at the activation dtype, and ``2E + k`` fp32 router logits, scores and combine weights. These MoE
+  activation terms are counted from the layer's structure, assuming balanced routing (the dispatcher
+  receives ``k`` copies per token on average); unlike the dense terms they were not yet checked against a
+  measured CPU peak;
 * LoRA (``model.lora``): the weights are the frozen base plus the adapters; gradients and optimizer
   state exist for the adapters (and a critic's value head) only; the reference is the actor's base
   (no weights of its own). The adapters' rank-r activations (r elements per token per adapted layer)
@@ -180,11 +189,17 @@ class MemoryPlan:
         return not self.problems()
 
 
-def activation_elements_per_token_layer(shape: ModelShape, tp: int) -> tuple[int, int]:
-    """(elements at the activation dtype, fp32 elements) autograd saves per token per layer."""
+def activation_elements_per_token_layer(shape: ModelShape, tp: int, moe: bool = False) -> tuple[int, int]:
+    """(elements at the activation dtype, fp32 elements) autograd saves per token per layer (``moe``: of an
+    MoE layer; see the module docstring)."""
     h, hd = shape.hidden_size, shape.head_dim
     q, g = shape.num_heads * hd // tp, shape.num_kv_heads * hd // tp
-    return 2 * h + 3 * q + 3 * g + 4 * hd + 5 * shape.ffn_size // tp, 4 * h + q + shape.num_heads // tp
+    attention, fp32 = 2 * h + 3 * q + 3 * g + 4 * hd, 4 * h + q + shape.num_heads // tp
+    if not moe:
+        return attention + 5 * shape.ffn_size // tp, fp32
+    shared = 5 * shape.shared_expert_size // tp + 1 if shape.shared_expert_size else 0
+    k = shape.top_k
+    return attention + k * (3 * h + 5 * shape.expert_ffn_size // tp) + shared, fp32 + 2 * shape.num_experts + k
 
 
 def _recomputed(recompute, layers: int, in_flight: int, per_layer: int, layer_input: int) -> int:
@@ -210,10 +225,12 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
     par = config.parallel
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     tokens = -(-max(config.train.micro_batch_tokens, max_model_len) // cp)
-    layers = shape.check_layout(tp, pp, **par.uneven_stages)[stage]
+    dense, moe = shape.stage_moe_layers(tp, pp, stage, **par.uneven_stages)
+    layers = dense + moe
     in_flight = pp - stage
-    elems, fp32_elems = activation_elements_per_token_layer(shape, tp)
-    per_layer = tokens * (elems * d + fp32_elems * 4)
+    per_kind = [activation_elements_per_token_layer(shape, tp, kind) for kind in (False, True)]
+    bytes_per_token = [elems * d + fp32_elems * 4 for elems, fp32_elems in per_kind]
+    per_layer = tokens * -(-(dense * bytes_per_token[0] + moe * bytes_per_token[1]) // layers)  # the stage's mean
     if cp > 1:  # the all-gathered K and V of the whole sequence
         per_layer += tokens * 2 * (cp - 1) * shape.num_kv_heads * shape.head_dim // tp * d
     head_bytes = 0
@@ -226,12 +243,16 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
     return configured, recompute_all
 
 
-def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards: int, head: str) -> dict[str, int]:
+def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards: int, head: str,
+               expert_shards: int = 1) -> dict[str, int]:
     """Weights, gradients and optimizer state of a trained model; with LoRA only the adapters (and a value
-    head) have gradients and optimizer state, and the weights are the frozen base plus the adapters."""
+    head) have gradients and optimizer state, and the weights are the frozen base plus the adapters. The
+    routed experts' optimizer state is sharded over ``expert_shards`` (expert-DP) ranks, the rest over
+    ``shards``."""
     par, lora = config.parallel, config.model.lora
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    params = shape.params_per_rank(tp, pp, stage, head, **par.uneven_stages)
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    params = shape.params_per_rank(tp, pp, stage, head, ep, **par.uneven_stages)
+    experts = shape.expert_params_per_rank(tp, pp, stage, ep, **par.uneven_stages)
     trained = params
     if lora is not None:
         adapters = (shape.check_layout(tp, pp, **par.uneven_stages)[stage]
@@ -239,8 +260,11 @@ def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards:
         value_head = shape.hidden_size if head == "value" and stage == par.pipeline_model_parallel_size - 1 else 0
         params, trained = params + adapters, adapters + value_head
     master = 4 if d < 4 else 0  # bf16 weights get an fp32 master copy; fp32 weights are their own
-    optim_shards = shards if config.optim.use_distributed_optimizer else 1
-    return {"weights": params * d, "grads": trained * 4, "optimizer": trained * (8 + master) // optim_shards}
+    distributed = config.optim.use_distributed_optimizer
+    optim_shards, optim_expert_shards = (shards, expert_shards) if distributed else (1, 1)
+    experts = experts if lora is None else 0  # LoRA: the experts are frozen (and refused by the trainer)
+    optimizer = (trained - experts) * (8 + master) // optim_shards + experts * (8 + master) // optim_expert_shards
+    return {"weights": params * d, "grads": trained * 4, "optimizer": optimizer}
 
 
 def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | None:
@@ -260,15 +284,16 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     shards = dp * config.parallel.context_parallel_size
     par = config.parallel
     work = workload(config, launch.command)
-    comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, work.head).items()}
+    expert_shards = launch.world_size // par.expert_layout_size
+    comp = {f"actor_{k}": v for k, v in _trainable(shape, config, stage, d, shards, work.head, expert_shards).items()}
     separate_reference = work.reference and config.model.lora is None  # LoRA: the actor's base
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    comp["reference_weights"] = (shape.params_per_rank(tp, pp, stage, **par.uneven_stages) * d
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    comp["reference_weights"] = (shape.params_per_rank(tp, pp, stage, "lm", ep, **par.uneven_stages) * d
                                  if separate_reference else 0)
     reward_shape = _reward_model_shape(config, shape) if work.reward_model else None
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
-        tp, pp, stage, "value", **par.uneven_stages) * d)
-    critic = _trainable(shape, config, stage, d, shards, "value") if work.critic else {}
+        tp, pp, stage, "value", ep if reward_shape.num_experts else 1, **par.uneven_stages) * d)
+    critic = _trainable(shape, config, stage, d, shards, "value", expert_shards) if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     # a micro-batch holds at least one whole item: a sequence, or both sides of a preference pair
     act, act_recompute = _activations(shape, config, stage, d, max_model_len * work.rows_together, work.head)
@@ -296,7 +321,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     """The per-rank memory plan of ``config`` on ``launch.world_size`` ranks (raises on a bad layout)."""
     par = config.parallel
     par.validate(launch.world_size)
-    shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, **par.uneven_stages)
+    shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                       par.expert_model_parallel_size, **par.uneven_stages)
     dp = par.data_parallel_size(launch.world_size)
     if config.train.global_batch_size % dp:
         raise ConfigError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "

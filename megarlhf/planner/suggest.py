@@ -73,6 +73,9 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
         if allowed and world % (new_tp * new_pp * cp) == 0 and _layout_ok(shape, new_tp, new_pp) \
                 and config.train.global_batch_size % (world // (new_tp * new_pp * cp)) == 0:
             yield Change((f"parallel.{key}={value}",))
+    ep = par.expert_model_parallel_size
+    if shape.num_experts and shape.num_experts % (2 * ep) == 0 and world % (tp * 2 * ep * pp) == 0:
+        yield Change((f"parallel.expert_model_parallel_size={2 * ep}",), notes=("experts split over more ranks",))
     if config.rollout.tensor_parallel_size == 1 and 1 < world <= gpus_per_node:
         yield Change((f"rollout.tensor_parallel_size={world}",), notes=("one engine over all ranks",))
     yield Change(world_size=world * 2, notes=("more GPUs",))

@@ -156,3 +156,21 @@ def test_plan_command_line_names_the_command(capsys, tmp_path):
     assert "engine     none (megarlhf sft)" in out and "vLLM KV cache" not in out and "offloaded" not in out
     with pytest.raises(SystemExit):
         main(["plan", "--command", "ppo", str(recipe)])
+
+
+def test_moe_expert_state_is_sharded_over_expert_data_parallel_ranks():
+    """Qwen3-30B-A3B at TP1 x PP2 x EP8: the routed experts' Adam state is split over world / (TP x EP x PP)
+    expert-DP ranks, the rest over DP x CP; weights and gradients are this rank's share of both."""
+    from megarlhf.planner.shapes import PRESETS
+
+    shape = ModelShape.from_hf_config(PRESETS["Qwen3-30B-A3B"], "Qwen3-30B-A3B")
+    config = _config(parallel={"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8},
+                     train={"global_batch_size": 64})
+    for world, expert_dp in ((16, 1), (32, 2)):
+        stage = plan_memory(config, shape, Launch(world_size=world)).stages[0]
+        params, experts = shape.params_per_rank(1, 2, 0, ep=8), shape.expert_params_per_rank(1, 2, 0, 8)
+        assert experts == 24 * 16 * 3 * 2048 * 768  # 24 layers x 16 local experts x gate/up/down
+        assert stage.components["actor_weights"] == 2 * params and stage.components["actor_grads"] == 4 * params
+        assert stage.components["actor_optimizer"] == 12 * (params - experts) // (world // 2) + 12 * experts // expert_dp
+    with pytest.raises(ValueError, match="expert_model_parallel_size \\(8\\) x pipeline_model_parallel_size \\(2\\)"):
+        plan_memory(config, shape, Launch(world_size=8))

@@ -37,15 +37,18 @@ def _plan(capsys, recipe, gpus, overrides, *flags):
 
 def test_every_real_size_recipe_has_layouts():
     shipped = {p.name for p in RECIPES.glob("*.yaml")} - {"layouts.yaml", *CPU_RECIPES}
-    assert shipped == set(LAYOUTS["layouts"]) and len(shipped) == 8
-    assert all({8, 32} <= set(sizes) for sizes in LAYOUTS["layouts"].values())
+    assert shipped == set(LAYOUTS["layouts"]) and len(shipped) == 9
+    smallest = {name: 16 if "a3b" in name else 8 for name in shipped}  # the 30 B MoE model needs two nodes
+    assert all({smallest[name], 32} <= set(sizes) for name, sizes in LAYOUTS["layouts"].items())
 
 
 @pytest.mark.parametrize("name,gpus,overrides", CASES)
 def test_layout_fits(capsys, name, gpus, overrides):
     status, out = _plan(capsys, RECIPES / name, gpus, overrides)
     assert status == 0, out
-    assert "fits: peak" in out and "vLLM KV cache" in out and "activations (full recompute)" in out
+    assert "fits: peak" in out and "vLLM KV cache" in out
+    recomputes = "granularity: full" in (RECIPES / name).read_text()  # the comparison row is then the same figure
+    assert recomputes or "activations (full recompute)" in out
 
 
 @pytest.mark.parametrize("name,gpus,overrides", REFUSED)

@@ -31,7 +31,8 @@ def test_preset_parameter_count_matches_transformers(name):
 def test_published_sizes():
     billions = {name: ModelShape.from_hf_config(v, name).total_params() / 1e9 for name, v in PRESETS.items()}
     assert billions == pytest.approx({"Qwen2.5-0.5B": 0.494, "Qwen2.5-1.5B": 1.544, "Qwen2.5-7B": 7.616,
-                                      "Llama-3.1-8B": 8.030, "SmolLM2-135M": 0.1345}, abs=1e-3)
+                                      "Llama-3.1-8B": 8.030, "SmolLM2-135M": 0.1345, "Qwen3-30B-A3B": 30.532},
+                                     abs=1e-3)
 
 
 def test_resolve_shape_sources(tmp_path):
@@ -46,15 +47,30 @@ def test_resolve_shape_sources(tmp_path):
         resolve_shape(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="does not divide"):
         shape.check_layout(3, 1)
+    moe = ModelShape.from_hf_config(PRESETS["Qwen3-30B-A3B"], "Qwen3-30B-A3B")
+    with pytest.raises(ValueError, match="expert_model_parallel_size=3 / tensor_model_parallel_size=1 do not divide "
+                                         "the 128 experts"):
+        moe.check_layout(1, 1, 3)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        shape.check_layout(1, 1, 2)
 
 
-@pytest.mark.slow  # builds Megatron models at several layouts (~13 s)
+@pytest.mark.slow  # builds Megatron models at several layouts (~20 s)
 def test_per_rank_params_match_megatron(tmp_path):
     tied = make_tiny_model("qwen2", tmp_path / "tied", seed=0, tie_word_embeddings=True)
     untied = make_tiny_model("qwen2", tmp_path / "untied", seed=0, tie_word_embeddings=False, num_hidden_layers=4)
-    run_torchrun(WORKER, 2, [str(tmp_path / "out"), str(tied), str(untied)], timeout_s=300)
+    # MoE: Qwen3-MoE with a dense first layer (3 layers: PP2 splits them 2 + 1 with the first stage given 2),
+    # Qwen2-MoE with its shared expert
+    qwen3_moe = make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe", seed=0, num_hidden_layers=4)
+    qwen2_moe = make_tiny_model("qwen2_moe", tmp_path / "qwen2_moe", seed=0)
+    run_torchrun(WORKER, 2, [str(tmp_path / "out"), str(tied), str(untied), str(qwen3_moe), str(qwen2_moe)],
+                 timeout_s=300)
+    seen = set()
     for result in read_rank_results(tmp_path / "out", 2):
         for entry in result["counts"]:
             shape, _ = resolve_shape(entry["model"])
-            expected = shape.params_per_rank(entry["tp"], entry["pp"], entry["stage"])
-            assert entry["params"] == expected, entry
+            layout = (entry["tp"], entry["pp"], entry["stage"])
+            assert entry["params"] == shape.params_per_rank(*layout, ep=entry["ep"]), entry
+            assert entry["experts"] == shape.expert_params_per_rank(*layout, entry["ep"]), entry
+            seen.add((Path(entry["model"]).name, entry["ep"]))
+    assert {("qwen3_moe", 2), ("qwen2_moe", 2), ("qwen3_moe", 1)} <= seen
