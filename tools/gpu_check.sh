@@ -2,7 +2,8 @@
 # The GPU check: megarlhf's CUDA paths on one GPU, one table of figures at the end.
 #
 # Runs tests/gpu (marker `gpu`): HF <-> Megatron parity in fp32 and bf16; SFT steps; GRPO and PPO steps
-# through the real driver with the transformers rollout engine (vLLM is not needed); colocate offload
+# through the real driver with the transformers rollout engine (vLLM is not needed); mixture-of-experts
+# parity, a bf16 MoE SFT step with router losses and MoE GRPO steps (EP 1: one GPU); colocate offload
 # to pinned memory; the Triton log-prob kernel vs the torch op in bf16; the planner vs
 # torch.cuda.max_memory_allocated; train-step TFLOP/s and MFU.
 #
