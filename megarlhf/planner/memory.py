@@ -46,10 +46,10 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   (``world / (TP x EP x PP)``), the rest over DP x CP. Per token, an MoE layer's MLP keeps, instead of the
   dense ``5F/t``: for each of its ``k`` routed copies the dispatched input, the all-to-all buffer and the
   expert output (``3h``) and fc1's output and SwiGLU (``5F_e/t``), plus ``5F_s/t + 1`` for a shared expert
-  at the activation dtype, and ``2E + k`` fp32 router logits, scores and combine weights. These MoE
-  activation terms are counted from the layer's structure, assuming balanced routing (the dispatcher
-  receives ``k`` copies per token on average); unlike the dense terms they were not yet checked against a
-  measured CPU peak;
+  at the activation dtype, and ``2E + k`` fp32 router logits, scores and combine weights, assuming
+  balanced routing (the dispatcher receives ``k`` copies per token on average). On a CPU run of a tiny
+  Qwen3-MoE at EP2 the saved activations were within 0.4% of this and the trainer phase within 0.6%
+  (tests/planner/test_measured.py);
 * LoRA (``model.lora``): the weights are the frozen base plus the adapters; gradients and optimizer
   state exist for the adapters (and a critic's value head) only; the reference is the actor's base
   (no weights of its own). The adapters' rank-r activations (r elements per token per adapted layer)

@@ -1,8 +1,8 @@
 """The planner's trainer-phase estimate against memory measured on CPU runs of tiny models.
 
-Three configurations (1 rank fp32 GRPO+KL with the plain optimizer; 2 ranks DP=2 bf16 PPO with a critic
-and the distributed optimizer; 2 ranks TP=2 fp32 GRPO+KL with the distributed optimizer) run the real
-trainer functions in _worker_memory.py. Two measurements per rank:
+Four configurations (1 rank fp32 GRPO+KL with the plain optimizer; 2 ranks DP=2 bf16 PPO with a critic
+and the distributed optimizer; 2 ranks TP=2 fp32 GRPO+KL with the distributed optimizer; a Qwen3-MoE at
+EP=2, fp32 GRPO+KL) run the real trainer functions in _worker_memory.py. Two measurements per rank:
 
 * activations, exactly: the bytes of the distinct storages autograd saves during one actor update
   (parameters excluded), against the planner's ``activations`` term minus its output-head transient
@@ -40,9 +40,13 @@ CONFIGS = {  # name: (ranks, overrides of RECIPE's placeholders, parallel overri
     "dp2-bf16-ppo-critic-distopt": (2, dict(DTYPE="bfloat16", ESTIMATOR="gae", KL_MODE="none", DIST="true"), []),
     "tp2-fp32-grpo-kl-distopt": (2, dict(DTYPE="float32", ESTIMATOR="grpo", KL_MODE="loss", DIST="true"),
                                  ["parallel.tensor_model_parallel_size=2"]),
+    # a mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) with its experts split over 2 ranks
+    "ep2-fp32-moe-grpo-kl-distopt": (2, dict(DTYPE="float32", ESTIMATOR="grpo", KL_MODE="loss", DIST="true"),
+                                     ["parallel.expert_model_parallel_size=2"]),
 }
 TINY = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False)
+TINY_MOE = dict(TINY, head_dim=64, moe_intermediate_size=384, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[])
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,11 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("planner-models")
     base = make_tiny_model("qwen2", root / "base", seed=0, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=512)
-    return base, make_tiny_model("qwen2", root / "model", seed=0, **TINY)
+    base_moe = make_tiny_model("qwen3_moe", root / "base_moe", seed=0, hidden_size=64, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
+                               mlp_only_layers=[])
+    return {"base": base, "model": make_tiny_model("qwen2", root / "model", seed=0, **TINY),
+            "base_moe": base_moe, "moe": make_tiny_model("qwen3_moe", root / "moe", seed=0, **TINY_MOE)}
 
 
 def _recipe(path: Path, model: Path, values: dict) -> Path:
@@ -65,8 +73,9 @@ def _recipe(path: Path, model: Path, values: dict) -> Path:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_planner_matches_measured_memory(tmp_path, models, name):
     ranks, values, overrides = CONFIGS[name]
-    base = _recipe(tmp_path / "base.yaml", models[0], values)
-    recipe = _recipe(tmp_path / "recipe.yaml", models[1], values)
+    moe = "moe" in name
+    base = _recipe(tmp_path / "base.yaml", models["base_moe" if moe else "base"], values)
+    recipe = _recipe(tmp_path / "recipe.yaml", models["moe" if moe else "model"], values)
     run_torchrun(WORKER, ranks, [str(tmp_path / "out"), str(base), str(recipe), *overrides], timeout_s=600,
                  env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     measured = read_rank_results(tmp_path / "out", ranks)
