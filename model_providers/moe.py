@@ -49,7 +49,9 @@ class MoEConfig:
     """``model.moe``: router training signals of a mixture-of-experts model (refused for a dense one)."""
 
     aux_loss_coeff: float = 0.0  # weight of the load-balancing loss (0: off)
-    load_balancing: Literal[LOAD_BALANCING] = "aux_loss"  # per micro-batch, per sequence, or over DP ranks
+    # per micro-batch, per row of the micro-batch (with packing, one row holds many sequences: then the same
+    # as per micro-batch), or over all data-parallel ranks' tokens
+    load_balancing: Literal[LOAD_BALANCING] = "aux_loss"
     z_loss_coeff: float = 0.0  # weight of the router z-loss (0: off)
 
     def __post_init__(self):
@@ -153,6 +155,17 @@ class MoEProvider(ModelProvider):
             if size % tp:
                 raise LayoutError(f"tensor_model_parallel_size={tp} (the expert tensor-parallel size) does not divide "
                                   f"{field}={size} of this {self.model_type} model")
+
+    def dense_only_stages(self, parallel: ParallelConfig) -> list[int]:
+        """The pipeline stages of ``parallel`` that would hold no MoE layer. A trained model refuses them:
+        Megatron builds no expert optimizer there, while the other stages reduce their expert gradient
+        norms over groups that span it."""
+        pattern, start, stages = self.moe_layer_pattern(), 0, []
+        for stage, count in enumerate(parallel.stage_layers(self.hf_config.num_hidden_layers)):
+            if not any(pattern[start:start + count]):
+                stages.append(stage)
+            start += count
+        return stages
 
     def moe_config_fields(self) -> dict:
         """The TransformerConfig fields of the routed (and shared) experts."""

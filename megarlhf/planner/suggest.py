@@ -66,7 +66,7 @@ def _moves(config: RunConfig, shape: ModelShape, launch: Launch, plan: MemoryPla
     if config.train.micro_batch_tokens // 2 >= plan.max_model_len:
         yield Change((f"train.micro_batch_tokens={config.train.micro_batch_tokens // 2}",),
                      notes=("smaller micro-batches",))
-    model_parallel = [("tensor_model_parallel_size", tp * 2, tp * 2 <= gpus_per_node),
+    model_parallel = [("tensor_model_parallel_size", tp * 2, tp * 2 <= gpus_per_node and not shape.num_experts),
                       ("pipeline_model_parallel_size", pp * 2, True)]
     for key, value, allowed in model_parallel:
         new_tp, new_pp = (value, pp) if key.startswith("tensor") else (tp, value)

@@ -103,14 +103,54 @@ def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int) -> None:
 LossFn = Callable[[MicroBatch, dict], tuple[Tensor, dict]]
 
 
-def expert_parallel_padding(micro_batches: list[MicroBatch], runtime: Runtime) -> list[MicroBatch]:
+def _needs_equal_schedules(config, runtime: Runtime) -> bool:
+    """Whether the model's MoE layers run collectives over data-parallel peers in every micro-batch."""
+    global_balance = (getattr(config, "moe_router_load_balancing_type", None) == "global_aux_loss"
+                      and bool(getattr(config, "moe_aux_loss_coeff", 0)))
+    return runtime.ep.size > 1 or (global_balance and runtime.dp_cp.size > 1)
+
+
+def expert_parallel_padding(micro_batches: list[MicroBatch], runtime: Runtime, config=None) -> list[MicroBatch]:
     """The padding micro-batches this rank runs so that its expert-parallel peers, which exchange tokens in
-    every micro-batch, run as many as it does (module docstring); none without expert parallelism. One
-    all-reduce of the counts over the data x context parallel ranks (host read: the count sizes the schedule)."""
-    if runtime.ep.size == 1:
+    every micro-batch, run as many as it does (module docstring); none where the model (``config``, its
+    TransformerConfig) needs no equal schedules. One all-reduce of the counts over the data x context
+    parallel ranks (host read: the count sizes the schedule)."""
+    if not _needs_equal_schedules(config, runtime):
         return []
     most = runtime.all_reduce([len(micro_batches)], op="max", over="dp_cp")[0]
     return [micro_batches[0]] * (int(most) - len(micro_batches))
+
+
+class _RouterLossSwitch:
+    """Turns Megatron's router losses off while a padding micro-batch runs forward and when its backward
+    starts (a recomputing backward runs the routers again), and on for a real one, in forward and backward
+    (the pipeline schedule interleaves one micro-batch's backward with another's forward)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.coefficients = (getattr(config, "moe_aux_loss_coeff", 0.0), getattr(config, "moe_z_loss_coeff", None))
+
+    def set(self, on: bool) -> None:
+        if self.coefficients != (0.0, None):
+            self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff = self.coefficients if on else (0.0, None)
+
+    def in_backward(self, share: Tensor, on: bool) -> Tensor:
+        """``share``, whose backward first sets the router losses ``on`` (a no-op for a dense model)."""
+        return share if self.coefficients == (0.0, None) else _SetInBackward.apply(share, self, on)
+
+
+class _SetInBackward(torch.autograd.Function):
+    """Identity whose backward (the first of a micro-batch's backward: at its loss) sets the router losses."""
+
+    @staticmethod
+    def forward(ctx, share, switch, on):
+        ctx.switch, ctx.on = switch, on
+        return share.view_as(share)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.switch.set(ctx.on)
+        return grad, None, None
 
 
 def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, *, kind: str,
@@ -134,12 +174,15 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
     if kind == "logprobs":
         check_token_ids(micro_batches, vocab_size)
     real = len(micro_batches)
-    scheduled = [*micro_batches, *expert_parallel_padding(micro_batches, runtime)]
+    config = getattr(model, "config", None)
+    scheduled = [*micro_batches, *expert_parallel_padding(micro_batches, runtime, config)]
     count = len(scheduled)
+    router_losses = _RouterLossSwitch(config)
 
     def step(data_iterator, chunk):
         index, mb = next(data_iterator)
         padding = {"padding_mask": torch.ones_like(mb.tokens, dtype=torch.bool)} if index >= real else {}
+        router_losses.set(not padding)
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
                        output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy), **padding)
 
@@ -149,9 +192,10 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
             if loss_fn is None:
                 return {name: value.detach() for name, value in rows.items()}
             if padding:  # zero share, but a backward through the model like its peers'
-                share = sum(value.sum() for value in rows.values()) * 0.0
+                share = router_losses.in_backward(sum(value.sum() for value in rows.values()) * 0.0, on=False)
                 return share * count, torch.ones((), dtype=torch.int, device=share.device), {}
             share, metrics = loss_fn(mb, rows)
+            share = router_losses.in_backward(share, on=True)
             return share * count, torch.ones((), dtype=torch.int, device=share.device), metrics
 
         return output, finish
@@ -161,6 +205,7 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
         forward_step_func=step, data_iterator=iter(enumerate(scheduled)), model=[model], num_microbatches=count,
         seq_length=longest, micro_batch_size=max(int(mb.tokens.shape[0]) for mb in scheduled),
         forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
+    router_losses.set(True)
     return outputs[:real]
 
 

@@ -128,6 +128,10 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
                           f"{runtime.tp.size} needs sequence parallelism, which megarlhf does not support yet; "
                           f"split the experts with parallel.expert_model_parallel_size instead (frozen MoE models: "
                           f"reference, reward model, evaluation, take any tensor-parallel size)")
+    if provider.is_moe and provider.dense_only_stages(config.parallel):
+        raise LayoutError(f"pipeline stage(s) {provider.dense_only_stages(config.parallel)} would hold only dense "
+                          f"layers of the trained mixture-of-experts {role}; every stage needs an MoE layer: change "
+                          f"parallel.pipeline_model_parallel_size or the uneven stage sizes")
     tconfig = model.config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=optim.use_distributed_optimizer)

@@ -97,6 +97,8 @@ class RouterStats:
 
 
 def mean_moe_metrics(prefix: str, per_step: list[dict[str, float]]) -> dict[str, float]:
-    """The routing metrics of one or more optimizer steps (mean over steps), under ``prefix``."""
+    """The routing metrics of one or more optimizer steps (mean over steps), under ``prefix``; {} without
+    any (a dense model, or steps that ran no forward)."""
+    per_step = [metrics for metrics in per_step if metrics]
     names = sorted({name for metrics in per_step for name in metrics})
     return {f"{prefix}/{name}": sum(m.get(name, 0.0) for m in per_step) / len(per_step) for name in names}

@@ -158,8 +158,7 @@ def _mean_of_steps(role: str, results: list[OptimizerStepResult], per_token: tup
     for name in per_token:
         out[f"{role}/{name}"] = sum(r.metrics[name] / max(r.metrics["tokens"], 1.0) for r in results) / len(results)
     out[f"{role}/grad_norm"] = (sum(r.grad_norm for r in done) / len(done)) if done else math.nan
-    if results[0].moe:
-        out.update(mean_moe_metrics(role, [r.moe for r in results]))
+    out.update(mean_moe_metrics(role, [r.moe for r in results if r.moe]))
     return out
 
 

@@ -254,7 +254,7 @@ def test_load_weights_untied_llama_and_bad_tensors(tmp_path):
     prompts = make_prompts(3, seed=16)
     got = eng.generate(prompts, greedy(8, ignore_eos=True)).response_ids
     assert got == [naive_greedy(second, p, 8) for p in prompts]
-    with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight'.*not a parameter"):
+    with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight'.*not a tensor of the model's checkpoint"):
         eng.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
     with pytest.raises(ValueError, match=r"'model.norm.weight' of shape \(7,\).*\(128,\)"):
         eng.load_weights([("model.norm.weight", torch.zeros(7))])

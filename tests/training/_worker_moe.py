@@ -87,6 +87,10 @@ def main() -> None:
     actor = build_actor(cfg, runtime)
     capture_gradients(actor, out, "sft-aux")
     with_aux = {f"aux/{k}": v for k, v in sft_step(actor, examples, cfg).items()}
+    # the uneven split with the router losses on: padding micro-batches (EP2) must add nothing, not NaN
+    actor = build_actor(cfg, runtime)
+    capture_gradients(actor, out, "actor-uneven-aux")
+    with_aux.update({f"aux-uneven/{k}": v for k, v in actor_update(actor, mine, cfg).items()})
     write_rank_result(out, dist.get_rank(), {"dp": runtime.dp.size, "ep": runtime.ep.size, "edp": runtime.edp.size,
                                              "uneven_micro_batches": counts, **sft, **update, **uneven_update,
                                              **with_aux})

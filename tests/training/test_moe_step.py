@@ -115,6 +115,28 @@ def test_router_losses_reach_metrics_and_gradients(moe_runs):
         assert runs["ep2"][0][0][key] == pytest.approx(runs["ep1"][0][0][key], rel=1e-6), key
 
 
+def test_router_losses_with_padding_micro_batches(moe_runs):
+    """The 6 + 2 split with router losses on: at EP2 the shorter rank runs padding micro-batches, whose
+    router losses are switched off (over all-padding tokens they would be 0/0: NaN everywhere). Every real
+    micro-batch keeps Megatron's weight 1 / (micro-batches scheduled), which is then larger on EP1's
+    shorter rank, so the two layouts' router-loss gradients differ by design; the finite gradients and the
+    policy loss do not depend on the padding."""
+    import math
+
+    _, runs = moe_runs
+    (ranks1, dir1), (ranks2, dir2) = runs["ep1"], runs["ep2"]
+    assert ranks2[0]["uneven_micro_batches"][0] > ranks2[0]["uneven_micro_batches"][1]
+    for ranks in (ranks1, ranks2):
+        metrics = ranks[0]
+        assert math.isfinite(metrics["aux-uneven/actor/grad_norm"]) and metrics["aux-uneven/actor/skipped_steps"] == 0
+        assert math.isfinite(metrics["aux-uneven/actor/moe/load_balancing_loss"])
+    assert ranks2[0]["aux-uneven/actor/loss"] == pytest.approx(ranks1[0]["uneven/actor/loss"], rel=GRAD_TOL)
+    grads = torch.load(dir2 / "grads-actor-uneven-aux.pt")
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    plain = torch.load(dir2 / "grads-actor-uneven.pt")
+    assert _relative(plain["model.layers.1.mlp.gate.weight"], grads["model.layers.1.mlp.gate.weight"]) > 1e-3
+
+
 def test_moe_training_with_tensor_parallelism_is_refused():
     from megarlhf.training.models import _wrap_trainable
     from parallel.config import LayoutError
@@ -125,3 +147,20 @@ def test_moe_training_with_tensor_parallelism_is_refused():
     with pytest.raises(LayoutError, match="mixture-of-experts model with tensor_model_parallel_size=2 needs sequence "
                                           "parallelism"):
         _wrap_trainable("actor", None, provider, config, runtime, 1e-3, 1)
+
+
+def test_moe_training_with_a_dense_only_pipeline_stage_is_refused():
+    from megarlhf.training.models import _wrap_trainable
+    from model_providers import get_provider
+    from model_providers.tiny_models import tiny_config
+    from parallel.config import LayoutError, ParallelConfig
+
+    provider = get_provider(tiny_config("qwen3_moe"))  # 3 layers, the first dense
+    layout = ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    assert provider.dense_only_stages(layout) == [0]
+    assert provider.dense_only_stages(ParallelConfig(pipeline_model_parallel_size=3)) == [0]
+    assert provider.dense_only_stages(ParallelConfig(pipeline_model_parallel_size=2,
+                                                     num_layers_in_first_pipeline_stage=2)) == []
+    config = SimpleNamespace(optim=None, model=SimpleNamespace(dtype="float32"), parallel=layout)
+    with pytest.raises(LayoutError, match=r"pipeline stage\(s\) \[0\] would hold only dense layers"):
+        _wrap_trainable("actor", None, provider, config, SimpleNamespace(tp=SimpleNamespace(size=1)), 1e-3, 1)
