@@ -11,6 +11,15 @@ from model_providers.base import PROVIDERS, ModelProvider
 from model_providers.llama import LLAMA_MAPPINGS
 
 
+def refuse_short_sliding_window(provider: ModelProvider) -> None:
+    """Raises if the config's ``sliding_window`` is shorter than its context (Mistral's and Mixtral's field)."""
+    window = getattr(provider.hf_config, "sliding_window", None)
+    if window is not None and window < provider.hf_config.max_position_embeddings:
+        raise provider._unsupported(
+            f"sliding_window={window} < max_position_embeddings={provider.hf_config.max_position_embeddings} "
+            "(sliding-window attention in use)")
+
+
 @PROVIDERS.register("mistral")
 class MistralProvider(ModelProvider):
     model_type = "mistral"
@@ -19,9 +28,5 @@ class MistralProvider(ModelProvider):
     body_mappings = LLAMA_MAPPINGS
 
     def check_supported(self) -> None:
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window is not None and window < self.hf_config.max_position_embeddings:
-            raise self._unsupported(
-                f"sliding_window={window} < max_position_embeddings={self.hf_config.max_position_embeddings} "
-                "(sliding-window attention in use)")
+        refuse_short_sliding_window(self)
         super().check_supported()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from model_providers.base import PROVIDERS
 from model_providers.llama import LAYER, LLAMA_MAPPINGS
+from model_providers.mistral import refuse_short_sliding_window
 from model_providers.moe import MoEProvider, expert_mappings, router_mapping
 
 MIXTRAL_MAPPINGS = tuple(m for m in LLAMA_MAPPINGS if ".mlp." not in m.megatron) + (
@@ -29,9 +30,5 @@ class MixtralProvider(MoEProvider):
     always_normalised = True
 
     def check_supported(self) -> None:
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window is not None and window < self.hf_config.max_position_embeddings:
-            raise self._unsupported(
-                f"sliding_window={window} < max_position_embeddings={self.hf_config.max_position_embeddings} "
-                "(sliding-window attention in use)")
+        refuse_short_sliding_window(self)
         super().check_supported()

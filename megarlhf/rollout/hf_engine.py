@@ -77,11 +77,11 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, int, tuple
         if shapes == {name: tuple(param.shape)}:
             layout[name] = (name, 0, tuple(param.shape))
             continue
-        index = torch.arange(param.numel(), dtype=torch.int64).view(param.shape)
+        index = torch.arange(param.numel(), dtype=torch.int64, device="cpu").view(param.shape)  # host: a probe
         for hf_name, part in revert_weight_conversion(model, {name: index}).items():
             flat = part.reshape(-1)
             start = int(flat[0])
-            if not torch.equal(flat, torch.arange(start, start + flat.numel())):
+            if not torch.equal(flat, torch.arange(start, start + flat.numel(), device="cpu")):  # host: the probe's
                 raise ValueError(f"HF rollout engine: checkpoint tensor {hf_name} is not one contiguous block of "
                                  f"the model's parameter {name}")
             layout[hf_name] = (name, start, tuple(part.shape))

@@ -12,7 +12,8 @@ ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 LOGIT_TOL = 1e-5
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", pytest.param("pp2", marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout", ["ep1", "ep2", pytest.param("tp2", marks=pytest.mark.slow),
+                                    pytest.param("pp2", marks=pytest.mark.slow),
                                     pytest.param("ep2tp2", marks=pytest.mark.slow)])
 def test_moe_matches_hf(moe_parity, layout):
     ranks = moe_parity(layout)
@@ -69,3 +70,17 @@ def test_moe_layout_validation():
     assert ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2).data_parallel_size(4) == 2
     with pytest.raises(LayoutError, match="expert_model_parallel_size must be a positive integer"):
         ParallelConfig(expert_model_parallel_size=0)
+
+
+def test_moe_refusals_name_the_setting():
+    from model_providers import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="mixtral config: sliding_window=64 < max_position_embeddings=256"):
+        get_provider(tiny_config("mixtral", sliding_window=64))
+    with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size=0"):
+        get_provider(tiny_config("qwen2_moe", shared_expert_intermediate_size=0))
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9 with 8 experts"):
+        get_provider(tiny_config("qwen3_moe", num_experts_per_tok=9))
+    with pytest.raises(UnsupportedModelError, match=r"settings \['moe_aux_loss_coeff'\] \(model.moe\) given for this "
+                                                    "dense qwen2 model"):
+        get_provider(tiny_config("qwen2")).transformer_config(ParallelConfig(), moe_aux_loss_coeff=0.01)

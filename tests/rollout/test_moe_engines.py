@@ -25,7 +25,7 @@ def moe_models(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_moe_engine_generates_loads_and_verifies(moe_models, tmp_path, backend):
     proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(moe_models), str(tmp_path)], capture_output=True,
                           text=True, timeout=900, env={"OMP_NUM_THREADS": "2", **__import__("os").environ})
