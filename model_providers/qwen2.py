@@ -18,6 +18,12 @@ QWEN2_MAPPINGS = LLAMA_MAPPINGS + (
 )
 
 
+def refuse_sliding_window_flag(provider: ModelProvider) -> None:
+    """Raises if the config turns on sliding-window attention (the Qwen families' ``use_sliding_window``)."""
+    if getattr(provider.hf_config, "use_sliding_window", False):
+        raise provider._unsupported("use_sliding_window=True (sliding-window attention)")
+
+
 @PROVIDERS.register("qwen2")
 class Qwen2Provider(ModelProvider):
     model_type = "qwen2"
@@ -27,6 +33,5 @@ class Qwen2Provider(ModelProvider):
     body_mappings = QWEN2_MAPPINGS
 
     def check_supported(self) -> None:
-        if getattr(self.hf_config, "use_sliding_window", False):
-            raise self._unsupported("use_sliding_window=True (sliding-window attention)")
+        refuse_sliding_window_flag(self)
         super().check_supported()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from model_providers.base import PROVIDERS
 from model_providers.llama import LAYER
 from model_providers.moe import SHARED_EXPERT_MAPPINGS, MoEProvider, expert_mappings, router_mapping
-from model_providers.qwen2 import QWEN2_MAPPINGS
+from model_providers.qwen2 import QWEN2_MAPPINGS, refuse_sliding_window_flag
 
 QWEN2_MOE_MAPPINGS = QWEN2_MAPPINGS + (
     router_mapping("mlp.gate.weight"),
@@ -30,8 +30,7 @@ class Qwen2MoeProvider(MoEProvider):
 
     def check_supported(self) -> None:
         c = self.hf_config
-        if getattr(c, "use_sliding_window", False):
-            raise self._unsupported("use_sliding_window=True (sliding-window attention)")
+        refuse_sliding_window_flag(self)
         if not getattr(c, "qkv_bias", True):
             raise self._unsupported("qkv_bias=False")
         if not self.shared_expert_size:

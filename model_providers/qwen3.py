@@ -10,6 +10,7 @@ from __future__ import annotations
 from model_providers.base import PROVIDERS, ModelProvider
 from model_providers.llama import LAYER, LLAMA_MAPPINGS, MEGATRON_LAYER
 from model_providers.mapping import REPLICATED, WeightMapping
+from model_providers.qwen2 import refuse_sliding_window_flag
 
 QWEN3_MAPPINGS = LLAMA_MAPPINGS + (
     WeightMapping(MEGATRON_LAYER + "self_attention.q_layernorm.weight", (LAYER + "self_attn.q_norm.weight",),
@@ -28,6 +29,5 @@ class Qwen3Provider(ModelProvider):
     body_mappings = QWEN3_MAPPINGS
 
     def check_supported(self) -> None:
-        if getattr(self.hf_config, "use_sliding_window", False):
-            raise self._unsupported("use_sliding_window=True (sliding-window attention)")
+        refuse_sliding_window_flag(self)
         super().check_supported()

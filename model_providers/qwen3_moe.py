@@ -11,6 +11,7 @@ from __future__ import annotations
 from model_providers.base import PROVIDERS
 from model_providers.llama import LAYER
 from model_providers.moe import MoEProvider, expert_mappings, router_mapping
+from model_providers.qwen2 import refuse_sliding_window_flag
 from model_providers.qwen3 import QWEN3_MAPPINGS
 
 QWEN3_MOE_MAPPINGS = QWEN3_MAPPINGS + (
@@ -28,6 +29,5 @@ class Qwen3MoeProvider(MoEProvider):
     body_mappings = QWEN3_MOE_MAPPINGS
 
     def check_supported(self) -> None:
-        if getattr(self.hf_config, "use_sliding_window", False):
-            raise self._unsupported("use_sliding_window=True (sliding-window attention)")
+        refuse_sliding_window_flag(self)
         super().check_supported()

@@ -114,6 +114,24 @@ def _distributed_optimizer_layout(model, ddp_config):
         expert_data_parallel_world_size=expert_dp.size())
 
 
+def _refuse_untrainable_moe(role: str, provider, config: RunConfig, runtime: Runtime) -> None:
+    """Layouts in which an MoE model builds but cannot be trained correctly (a dense model passes)."""
+    if not provider.is_moe:
+        return
+    if runtime.tp.size > 1:
+        # Megatron's MoE layer then needs sequence parallelism: without it every TP rank dispatches the same
+        # tokens and the experts' gradients are counted tensor_model_parallel_size times
+        raise LayoutError(f"training the {role} of a mixture-of-experts model with tensor_model_parallel_size="
+                          f"{runtime.tp.size} needs sequence parallelism, which megarlhf does not support yet; "
+                          f"split the experts with parallel.expert_model_parallel_size instead (frozen MoE models: "
+                          f"reference, reward model, evaluation, take any tensor-parallel size)")
+    dense_only = provider.dense_only_stages(config.parallel)
+    if dense_only:
+        raise LayoutError(f"pipeline stage(s) {dense_only} would hold only dense layers of the trained "
+                          f"mixture-of-experts {role}; every stage needs an MoE layer: change "
+                          f"parallel.pipeline_model_parallel_size or the uneven stage sizes")
+
+
 def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runtime, lr: float,
                     total_steps: int) -> TrainModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -121,17 +139,7 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optim, dtype = config.optim, params_dtype(config)
-    if provider.is_moe and runtime.tp.size > 1:
-        # Megatron's MoE layer then needs sequence parallelism: without it every TP rank dispatches the same
-        # tokens and the experts' gradients are counted tensor_model_parallel_size times
-        raise LayoutError(f"training the {role} of a mixture-of-experts model with tensor_model_parallel_size="
-                          f"{runtime.tp.size} needs sequence parallelism, which megarlhf does not support yet; "
-                          f"split the experts with parallel.expert_model_parallel_size instead (frozen MoE models: "
-                          f"reference, reward model, evaluation, take any tensor-parallel size)")
-    if provider.is_moe and provider.dense_only_stages(config.parallel):
-        raise LayoutError(f"pipeline stage(s) {provider.dense_only_stages(config.parallel)} would hold only dense "
-                          f"layers of the trained mixture-of-experts {role}; every stage needs an MoE layer: change "
-                          f"parallel.pipeline_model_parallel_size or the uneven stage sizes")
+    _refuse_untrainable_moe(role, provider, config, runtime)
     tconfig = model.config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=optim.use_distributed_optimizer)
