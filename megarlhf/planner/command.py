@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from megarlhf.planner.memory import COMMANDS, GIB, Launch, MemoryPlan, plan_memory
@@ -24,10 +25,17 @@ ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp
         ("engine_sync_bucket", "weight-sync bucket")]
 
 
+def smallest_world(parallel) -> int:
+    """The fewest ranks ``parallel`` runs on: a multiple of both TP x PP x CP (one model copy) and TP x EP x PP
+    (one copy of the experts)."""
+    return math.lcm(parallel.model_parallel_size, parallel.expert_layout_size)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="YAML recipe (a RunConfig; see examples/recipes)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. parallel.tensor_model_parallel_size=2")
-    parser.add_argument("--gpus", type=int, default=None, help="ranks in the job (default: TP x PP x CP, i.e. DP=1)")
+    parser.add_argument("--gpus", type=int, default=None, help="ranks in the job (default: the smallest the layout takes: TP x PP x CP, i.e. DP=1, "
+                        "or more where expert parallelism needs it)")
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one device (default 80)")
     parser.add_argument("--reserve-gib", type=float, default=None,
                         help="per-rank memory set aside for runtime (CUDA context, NCCL, allocator, vLLM "
@@ -48,7 +56,7 @@ def plan_from_args(args: argparse.Namespace):
     config = load_config(RunConfig, args.recipe, args.overrides)
     shape, source = resolve_shape(config.model.path, args.arch)
     reserve = args.reserve_gib if args.reserve_gib is not None else (3.0 if args.device == "gpu" else 0.0)
-    launch = Launch(world_size=args.gpus or config.parallel.model_parallel_size, device_memory_gib=args.gpu_mem_gib,
+    launch = Launch(world_size=args.gpus or smallest_world(config.parallel), device_memory_gib=args.gpu_mem_gib,
                     device=args.device, reserve_gib=reserve, command=args.planned_command)
     return config, shape, source, launch, plan_memory(config, shape, launch)
 

@@ -125,3 +125,13 @@ def test_qwen2_5_7b_plans_at_pp8_with_uneven_stages(capsys):
     embedding = 152064 // 2 * 3584 * 2  # Qwen2.5-7B's vocab (TP-split) x hidden, bf16; its head is untied
     assert weights[0] == 3 * layer + embedding
     assert weights[7] == layer + 3584 * 2 + embedding  # 1 layer, the final norm and the LM head
+
+
+def test_default_gpus_is_the_smallest_world_the_layout_takes(capsys):
+    """Without --gpus the plan takes the fewest ranks the layout runs on: with experts split over more ranks
+    than TP x PP x CP, a multiple of both (seen failing: the PP2 x EP8 recipe asked for 2 ranks)."""
+    status = main(["plan", "--json", str(RECIPES / "qwen3-30b-a3b_grpo.yaml")])
+    default = json.loads(capsys.readouterr().out)
+    assert status == 0 and default["fits"]
+    assert main(["plan", "--json", "--gpus", "16", str(RECIPES / "qwen3-30b-a3b_grpo.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out) == default
