@@ -81,6 +81,7 @@ def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool
     from megatron.core.models.gpt import gpt_layer_specs
 
     from parallel.context_parallel import with_cp_attention
+    from parallel.sequence_parallel import with_sequence_parallel_norms
 
     if config.num_moe_experts:
         if unfused_norms:
@@ -89,8 +90,11 @@ def build_layer_spec(config, packed_sequences: bool = False, unfused_norms: bool
         # one spec per layer of this pipeline stage: MoE layers and the model's dense ones (moe_layer_freq)
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=uses_transformer_engine(),
                                                           normalization="RMSNorm")
-        return spec if uses_transformer_engine() else with_cp_attention(spec, config.context_parallel_size,
-                                                                         packed=packed_sequences)
+        if uses_transformer_engine():
+            return spec
+        if config.sequence_parallel:  # MoE models at TP > 1 (model_providers.moe)
+            spec = with_sequence_parallel_norms(spec)
+        return with_cp_attention(spec, config.context_parallel_size, packed=packed_sequences)
     if uses_transformer_engine():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         return _with_unfused_te_norms(spec) if unfused_norms else spec
@@ -237,7 +241,7 @@ class ModelProvider:
             context_parallel_size=parallel.context_parallel_size,
             **parallel.uneven_stages,  # Megatron's layer offsets follow them (and the converters read those)
             expert_model_parallel_size=parallel.expert_model_parallel_size,
-            **(self.moe_config_fields() if self.is_moe else {}),
+            **(self.moe_config_fields(parallel) if self.is_moe else {}),
         )
         kwargs.update(cpu_compat.transformer_config_overrides())
         kwargs.update(overrides)

@@ -167,9 +167,13 @@ class MoEProvider(ModelProvider):
             start += count
         return stages
 
-    def moe_config_fields(self) -> dict:
-        """The TransformerConfig fields of the routed (and shared) experts."""
+    def moe_config_fields(self, parallel: ParallelConfig) -> dict:
+        """The TransformerConfig fields of the routed (and shared) experts. Under tensor parallelism the model
+        runs with sequence parallelism: Megatron's MoE layer needs it to train (without it every TP rank
+        would dispatch the same tokens and the experts' gradients would count TP times), and a frozen copy
+        uses it too, so that every model of a run takes the same micro-batches."""
         fields = dict(num_moe_experts=self.num_experts, moe_router_topk=self.top_k,
+                      sequence_parallel=parallel.tensor_model_parallel_size > 1,
                       moe_ffn_hidden_size=int(getattr(self.hf_config, self.expert_ffn_field)),
                       moe_layer_freq=self.moe_layer_pattern(), moe_router_score_function="softmax",
                       moe_router_pre_softmax=not self.normalises_top_k, moe_router_dtype="fp32",

@@ -14,9 +14,7 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from functools import partial
-from typing import Any
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,30 +22,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from parallel.cp_attention import CP_COMM_TYPES, DEFAULT_CP_COMM_TYPE, ContextParallelAttention
 from parallel.cp_sharding import (CPShardPlan, make_shard_plan, packed_seq_params_for, rank_token_index, shard,
                                   unshard)
+from parallel.spec_tree import replace_in_spec
 
 __all__ = [
     "CPShardPlan", "ContextParallelAttention", "make_shard_plan", "packed_seq_params_for", "rank_token_index",
     "shard", "unshard", "with_cp_attention", "CP_COMM_TYPES", "DEFAULT_CP_COMM_TYPE",
 ]
-
-
-def _swap(node: Any, replacement: Any) -> tuple[Any, int]:
-    """Copy of a spec tree with every ``core_attention=DotProductAttention`` replaced; and the count."""
-    if isinstance(node, (list, tuple)):
-        swapped = [_swap(item, replacement) for item in node]
-        return type(node)(item for item, _ in swapped), sum(n for _, n in swapped)
-    if not dataclasses.is_dataclass(node) or isinstance(node, type):
-        return node, 0
-    changes, count = {}, 0
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        if field.name == "core_attention" and value is DotProductAttention:
-            changes[field.name], count = replacement, count + 1
-        else:
-            new_value, n = _swap(value, replacement)
-            if n:
-                changes[field.name], count = new_value, count + n
-    return (dataclasses.replace(node, **changes) if changes else node), count
 
 
 def with_cp_attention(spec: ModuleSpec, context_parallel_size: int, packed: bool = False,
@@ -64,7 +44,8 @@ def with_cp_attention(spec: ModuleSpec, context_parallel_size: int, packed: bool
     if context_parallel_size == 1 and not packed:
         return spec
     replacement = partial(ContextParallelAttention, block_size=block_size)
-    swapped, count = _swap(spec, replacement)
+    swapped, count = replace_in_spec(
+        spec, lambda field, value: replacement if field == "core_attention" and value is DotProductAttention else None)
     if count == 0:
         raise ValueError("with_cp_attention: the layer spec has no local DotProductAttention to replace "
                          "(context parallelism with the local spec needs parallel.cp_attention; a "

@@ -42,11 +42,28 @@ Patches (every one of them, and why):
    stay a tensor, which ``all_to_all_single`` (gloo) refuses as split sizes. The dispatcher's copy of that
    function also makes host tensors numpy arrays when asked (:func:`_patch_moe_dispatcher`).
 
+6. Gathers and reduce-scatters over the first dimension (sequence parallelism): Megatron's
+   ``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` allocate their output with
+   ``device=torch.cuda.current_device()``, which patch 1 cannot rewrite inside a recomputing backward
+   (Megatron's ``CheckpointFunction.backward`` calls ``torch.autograd.backward``, a torch function during
+   which the mode is popped); and the alltoall dispatcher gathers each TP rank's (differently many) routed
+   tokens with ``output_split_sizes`` and scatters their gradients back with ``input_split_sizes``, i.e.
+   ``all_gather`` / ``reduce_scatter`` of unequal tensors, which gloo refuses. Both functions are replaced
+   (:func:`_patch_first_dim_collectives`): outputs on the input's device; uneven parts as an equal-size
+   all-gather of zero-padded parts and as an all-reduce followed by this rank's slice.
+
+7. Megatron's activation checkpointing (``tensor_parallel.random.CheckpointFunction``) runs the recomputed
+   chunk's backward with ``torch.autograd.backward``, a torch function, so patch 1's mode is popped inside
+   it and a CUDA allocation there fails (the sequence-parallel linears' reduce-scatter buffer). That module
+   sees a ``torch`` whose ``autograd.backward`` calls the autograd engine directly, as Megatron's own
+   ``custom_backward`` does (:func:`_patch_checkpoint_backward`); everything else is torch's.
+
 (Packed-sequence RoPE without Megatron's per-sequence loop is not a CPU matter: it lives in
-:mod:`parallel.megatron_fallbacks`, on every device.)
+:mod:`parallel.megatron_fallbacks`, on every device; nor are the torch norms under sequence parallelism:
+:mod:`parallel.sequence_parallel`.)
 
 Not patched, because it cannot work here: context parallelism in Megatron's local attention (megarlhf
-has its own CP attention in :mod:`parallel.context_parallel`) and sequence parallelism.
+has its own CP attention in :mod:`parallel.context_parallel`).
 """
 from __future__ import annotations
 
@@ -177,6 +194,85 @@ def _patch_moe_dispatcher() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
 
 
+def _patch_first_dim_collectives() -> None:
+    """Patch 6: first-dimension gathers and reduce-scatters on the input's device, uneven ones over gloo
+    (module docstring)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        size = group.size()
+        if size == 1:
+            return input_
+        if output_split_sizes is None:
+            output = input_.new_empty((input_.shape[0] * size, *input_.shape[1:]))
+            dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+            return output
+        widest = max(output_split_sizes)
+        padded = input_.new_zeros((widest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        size = group.size()
+        if size == 1:
+            return input_
+        if input_split_sizes is None:
+            if input_.shape[0] % size:
+                raise ValueError(f"reduce-scatter: first dimension {input_.shape[0]} is not divisible by the group "
+                                 f"size {size}")
+            output = input_.new_empty((input_.shape[0] // size, *input_.shape[1:]))
+            dist.reduce_scatter_tensor(output, input_.contiguous(), group=group)
+            return output
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[:group.rank()])
+        return total[start:start + input_split_sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
+def _engine_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward`` for tensors with explicit gradients, through the autograd engine (not a
+    torch function, so patch 1's mode stays active inside)."""
+    from torch.autograd.variable import Variable
+
+    tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
+    grads = (grad_tensors,) if torch.is_tensor(grad_tensors) else tuple(grad_tensors)
+    grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads))
+    Variable._execution_engine.run_backward(
+        tensors=tensors, grad_tensors=grads, keep_graph=bool(retain_graph or create_graph),
+        create_graph=create_graph, inputs=tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
+
+
+class _AutogradWithEngineBackward:
+    """``torch.autograd`` as :mod:`megatron.core.tensor_parallel.random` sees it under patch 7."""
+
+    backward = staticmethod(_engine_backward)
+
+    def __getattr__(self, name):
+        return getattr(torch.autograd, name)
+
+
+class _TorchForCheckpointing:
+    """``torch`` as :mod:`megatron.core.tensor_parallel.random` sees it under patch 7."""
+
+    autograd = _AutogradWithEngineBackward()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _patch_checkpoint_backward() -> None:
+    """Patch 7 (module docstring)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.torch = _TorchForCheckpointing()
+
+
 def is_active() -> bool:
     return _MODE is not None
 
@@ -193,6 +289,8 @@ def activate() -> bool:
         _patch_torch_cuda()
         _patch_megatron_rng()
         _patch_moe_dispatcher()
+        _patch_first_dim_collectives()
+        _patch_checkpoint_backward()
         _MODE = _CudaToCpu()
         _MODE.__enter__()
     return True

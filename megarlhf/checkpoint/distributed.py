@@ -1,4 +1,5 @@
-"""Atomic Megatron distributed checkpoints of a model, loadable at any tensor/pipeline-parallel layout.
+"""Atomic Megatron distributed checkpoints of a model, loadable at any tensor/pipeline-parallel layout (an
+MoE model's optimizer state only at the expert-parallel size it was saved at; its weights at any).
 
 A checkpoint directory holds
 
@@ -191,7 +192,8 @@ def _layout() -> dict:
     if ps.model_parallel_is_initialized():
         layout.update(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                       pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                      data_parallel_size=ps.get_data_parallel_world_size())
+                      data_parallel_size=ps.get_data_parallel_world_size(),
+                      expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
     return layout
 
 
@@ -462,6 +464,16 @@ def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions:
             problems.append(f"it holds no optimizer state for {name!r}")
         if part.scheduler is not None and not saved[name].get("scheduler"):
             problems.append(f"it holds no lr scheduler state for {name!r}")
+    wants_optimizer = optimizer is not None or any(part.optimizer is not None for part in companions.values())
+    saved_ep = info.get("saved_with", {}).get("expert_model_parallel_size")  # None: not recorded (older saves)
+    ep = _layout().get("expert_model_parallel_size", 1)
+    if wants_optimizer and saved_ep is not None and saved_ep != ep:
+        # Megatron gives the experts an optimizer of their own when EP > 1 (a chained optimizer, whose state
+        # is saved under other keys), so optimizer state does not carry over to another EP size
+        problems.append(f"it was saved at expert_model_parallel_size={saved_ep}, this run has {ep}, and an MoE "
+                        f"model's optimizer state is laid out per expert-parallel size: resume at "
+                        f"expert_model_parallel_size={saved_ep}, or start a new run from the checkpoint's weights "
+                        f"(weights alone load at any layout, e.g. megarlhf convert megatron-to-hf)")
     if problems:
         raise CheckpointError(f"checkpoint at {path} does not fit this run: {'; '.join(problems)}")
 

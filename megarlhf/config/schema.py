@@ -73,6 +73,9 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     overlong: OverlongConfig | None = None  # DAPO overlong reward shaping (None: off)
+    # MoE actors: route the old-log-prob pass and the update as the rollout engine did (r3), the update as the
+    # old-log-prob pass did (r2), or freely (none); megarlhf.training.routing_replay
+    routing_replay: Literal["none", "r2", "r3"] = "none"
 
     def __post_init__(self):
         _check(self.estimator in ADVANTAGE_ESTIMATORS,

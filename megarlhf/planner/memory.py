@@ -324,9 +324,10 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        par.expert_model_parallel_size, **par.uneven_stages)
     if shape.num_experts and par.tensor_model_parallel_size > 1:
-        raise ConfigError(f"tensor_model_parallel_size={par.tensor_model_parallel_size}: megarlhf trains "
-                          f"mixture-of-experts models at TP 1 only (TP > 1 needs sequence parallelism, not "
-                          f"supported yet); split the experts with parallel.expert_model_parallel_size")
+        raise ConfigError(f"tensor_model_parallel_size={par.tensor_model_parallel_size}: the planner plans "
+                          f"mixture-of-experts models at TP 1 only (at TP > 1 they train with sequence "
+                          f"parallelism, whose activation split it does not model yet); split the experts with "
+                          f"parallel.expert_model_parallel_size")
     dp = par.data_parallel_size(launch.world_size)
     if config.train.global_batch_size % dp:
         raise ConfigError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "

@@ -23,6 +23,9 @@ class RolloutBatch:
     loss_masks: list[list[int]] = field(default_factory=list)
     env_rewards: list[float] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
+    # an engine recording routing (routing replay R3) only, else empty: per sample its routing record,
+    # int16 [prompt + response tokens, moe_layers, top_k] on the host (megarlhf.rollout.routing)
+    routed_experts: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -84,8 +84,10 @@ def natural_gap(actor, batch: RolloutBatch, config) -> tuple[float, float]:
 
     if not any(batch.response_ids):
         return 0.0, 0.0
+    # under routing replay (r3) the engine's routing comes along and is replayed, as at step 0
     experience = ExperienceBatch.from_sequences(batch.prompt_ids, batch.response_ids, device=actor.runtime.device,
-                                                rollout_logprobs=batch.logprobs)
+                                                rollout_logprobs=batch.logprobs,
+                                                routed_experts=batch.routed_experts or None)
     logprobs = compute_logprobs(actor, experience, config)
     gap = (logprobs - experience.rollout_logprobs).abs()[experience.response_mask]
     worst, mean = torch.stack([gap.max(), gap.mean()]).tolist()  # host: one read, at start-up

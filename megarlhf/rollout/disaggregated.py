@@ -73,6 +73,7 @@ from megarlhf.rollout.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibr
                                           trainer_fingerprints, worst_of)
 from megarlhf.rollout.config import SamplingConfig, vllm_lora_rank
 from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+from megarlhf.rollout.routing import engine_routing
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, parameter_report,
                                              repack_experts, reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import to_host
@@ -204,7 +205,8 @@ class DisaggregatedRollout:
                                  f"rollout.backend={config.rollout.backend!r}")
             self.engine = RolloutEngine(config.model.path, EngineConfig.from_rollout(
                 config.rollout, model_dtype=config.model.dtype, seed=config.seed,
-                max_prompt_length=config.data.max_prompt_length, in_process=False, **engine_lora(config)))
+                max_prompt_length=config.data.max_prompt_length, in_process=False, **engine_lora(config),
+                **engine_routing(config)))
             self.adapter_directory = AdapterDirectory() if self.adapter_only else None
             self.multi_turn = _engine_multi_turn(config)
         else:
@@ -332,8 +334,10 @@ class DisaggregatedRollout:
                 batch = self.engine.generate(share, local)
             extras = (zip(batch.loss_masks, batch.env_rewards, batch.tool_calls) if episodes
                       else itertools.repeat((None, None, None)))  # (loss mask, env reward, tool calls) of an episode
-            samples = [(mine[p], r, lp, f, *extra) for p, r, lp, f, extra in
-                       zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, extras)]
+            routing = batch.routed_experts or itertools.repeat(None)  # routing records (replay r3)
+            samples = [(mine[p], r, lp, f, *extra, record) for p, r, lp, f, extra, record in
+                       zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, extras,
+                           routing)]
         self._from_engines((samples, time.perf_counter() - start, tools))
 
     def _verdict(self, problems: list[str], what: str, metric=None) -> None:
@@ -526,13 +530,16 @@ class DisaggregatedRollout:
         samples, generate_s, tools = self._trainer_bcast(samples)
         dp_rank, batch, episodes = self.runtime.dp.rank, RolloutBatch(), request.episodes
         limit = request.max_new_tokens.get(dp_rank)
-        for item, response, logprobs, finish, mask, env_reward, calls in samples:  # stable sort: sample order kept
+        for item, response, logprobs, finish, mask, env_reward, calls, record in samples:  # stable sort: order kept
             dp, i = request.order[item]
             if dp != dp_rank:
                 continue
+            prompt = request.replicas[dp][i]
             if not episodes and len(response) > limit:  # generated for another replica's larger limit: cut
                 response, logprobs, finish = response[:limit], logprobs[:limit], "length"
-            prompt = request.replicas[dp][i]
+                record = None if record is None else record[:len(prompt) + limit]
+            if record is not None:
+                batch.routed_experts.append(record)
             batch.prompt_index.append(i)
             batch.prompt_ids.append(list(prompt.prompt_ids) if episodes else prompt)
             batch.response_ids.append(list(response))

@@ -40,6 +40,7 @@ from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCa
                                              reprocess_tied, tied_modules)
 from megarlhf.rollout.fingerprint import fingerprint
 from megarlhf.rollout.hf_engine import HFRolloutEngine
+from megarlhf.rollout.routing import record_from_vllm
 
 __all__ = ["EngineConfig", "RolloutEngine", "make_engine"]
 
@@ -67,17 +68,21 @@ class EngineConfig:
     max_lora_rank: int = 0
     # the HF projections the adapter may touch (vLLM's lora_target_modules): only they get LoRA kernels
     lora_modules: tuple[str, ...] = ()
+    # the HF layer indices of an MoE model's MoE layers when the engine records routing (routing replay R3;
+    # megarlhf.rollout.routing), else ()
+    routing_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, *, model_dtype: str, seed: int, max_prompt_length: int,
-                     in_process: bool = True, lora_rank: int = 0, lora_modules: tuple[str, ...] = ()
-                     ) -> "EngineConfig":
+                     in_process: bool = True, lora_rank: int = 0, lora_modules: tuple[str, ...] = (),
+                     routing_layers: tuple[int, ...] = ()) -> "EngineConfig":
         return cls(backend=rollout.backend, tensor_parallel_size=rollout.tensor_parallel_size,
                    dtype=rollout.engine_dtype(model_dtype), seed=seed, enforce_eager=rollout.enforce_eager,
                    max_model_len=max_prompt_length + rollout.response_budget,
                    kv_cache_bytes=rollout.kv_cache_mb * 2**20, logprobs_mode=vllm_logprobs_mode(rollout),
                    num_threads=torch.get_num_threads(), in_process=in_process,
-                   max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else 0, lora_modules=tuple(lora_modules))
+                   max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else 0, lora_modules=tuple(lora_modules),
+                   routing_layers=tuple(routing_layers))
 
 
 def child_visible_devices(visible: str | None, device_index: int) -> str:
@@ -151,6 +156,11 @@ class RolloutEngine:
             # per-token rows: vLLM issues 29955 and 51594), which the sync's probe reads.
             kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank, max_loras=1, max_cpu_loras=1,
                           lora_target_modules=list(config.lora_modules))
+        if config.routing_layers:  # vLLM's V2 model runner (Triton, a GPU) returns them; its CPU runner cannot
+            if not self.on_gpu:
+                raise ValueError("routing replay r3 with rollout.backend='vllm' needs vLLM's routed-experts capture, "
+                                 "which runs on a GPU only; on CPU use rollout.backend='hf', which records routing")
+            kwargs["enable_return_routed_experts"] = True
         self.lora_request = None  # the adapter every generation uses; None: the base weights
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         from vllm import LLM
@@ -189,6 +199,11 @@ class RolloutEngine:
                 batch.prompt_ids.append(list(map(int, prompts[i])))
                 batch.response_ids.append(ids)
                 batch.logprobs.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids)])
+                if self.config.routing_layers:
+                    model_config = self.llm.llm_engine.model_config
+                    batch.routed_experts.append(record_from_vllm(
+                        sample.routed_experts, self.config.routing_layers, len(prompts[i]) + len(ids),
+                        model_config.get_num_experts_per_tok(), model_config.get_num_experts()))
                 batch.finish_reasons.append(sample.finish_reason)
         return batch
 
@@ -342,7 +357,7 @@ def make_engine(hf_dir: str, config: EngineConfig, device: torch.device):
             raise ValueError(f"rollout.backend='hf' runs one engine per rank: rollout.tensor_parallel_size must "
                              f"be 1, got {config.tensor_parallel_size}")
         return HFRolloutEngine(hf_dir, dtype=torch_dtype(config.dtype), device=device, seed=config.seed,
-                               max_model_len=config.max_model_len)
+                               max_model_len=config.max_model_len, routing_layers=config.routing_layers)
     if config.backend != "vllm":
         raise ValueError(f"unknown rollout backend {config.backend!r} (vllm, hf)")
     return RolloutEngine(hf_dir, config)

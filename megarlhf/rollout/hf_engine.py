@@ -23,6 +23,9 @@ surface as the vLLM engine (``generate``, ``prompt_logprobs``, ``load_weights``,
   the fingerprints of the parameters afterwards (the weight sync compares them with the trainer's, bit for
   bit, predicting each fused parameter from its parts with :meth:`HFRolloutEngine.placement`).
 * ``sleep`` / ``wake_up``: on CUDA the weights go to host memory and back; nothing to do on CPU.
+* With ``routing_layers`` (an MoE model's MoE layers, for routing replay) ``generate`` also returns each
+  sample's routing record (:mod:`megarlhf.rollout.routing`): the prompt's from the prefill, each generated
+  token's from the decode step that fed it.
 
 Hand-written rather than ``model.generate``: the RL contract needs one seeded generator per sample
 (HF's sampler draws from the global RNG for the whole batch, so a sample would depend on its batch
@@ -43,6 +46,7 @@ import torch
 from megarlhf.rollout.batch import RolloutBatch, check_prompt_ids
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.engine_weights import parameter_report
+from megarlhf.rollout.routing import GateRecorder, unrouted
 
 # logits of one prompt_logprobs chunk (rows x padded length x vocab) stay below this many elements
 _LOGIT_BUDGET = 2**27
@@ -103,7 +107,7 @@ class HFRolloutEngine:
     """
 
     def __init__(self, hf_dir: str, *, dtype: torch.dtype, device: torch.device | str, seed: int,
-                 max_model_len: int, max_batch_tokens: int = 2**18):
+                 max_model_len: int, max_batch_tokens: int = 2**18, routing_layers: tuple[int, ...] = ()):
         from transformers import AutoModelForCausalLM
 
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -126,6 +130,7 @@ class HFRolloutEngine:
         self.sleep_supported = self.device.type == "cuda"
         self._asleep = False
         self._seed_source = torch.Generator().manual_seed(seed)
+        self.recorder = GateRecorder(self.model, tuple(routing_layers)) if routing_layers else None
 
     # ---- generation ---------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]]) -> None:
@@ -147,7 +152,7 @@ class HFRolloutEngine:
             return batch
         for first, chunk in self._chunks(prompts, sampling):
             seeds = [sampling.prompt_seed(i) + j for i in range(first, first + len(chunk)) for j in range(sampling.n)]
-            rows = self._decode(chunk, seeds, sampling, stop_ids)
+            rows, routing = self._decode(chunk, seeds, sampling, stop_ids)
             for k, (ids, lps, reason) in enumerate(rows):
                 i = first + k // sampling.n
                 batch.prompt_index.append(i)
@@ -155,6 +160,7 @@ class HFRolloutEngine:
                 batch.response_ids.append(ids)
                 batch.logprobs.append(lps)
                 batch.finish_reasons.append(reason)
+            batch.routed_experts += routing
         return batch
 
     def _chunks(self, prompts: list[list[int]], sampling: SamplingConfig):
@@ -169,16 +175,27 @@ class HFRolloutEngine:
             longest = longest_with
         yield first, prompts[first:]
 
-    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        """fp32 logits of the last position of every row, extending ``cache``."""
+    def _forward(self, ids, mask, positions, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits of the last position of every row, extending ``cache``, and (when recording) the
+        routing of every position, [rows, positions, moe_layers, top_k]."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float()
+        routing = self.recorder.take(*ids.shape) if self.recorder is not None else None
+        return out.logits[:, -1].float(), routing
 
     @torch.inference_mode()
-    def _decode(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
-                stop_ids: set[int]) -> list[tuple[list[int], list[float], str]]:
-        """One batched decode loop over ``prompts`` x ``sampling.n`` rows (row r has seed ``seeds[r]``)."""
+    def _decode(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingConfig, stop_ids: set[int]):
+        """One batched decode loop over ``prompts`` x ``sampling.n`` rows (row r has seed ``seeds[r]``):
+        ``(tokens, log-probs, finish reason)`` per row, and the rows' routing records (empty unless recording)."""
+        if self.recorder is None:
+            return self._decode_rows(prompts, seeds, sampling, stop_ids), []
+        self.recorder.active = True
+        try:
+            return self._decode_rows(prompts, seeds, sampling, stop_ids)
+        finally:
+            self.recorder.active = False
+
+    def _decode_rows(self, prompts, seeds, sampling, stop_ids):
         from transformers import DynamicCache
 
         dev, n = self.device, sampling.n
@@ -194,7 +211,8 @@ class HFRolloutEngine:
         ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache(config=self.model.config)
         # each prompt is prefilled once; its n samples share that prefix
-        logits = self._forward(ids, mask[:, :width], _positions(mask[:, :width]), cache).repeat_interleave(n, 0)
+        logits, prompt_routing = self._forward(ids, mask[:, :width], _positions(mask[:, :width]), cache)
+        logits = logits.repeat_interleave(n, 0)
         cache.batch_repeat_interleave(n)
         mask = mask.repeat_interleave(n, 0)
         gens = None
@@ -206,6 +224,8 @@ class HFRolloutEngine:
         length = torch.zeros(rows, dtype=torch.long, device=dev)
         stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
         live = torch.arange(rows, device=dev)  # the original row of each batch row
+        routing = None if prompt_routing is None else torch.full((rows, steps, *prompt_routing.shape[2:]), -1,
+                                                                  dtype=prompt_routing.dtype, device=dev)
         for t in range(steps):
             tok, lp = self._choose(logits, gens, sampling.temperature)
             tokens[live, t], logprobs[live, t] = tok, lp
@@ -225,11 +245,27 @@ class HFRolloutEngine:
                     gens = [gens[k] for k in keep.tolist()]
             mask[:, width + t] = going.long()
             step_ids = torch.where(going, tok, torch.full_like(tok, self.pad_id))[:, None]
-            logits = self._forward(step_ids, mask[:, :width + t + 1], (lens[live] + t)[:, None], cache)
+            logits, step_routing = self._forward(step_ids, mask[:, :width + t + 1], (lens[live] + t)[:, None], cache)
+            if routing is not None:  # the routing of the token fed: response token t
+                routing[live, t] = step_routing[:, 0]
         tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
         length, stopped = length.cpu().tolist(), stopped.cpu().tolist()
-        return [(tokens[r][:length[r]], logprobs[r][:length[r]], "stop" if stopped[r] else "length")
-                for r in range(rows)]
+        results = [(tokens[r][:length[r]], logprobs[r][:length[r]], "stop" if stopped[r] else "length")
+                   for r in range(rows)]
+        if routing is None:
+            return results
+        return results, self._records(prompts, prompt_routing.cpu(), routing.cpu(), length, n)
+
+    @staticmethod
+    def _records(prompts, prompt_routing, routing, length, n) -> list[torch.Tensor]:
+        """Each row's routing record: its prompt's (the real, right-aligned columns of the left-padded
+        prefill) then its generated tokens' (the last never fed: unrouted)."""
+        width, records = prompt_routing.shape[1], []
+        for r, count in enumerate(length):
+            prompt = prompt_routing[r // n, width - len(prompts[r // n]):]
+            fed = routing[r, :count - 1] if count > 0 else routing[r, :0]
+            records.append(torch.cat([prompt, fed, unrouted(min(count, 1), *routing.shape[2:])]))
+        return records
 
     @staticmethod
     def _choose(logits: torch.Tensor, gens: list[torch.Generator] | None,

@@ -43,6 +43,7 @@ import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+import torch
 from jinja2 import TemplateError
 
 from megarlhf.data.prompts import PROBE_TOOL, PromptExample, template_renders_tools
@@ -53,6 +54,7 @@ from megarlhf.envs.runner import ToolRunner
 from megarlhf.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.routing import merge_turns, unrouted
 from megarlhf.seeds import TURN_STRIDE
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
@@ -73,6 +75,7 @@ class _Episode:
     turns: int = 0
     calls: int = 0
     turn_ids: list[int] = field(default_factory=list)  # the last turn's tokens
+    routing: object = None  # the routing record so far (routing replay r3; megarlhf.rollout.routing), else None
     tools: list[dict] | None = None  # the tool schemas its prompt was rendered with (the template's tools=)
 
 
@@ -159,10 +162,14 @@ class MultiTurnRollout:
         if len(batch.response_ids) != len(episodes):
             raise RuntimeError(f"multi-turn rollout: the engine returned {len(batch.response_ids)} turns for "
                                f"{len(episodes)} running episodes")
-        for episode, turn, lps, finish in zip(episodes, batch.response_ids, batch.logprobs, batch.finish_reasons):
+        records = batch.routed_experts or [None] * len(episodes)
+        for episode, context, turn, lps, finish, record in zip(episodes, batch.prompt_ids, batch.response_ids,
+                                                               batch.logprobs, batch.finish_reasons, records):
             room = self._room(episode)
             if len(turn) > room:  # generated for a neighbour's larger room: the same tokens, cut at this one's
                 turn, lps, finish = turn[:room], lps[:room], "length"
+            if record is not None:  # the call's prompt was the episode so far: its tokens keep their first routing
+                episode.routing = merge_turns(episode.routing, record[:len(context) + len(turn)])
             episode.response += list(turn)
             episode.logprobs += list(lps)
             episode.mask += [1] * len(turn)
@@ -246,6 +253,11 @@ class MultiTurnRollout:
             batch.loss_masks.append(e.mask)
             batch.env_rewards.append(e.reward)
             batch.tool_calls.append(e.calls)
+            if e.routing is not None:  # observations after the last call were never routed
+                total = len(prompts[e.prompt].prompt_ids) + len(e.response)
+                batch.routed_experts.append(torch.cat([e.routing[:total],
+                                                       unrouted(total - min(total, e.routing.shape[0]),
+                                                                *e.routing.shape[1:])]))
         return batch
 
     def _metrics(self, episodes: list[_Episode], sums: dict[str, float]) -> dict[str, float]:

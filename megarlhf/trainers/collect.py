@@ -112,7 +112,8 @@ def fill_groups(got: Collected, phase, sampler, prompts, reward, tokenizer, conf
 def _groups(examples: list[PromptExample], rollout: RolloutBatch, rewards: list[float],
             runtime: Runtime) -> list[tuple]:
     """Every replica's groups of one round, in global prompt order:
-    ``(informative, example, prompt_ids, responses, logprobs, finish_reasons, rewards)``."""
+    ``(informative, example, prompt_ids, responses, logprobs, finish_reasons, rewards, routing records)``
+    (the records empty unless the engine records routing: replay r3)."""
     by_prompt: dict[int, list[int]] = {}
     for k, p in enumerate(rollout.prompt_index):
         by_prompt.setdefault(p, []).append(k)
@@ -124,7 +125,8 @@ def _groups(examples: list[PromptExample], rollout: RolloutBatch, rewards: list[
         samples = by_prompt[p]  # an engine returns n >= 1 samples for every prompt
         local.append((samples[0] in kept, examples[p], rollout.prompt_ids[samples[0]],
                       [rollout.response_ids[k] for k in samples], [rollout.logprobs[k] for k in samples],
-                      [rollout.finish_reasons[k] for k in samples], [rewards[k] for k in samples]))
+                      [rollout.finish_reasons[k] for k in samples], [rewards[k] for k in samples],
+                      [rollout.routed_experts[k] for k in samples] if rollout.routed_experts else []))
     return [group for part in runtime.all_gather_objects(local, over="dp") for group in part]
 
 
@@ -137,7 +139,8 @@ def _choose(rounds: list[list[tuple]], size: int) -> list[tuple]:
 
 def _as_collected(groups: list[tuple], offset: int, metrics: dict[str, float]) -> Collected:
     rollout, rewards, informative = RolloutBatch(), [], []
-    for p, (useful, _, prompt_ids, responses, logprobs, finishes, group_rewards) in enumerate(groups):
+    for p, (useful, _, prompt_ids, responses, logprobs, finishes, group_rewards, records) in enumerate(groups):
+        rollout.routed_experts += records
         for response, lps, finish, r in zip(responses, logprobs, finishes, group_rewards):
             rollout.prompt_index.append(p)
             rollout.prompt_ids.append(prompt_ids)

@@ -12,7 +12,9 @@ from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward
 from megarlhf.config.schema import RunConfig
 from megarlhf.gates import Tolerances, gap_problems
 from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.training import ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update
+from megarlhf.rollout.routing import share_prompt_routing
+from megarlhf.training import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
+                               old_policy_logprobs)
 from parallel.runtime import Runtime
 
 
@@ -22,10 +24,14 @@ class Step0GateError(RuntimeError):
 
 def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, device: torch.device) -> ExperienceBatch:
     """The token-aligned batch of the rollout on ``device``; group ids are global prompt positions. In
-    multi-turn rollouts only the model's tokens are response tokens (observations are masked out)."""
+    multi-turn rollouts only the model's tokens are response tokens (observations are masked out). An engine
+    that recorded routing (routing replay r3) gives the batch its records, one prompt routing per prompt
+    (:func:`~megarlhf.rollout.routing.share_prompt_routing`)."""
     return ExperienceBatch.from_sequences(
         rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
-        group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None)
+        group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None,
+        routed_experts=(share_prompt_routing(rollout.prompt_index, rollout.prompt_ids, rollout.routed_experts)
+                        if rollout.routed_experts else None))
 
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
@@ -36,11 +42,13 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
     The actor's scoring pass is skipped when the update's own forward gives the same numbers
     (:func:`megarlhf.training.old_logprobs_from_update`), except at step 0, whose gate must hold before
     any update. The gate (:mod:`megarlhf.gates`) bounds the max and the mean gap over the response
-    tokens of the whole global batch."""
+    tokens of the whole global batch. Routing replay (an MoE actor) works in the actor's pass
+    (:func:`megarlhf.training.old_policy_logprobs`)."""
     fields, metrics = {}, {}
     gate_step0 = gates is not None
     if gate_step0 or not old_logprobs_from_update(config):
-        fields["old_logprobs"] = compute_logprobs(actor, batch, config)
+        batch, metrics = old_policy_logprobs(actor, batch, config)
+        fields["old_logprobs"] = batch.old_logprobs
     if reference is not None:
         fields["ref_logprobs"] = compute_logprobs(reference, batch, config)
     if critic is not None:

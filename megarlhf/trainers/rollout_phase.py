@@ -29,6 +29,7 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.rollout.adapter_sync import AdapterSync, adapter_only, engine_lora
+from megarlhf.rollout.routing import engine_routing
 from megarlhf.rollout.calibration import calibrate_colocated
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.config import SamplingConfig
@@ -58,7 +59,7 @@ class Calibration:
 def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
     return EngineConfig.from_rollout(config.rollout, model_dtype=config.model.dtype, seed=config.seed,
                                      max_prompt_length=config.data.max_prompt_length, in_process=in_process,
-                                     **engine_lora(config))
+                                     **engine_lora(config), **engine_routing(config))
 
 
 class RolloutPhase:

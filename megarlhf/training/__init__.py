@@ -19,12 +19,12 @@ from megarlhf.training.packing import MicroBatch, build_micro_batches, plan_micr
 from megarlhf.training.sft import sft_batch, sft_step
 from megarlhf.training.step import NONFINITE_MODES, NonFiniteError, OptimizerStepResult, optimizer_step
 from megarlhf.training.update import (actor_update, compute_logprobs, compute_values, critic_update,
-                                      old_logprobs_from_update)
+                                      old_logprobs_from_update, old_policy_logprobs)
 
 __all__ = [
     "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "build_reference",
     "build_reward_model", "export_policy", "params_dtype",
     "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "OptimizerStepResult", "optimizer_step", "actor_update", "compute_logprobs",
-    "compute_values", "critic_update", "old_logprobs_from_update",
+    "compute_values", "critic_update", "old_logprobs_from_update", "old_policy_logprobs",
 ]

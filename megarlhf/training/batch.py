@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from megarlhf.training.routing_replay import UNROUTED
+
 PER_TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
 
 
@@ -38,6 +40,8 @@ class ExperienceBatch:
     advantages: Tensor | None = None  # [B, L]
     returns: Tensor | None = None  # [B, L] critic targets
     group_ids: Tensor | None = None  # [B] prompt ids (samples of one prompt share an id)
+    # [B, L, moe_layers, top_k] int16, token-aligned: the routing an MoE actor replays (megarlhf.training.routing_replay)
+    routed_experts: Tensor | None = None
     # ``lengths`` on the host. Given by the constructors that know them (from_sequences and sft_batch, whose
     # masks are right by construction; select and replace, whose source batch was checked): sizes are then
     # read from here and the response mask is not checked again (a device read). Read once when not given.
@@ -71,6 +75,10 @@ class ExperienceBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (batch, width):
                 raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {(batch, width)}")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 4
+                                                or tuple(self.routed_experts.shape[:2]) != (batch, width)):
+            raise ValueError(f"{where}: routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                             f"({batch}, {width}, moe_layers, top_k)")
         if self.group_ids is not None and tuple(self.group_ids.shape) != (batch,):
             raise ValueError(f"{where}: group_ids has shape {tuple(self.group_ids.shape)}, expected ({batch},)")
         device = self.input_ids.device
@@ -100,10 +108,12 @@ class ExperienceBatch:
                        device: torch.device, pad_id: int = 0,
                        rollout_logprobs: Sequence[Sequence[float]] | None = None,
                        group_ids: Sequence[int] | None = None,
-                       loss_masks: Sequence[Sequence[int]] | None = None) -> "ExperienceBatch":
+                       loss_masks: Sequence[Sequence[int]] | None = None,
+                       routed_experts: Sequence[Tensor] | None = None) -> "ExperienceBatch":
         """Builds a batch on ``device`` from token lists; ``rollout_logprobs[i]`` (one per response token)
         land on the response positions. ``loss_masks[i]`` (one 0/1 per response token; None: all 1) keeps
-        tokens the model did not generate (multi-turn observations) out of ``response_mask``."""
+        tokens the model did not generate (multi-turn observations) out of ``response_mask``.
+        ``routed_experts[i]``: sample i's routing record, one row per token (:mod:`megarlhf.rollout.routing`)."""
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
                              f"responses (need the same non-zero number)")
@@ -125,6 +135,7 @@ class ExperienceBatch:
                     raise ValueError(f"ExperienceBatch.from_sequences: rollout_logprobs[{i}] has "
                                      f"{len(rollout_logprobs[i])} entries for {len(response)} response tokens")
                 lps.append([0.0] * len(prompt) + [float(x) for x in rollout_logprobs[i]] + [0.0] * pad)
+        routing = None if routed_experts is None else _stacked_records(routed_experts, lengths, width).to(device)
         # one host -> device copy per field
         return cls(torch.tensor(ids, dtype=torch.long, device=device),
                    torch.tensor(lengths, dtype=torch.long, device=device),
@@ -133,7 +144,7 @@ class ExperienceBatch:
                                      if rollout_logprobs is not None else None),
                    group_ids=(torch.tensor(list(group_ids), dtype=torch.long, device=device)
                               if group_ids is not None else None),
-                   host_lengths=tuple(lengths))
+                   routed_experts=routing, host_lengths=tuple(lengths))
 
     def select(self, rows: Tensor | Sequence[int]) -> "ExperienceBatch":
         """The rows ``rows`` (in that order), trimmed to their longest sequence."""
@@ -172,3 +183,18 @@ class ExperienceBatch:
         if missing:
             raise ValueError(f"{where}: the experience batch has no {', '.join(missing)} "
                              f"(fill them before calling {where})")
+
+
+def _stacked_records(records: Sequence[Tensor], lengths: list[int], width: int) -> Tensor:
+    """Per-sample routing records, right-padded with ``UNROUTED`` to [B, width, moe_layers, top_k]."""
+    if len(records) != len(lengths):
+        raise ValueError(f"ExperienceBatch.from_sequences: {len(records)} routing records for {len(lengths)} samples")
+    shape = tuple(records[0].shape[1:]) if records else ()
+    for i, (record, n) in enumerate(zip(records, lengths)):
+        if record.dim() != 3 or tuple(record.shape) != (n, *shape):
+            raise ValueError(f"ExperienceBatch.from_sequences: routed_experts[{i}] has shape {tuple(record.shape)}, "
+                             f"expected ({n}, {', '.join(map(str, shape))}): one row per prompt + response token")
+    out = torch.full((len(records), width, *shape), UNROUTED, dtype=records[0].dtype)
+    for i, (record, n) in enumerate(zip(records, lengths)):
+        out[i, :n] = record
+    return out

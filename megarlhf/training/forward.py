@@ -56,12 +56,25 @@ def mask_padded_vocab(hidden: Tensor, weight: Tensor, vocab_size: int, tp_rank: 
     return torch.cat([hidden, ones], dim=1), torch.cat([weight, bias], dim=1)
 
 
+def _whole_sequence(hidden_states: Tensor, config, tp) -> Tensor:
+    """The final hidden states of every position: under sequence parallelism each TP rank holds 1 / TP of
+    them, so they are gathered. Backward keeps this rank's part of the gradient: every rank's gradient is
+    already the whole one (the vocab-parallel log-prob's backward sums over TP ranks; a value head is
+    replicated)."""
+    if not getattr(config, "sequence_parallel", False):
+        return hidden_states
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False, group=tp.group)
+
+
 def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, temperature: float, entropy: bool):
     """A GPTModel ``output_processor``: hidden [S, b, H] -> {name: [b, S] fp32} at the wanted positions."""
     mask = mb.label_mask.reshape(-1)
     tp = runtime.tp
 
-    def logprobs(*, hidden_states, output_layer, output_weight, **_):
+    def logprobs(*, hidden_states, output_layer, output_weight, config=None, **_):
+        hidden_states = _whole_sequence(hidden_states, config, tp)
         weight = output_weight if output_weight is not None else output_layer.weight
         s, b, h = hidden_states.shape
         hidden = hidden_states.transpose(0, 1).reshape(b * s, h)
@@ -75,11 +88,13 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
             out["entropy"] = ent.view(b, s)
         return out
 
-    def values(*, hidden_states, output_layer, **_):
+    def values(*, hidden_states, output_layer, config=None, **_):
+        hidden_states = _whole_sequence(hidden_states, config, tp)
         v = output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()  # [b, S]
         return {"values": torch.where(mb.label_mask, v, v.new_zeros(()))}
 
-    def scores(*, hidden_states, output_layer, **_):
+    def scores(*, hidden_states, output_layer, config=None, **_):
+        hidden_states = _whole_sequence(hidden_states, config, tp)
         return {"scores": output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()}  # [b, S]
 
     return {"logprobs": logprobs, "values": values, "scores": scores}[kind]
@@ -121,41 +136,48 @@ def expert_parallel_padding(micro_batches: list[MicroBatch], runtime: Runtime, c
     return [micro_batches[0]] * (int(most) - len(micro_batches))
 
 
-class _RouterLossSwitch:
-    """Turns Megatron's router losses off while a padding micro-batch runs forward and when its backward
-    starts (a recomputing backward runs the routers again), and on for a real one, in forward and backward
-    (the pipeline schedule interleaves one micro-batch's backward with another's forward)."""
+class _RouterState:
+    """What an MoE model's routers must know about the micro-batch they route: a padding one runs without
+    router losses, a real one with them and with its routing to replay (``replay``:
+    :class:`megarlhf.training.routing_replay.RoutingReplay`; its own routing recorded when ``record``).
 
-    def __init__(self, config):
-        self.config = config
+    Set when a micro-batch's forward starts and again when its backward starts (:meth:`at_backward`): a
+    recomputing backward runs the routers again, and the pipeline schedule interleaves one micro-batch's
+    backward with another's forward. A dense model has nothing to set."""
+
+    def __init__(self, config, scheduled: list[MicroBatch], real: int, replay=None, record: bool = False):
+        self.config, self.scheduled, self.real, self.replay, self.record = config, scheduled, real, replay, record
         self.coefficients = (getattr(config, "moe_aux_loss_coeff", 0.0), getattr(config, "moe_z_loss_coeff", None))
+        self.losses = self.coefficients != (0.0, None)
 
-    def set(self, on: bool) -> None:
-        if self.coefficients != (0.0, None):
+    def _losses(self, on: bool) -> None:
+        if self.losses:
             self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff = self.coefficients if on else (0.0, None)
 
-    def in_backward(self, share: Tensor, on: bool) -> Tensor:
-        """``share``, whose backward first sets the router losses ``on`` (a no-op for a dense model)."""
-        return share if self.coefficients == (0.0, None) else _SetInBackward.apply(share, self, on)
+    def enter(self, index: int, forward: bool = True) -> None:
+        """Micro-batch ``index`` (of the schedule; padding from ``real`` on) starts its forward or backward."""
+        real = index < self.real
+        self._losses(real)
+        if self.replay is not None:
+            self.replay.begin(self.scheduled[index].routing if real else None, count=forward and real,
+                              record=forward and real and self.record)
 
+    def at_backward(self, tensor: Tensor, index: int) -> Tensor:
+        """``tensor`` (the micro-batch's loss share, or a pipeline stage's output), whose gradient's arrival
+        (the first thing of the micro-batch's backward on this stage) enters micro-batch ``index`` again."""
+        if (self.losses or self.replay is not None) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self.enter(index, forward=False))
+        return tensor
 
-class _SetInBackward(torch.autograd.Function):
-    """Identity whose backward (the first of a micro-batch's backward: at its loss) sets the router losses."""
-
-    @staticmethod
-    def forward(ctx, share, switch, on):
-        ctx.switch, ctx.on = switch, on
-        return share.view_as(share)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.switch.set(ctx.on)
-        return grad, None, None
+    def finish(self) -> None:
+        self._losses(True)
+        if self.replay is not None:
+            self.replay.end()
 
 
 def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, *, kind: str,
                  vocab_size: int, temperature: float = 1.0, entropy: bool = False,
-                 loss_fn: LossFn | None = None) -> list:
+                 loss_fn: LossFn | None = None, replay=None, record_routing: bool = False) -> list:
     """Runs ``micro_batches`` through Megatron's schedule; forward-only when ``loss_fn`` is None.
 
     Forward-only: returns, on the last pipeline stage, one ``{name: [n, width]}`` dict per micro-batch
@@ -164,6 +186,9 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
     form with ``calculate_per_token_loss=False`` divides it by ``num_tokens`` (passed as 1) and by the
     number of micro-batches, which is undone here, so the gradient is exactly that of the sum of the
     shares (before DDP's average over data-parallel x context-parallel ranks). Returns the metrics dicts (last stage).
+
+    ``replay`` (an MoE actor's :class:`~megarlhf.training.routing_replay.RoutingReplay`) replays each
+    micro-batch's ``routing`` and, with ``record_routing``, records the model's own.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -177,14 +202,26 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
     config = getattr(model, "config", None)
     scheduled = [*micro_batches, *expert_parallel_padding(micro_batches, runtime, config)]
     count = len(scheduled)
-    router_losses = _RouterLossSwitch(config)
+    routers = _RouterState(config, scheduled, real, replay, record_routing)
+    moe = bool(getattr(config, "num_moe_experts", None))
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def step(data_iterator, chunk):
         index, mb = next(data_iterator)
-        padding = {"padding_mask": torch.ones_like(mb.tokens, dtype=torch.bool)} if index >= real else {}
-        router_losses.set(not padding)
+        padding = index >= real  # an expert-parallel padding micro-batch: every token is padding for the routers
+        masked = {}
+        if padding:
+            masked = {"padding_mask": torch.ones_like(mb.tokens, dtype=torch.bool)}
+        elif moe and mb.padding is not None:  # the sequence-parallel padding segment
+            masked = {"padding_mask": mb.padding}
+        if masked and sequence_parallel and not runtime.is_first_stage:
+            # GPTModel splits the mask over the TP ranks with the embeddings, i.e. on the first stage only
+            masked = {"padding_mask": masked["padding_mask"].chunk(runtime.tp.size, dim=1)[runtime.tp.rank]}
+        routers.enter(index)
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy), **padding)
+                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy), **masked)
+        if isinstance(output, Tensor):  # not the last pipeline stage: its backward starts at this output
+            output = routers.at_backward(output, index)
 
         def finish(output_tensor, non_loss_data=False):
             rows = {name: mb.last_token_outputs(value) if name == "scores" else mb.to_rows(value)
@@ -192,27 +229,29 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
             if loss_fn is None:
                 return {name: value.detach() for name, value in rows.items()}
             if padding:  # zero share, but a backward through the model like its peers'
-                share = router_losses.in_backward(sum(value.sum() for value in rows.values()) * 0.0, on=False)
+                share = routers.at_backward(sum(value.sum() for value in rows.values()) * 0.0, index)
                 return share * count, torch.ones((), dtype=torch.int, device=share.device), {}
             share, metrics = loss_fn(mb, rows)
-            share = router_losses.in_backward(share, on=True)
+            share = routers.at_backward(share, index)
             return share * count, torch.ones((), dtype=torch.int, device=share.device), metrics
 
         return output, finish
 
     longest = max(int(mb.tokens.shape[-1]) for mb in scheduled)
-    outputs = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(enumerate(scheduled)), model=[model], num_microbatches=count,
-        seq_length=longest, micro_batch_size=max(int(mb.tokens.shape[0]) for mb in scheduled),
-        forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
-    router_losses.set(True)
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(enumerate(scheduled)), model=[model], num_microbatches=count,
+            seq_length=longest, micro_batch_size=max(int(mb.tokens.shape[0]) for mb in scheduled),
+            forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
+    finally:  # a failed schedule leaves no router losses off and no routing replayed
+        routers.finish()
     return outputs[:real]
 
 
 @torch.no_grad()
 def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int],
                  runtime: Runtime, *, kind: str, vocab_size: int, temperature: float = 1.0,
-                 entropy: bool = False) -> dict[str, Tensor]:
+                 entropy: bool = False, replay=None, record_routing: bool = False) -> dict[str, Tensor]:
     """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``),
     identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
     the pass and restored after.
@@ -221,7 +260,8 @@ def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_
     model.eval()
     try:
         results = run_schedule(model, micro_batches, runtime, kind=kind, vocab_size=vocab_size,
-                               temperature=temperature, entropy=entropy)
+                               temperature=temperature, entropy=entropy, replay=replay,
+                               record_routing=record_routing)
     finally:
         model.train(was_training)
     names = [kind] if kind != "logprobs" else ["logprobs"] + (["entropy"] if entropy else [])

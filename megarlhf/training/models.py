@@ -27,6 +27,7 @@ Hand-written because it is the project's assembly of Megatron parts from its own
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ class TrainModel:
     scheduler: Any = None  # Megatron OptimizerParamScheduler (None for the reference)
     shares_actor: bool = False  # a view of the actor's parameters (the LoRA reference): never offloaded apart
     router_stats: Any = None  # megarlhf.training.moe_metrics.RouterStats of a trainable MoE model (else None)
+    # megarlhf.training.routing_replay.RoutingReplay of an MoE actor with algorithm.routing_replay set (else None)
+    routing_replay: Any = None
 
     @property
     def kind(self) -> str:
@@ -118,13 +121,13 @@ def _refuse_untrainable_moe(role: str, provider, config: RunConfig, runtime: Run
     """Layouts in which an MoE model builds but cannot be trained correctly (a dense model passes)."""
     if not provider.is_moe:
         return
-    if runtime.tp.size > 1:
-        # Megatron's MoE layer then needs sequence parallelism: without it every TP rank dispatches the same
-        # tokens and the experts' gradients are counted tensor_model_parallel_size times
-        raise LayoutError(f"training the {role} of a mixture-of-experts model with tensor_model_parallel_size="
-                          f"{runtime.tp.size} needs sequence parallelism, which megarlhf does not support yet; "
-                          f"split the experts with parallel.expert_model_parallel_size instead (frozen MoE models: "
-                          f"reference, reward model, evaluation, take any tensor-parallel size)")
+    if runtime.tp.size > 1 and config.model.moe.enabled:
+        # measured: under sequence parallelism Megatron's per-TP-rank router losses give other values and
+        # gradients than at TP 1 (tests/training/test_moe_step.py)
+        raise LayoutError(f"model.moe router losses (aux_loss_coeff={config.model.moe.aux_loss_coeff}, "
+                          f"z_loss_coeff={config.model.moe.z_loss_coeff}) with tensor_model_parallel_size="
+                          f"{runtime.tp.size} are not supported yet (the MoE layers run sequence-parallel there); "
+                          f"train them at TP 1 with parallel.expert_model_parallel_size, or switch the losses off")
     dense_only = provider.dense_only_stages(config.parallel)
     if dense_only:
         raise LayoutError(f"pipeline stage(s) {dense_only} would hold only dense layers of the trained "
@@ -173,7 +176,18 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
     _variable_lengths(model)
     _attach_lora(model, config, runtime)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
-    return _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
+    actor = _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
+    return dataclasses.replace(actor, routing_replay=_routing_replay(model, provider, config, runtime))
+
+
+def _routing_replay(model, provider, config: RunConfig, runtime: Runtime):
+    from megarlhf.training.routing_replay import RoutingReplay
+
+    mode = config.algorithm.routing_replay
+    if mode != "none" and not provider.is_moe:
+        raise ConfigError(f"algorithm.routing_replay={mode!r} replays the routing of a mixture-of-experts model; "
+                          f"{config.model.path} ({provider.model_type}) is dense: set it to 'none'")
+    return RoutingReplay.attach(model, provider, mode, runtime)
 
 
 def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = None) -> TrainModel:

@@ -3,7 +3,8 @@
 :class:`RouterStats` hooks every router of a model and counts, on the device, the tokens each expert is
 routed per layer during the step's forwards; Megatron's MoE metrics tracker holds the per-layer auxiliary
 loss values. :meth:`RouterStats.step_metrics` reduces both over data x context parallel ranks (different
-tokens) and pipeline stages (different layers) and reads them with one host transfer:
+tokens; under sequence parallelism the tensor-parallel ranks too) and pipeline stages (different layers) and
+reads them with one host transfer:
 
 * ``moe/imbalance``: max over experts / mean over experts of the tokens routed, averaged over MoE layers
   (1.0 is perfectly balanced; ``num_experts / top_k`` when every token goes to the same experts), and
@@ -20,7 +21,7 @@ TRACKED_LOSS = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_bal
                 "global_aux_loss": "global_load_balancing_loss"}
 
 
-def _routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+def stage_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router) of every MoE layer of this pipeline stage."""
     from model_providers.hf_checkpoint import unwrap
 
@@ -32,8 +33,9 @@ class RouterStats:
     """Tokens routed to each expert per layer since the last :meth:`reset`, counted on the device."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int, device: torch.device,
-                 tracked: tuple[str, ...] = ()):
-        self.routers = _routers(model)
+                 tracked: tuple[str, ...] = (), sequence_parallel: bool = False):
+        self.routers = stage_routers(model)
+        self.sequence_parallel = sequence_parallel  # each TP rank routes its part of the tokens
         self.tracked = tracked  # the auxiliary losses Megatron records (the same names on every rank)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.moe_layers = torch.zeros(num_layers, dtype=torch.float64, device=device)
@@ -51,7 +53,8 @@ class RouterStats:
         config = unwrap(model).config
         tracked = ((TRACKED_LOSS[config.moe_router_load_balancing_type],) if config.moe_aux_loss_coeff else ()) + \
             (("z_loss",) if config.moe_z_loss_coeff else ())
-        return cls(model, provider.hf_config.num_hidden_layers, provider.num_experts, device, tracked)
+        return cls(model, provider.hf_config.num_hidden_layers, provider.num_experts, device, tracked,
+                   bool(getattr(config, "sequence_parallel", False)))
 
     def _counter(self, index: int):
         def hook(module, args, kwargs, output):
@@ -79,6 +82,8 @@ class RouterStats:
                   for name in self.tracked]  # a stage without MoE layers recorded none
         packed = torch.cat([self.counts.flatten(), *[v / max(micro_batches, 1) / runtime.dp_cp.size for v in losses]])
         runtime.all_reduce_on_device(packed, over="dp_cp")
+        if self.sequence_parallel:  # the TP ranks counted different tokens (no router losses then: refused)
+            runtime.all_reduce_on_device(packed, over="tp")
         moe = self.moe_layers.clone()
         if runtime.pp.size > 1:  # stages hold disjoint layers
             runtime.all_reduce_on_device(packed, over="pp")

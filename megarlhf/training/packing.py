@@ -24,6 +24,15 @@ each position and a mask of the positions whose output is wanted. :meth:`MicroBa
 per-position output of the model (this rank's shard) back to the experience's token-aligned [n, L]
 layout: the output at position t - 1 (predicting token t) lands in column t.
 
+Routing replay (MoE actors): ``build_micro_batches(routing=...)`` also carries the batch's routing record
+([B, L, moe_layers, top_k], token-aligned) into each micro-batch as :attr:`MicroBatch.routing`, in the order
+Megatron's routers see the micro-batch's tokens (sequence-major: position s of row b is ``s * rows + b``), a
+shared prefix's tokens once (from its tree's first row); :meth:`MicroBatch.token_rows` is the way back.
+
+Sequence parallelism (``sequence_multiple`` = TP): each CP rank's part of a packed row must split evenly over
+the TP ranks, so a padding segment (its own sequence: no wanted output, nothing attends to it) is appended
+where needed and :attr:`MicroBatch.padding` marks it for the MoE routers; unpacked rows pad wider.
+
 Devices: the plan and each micro-batch's fields are computed from the batch's lengths, and every tensor
 a micro-batch holds (and :meth:`MicroBatch.to_rows` creates) is on the batch's device.
 
@@ -32,6 +41,7 @@ contract; the CP split itself is :mod:`parallel.cp_sharding`'s.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,6 +49,7 @@ import torch
 from torch import Tensor
 
 from parallel.context_parallel import CPShardPlan, make_shard_plan, packed_seq_params_for, shard, unshard
+from megarlhf.training.routing_replay import UNROUTED
 from parallel.shared_prefix import shared_prefix_seq_params
 
 
@@ -105,6 +116,11 @@ class MicroBatch:
     # packed: [n, width + 1] the packed position whose output predicts token t of row j (column 0: any;
     # column n_j: the output at row j's last token)
     source: Tensor | None = None
+    # the routing to replay, [tokens, moe_layers, top_k] in the routers' token order (module docstring), or None
+    routing: Tensor | None = None
+    # shape of ``tokens``, True on the padding segment that makes the row split evenly over sequence-parallel
+    # ranks (module docstring; None: no such segment)
+    padding: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -116,8 +132,13 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the model computes (a shared prefix counts once)."""
-        return self.plan.total_tokens if self.packed else sum(self.host_lengths)
+        """Tokens of the sequences the model computes (a shared prefix counts once; padding does not)."""
+        return self.plan.total_tokens - self.padding_tokens if self.packed else sum(self.host_lengths)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Tokens of the padding segment (packed rows under sequence parallelism; 0 without one)."""
+        return self.plan.total_tokens - self.plan.bounds[-2] if self.padding is not None else 0
 
     def to_rows(self, local: Tensor) -> Tensor:
         """This rank's per-position outputs (shape of ``tokens``) -> [n, width], token-aligned.
@@ -136,6 +157,22 @@ class MicroBatch:
             shifted = torch.cat([full.new_zeros(n, 1), full[:, :width - 1]], dim=1)
         valid = (cols[None, :] >= 1) & (cols[None, :] < self.lengths[:, None])
         return torch.where(valid, shifted, shifted.new_zeros(()))
+
+    def token_rows(self, local: Tensor) -> Tensor:
+        """A per-token tensor in the routers' token order (``[tokens, ...]``, this CP rank's, e.g. the routing
+        its routers chose) -> [n, width, ...], token-aligned: column t holds token t's entry (``UNROUTED``
+        beyond a row's length). Collective over the CP group."""
+        from megarlhf.training.routing_replay import UNROUTED
+
+        n, width = len(self.host_lengths), self.width
+        if self.packed:
+            full = unshard(self.plan, local.int(), self.cp_group).to(local.dtype)  # gloo gathers no int16
+            rows = full[self.source[:, 1:width + 1]]  # token t sits where the output predicting t + 1 comes from
+        else:
+            per_row = local.view(-1, n, *local.shape[1:]).transpose(0, 1)  # sequence-major -> [n, S_local, ...]
+            rows = unshard(self.plan, per_row.int(), self.cp_group, seq_dim=1).to(local.dtype)[:, :width]
+        beyond = torch.arange(width, device=local.device)[None, :] >= self.lengths[:, None]
+        return rows.masked_fill(beyond.view(n, width, *[1] * (rows.dim() - 2)), UNROUTED)
 
     def last_token_outputs(self, local: Tensor) -> Tensor:
         """This rank's per-position outputs (shape of ``tokens``) -> [n]: the output at each sequence's
@@ -212,10 +249,14 @@ class _Segments:
     prefix_of: list = field(default_factory=list)
     bounds: list = field(default_factory=lambda: [0])
     sources: list = field(default_factory=list)
+    routing: list = field(default_factory=list)
 
-    def add(self, tokens: Tensor, labels: Tensor, mask: Tensor, first_position: int, prefix: int = -1) -> int:
-        """Appends a segment; returns its start in the packed row."""
+    def add(self, tokens: Tensor, labels: Tensor, mask: Tensor, first_position: int, prefix: int = -1,
+            routing: Tensor | None = None) -> int:
+        """Appends a segment (and its tokens' routing, when replayed); returns its start in the packed row."""
         start = self.bounds[-1]
+        if routing is not None:
+            self.routing.append(routing)
         self.tokens.append(tokens)
         self.labels.append(labels)
         self.masks.append(mask)
@@ -224,29 +265,48 @@ class _Segments:
         self.bounds.append(start + tokens.numel())
         return start
 
-    def add_tree(self, ids: Tensor, lens: Sequence[int], wanted: Tensor, shared: int, width: int) -> None:
-        """The rows of one tree: a prefix segment of ``shared`` tokens (if > 0), then one segment per row."""
+    def add_tree(self, ids: Tensor, lens: Sequence[int], wanted: Tensor, shared: int, width: int,
+                 routing: Tensor | None = None) -> None:
+        """The rows of one tree: a prefix segment of ``shared`` tokens (if > 0), then one segment per row.
+        ``routing`` (the rows' records) gives the prefix its first row's routing."""
         labels, masks = _next_token_fields(ids, lens, wanted)
         cols = torch.arange(width + 1, device=ids.device) - 1  # column t reads the output at position t - 1
         prefix_start, prefix_index = 0, len(self.prefix_of)
+        part = (lambda i, lo, hi: None) if routing is None else (lambda i, lo, hi: routing[i, lo:hi])
         if shared:
-            prefix_start = self.add(ids[0, :shared], labels[0][:shared], torch.zeros_like(masks[0][:shared]), 0)
+            prefix_start = self.add(ids[0, :shared], labels[0][:shared], torch.zeros_like(masks[0][:shared]), 0,
+                                    routing=part(0, 0, shared))
         for i, n in enumerate(lens):
             start = self.add(ids[i, shared:n], labels[i][shared:], masks[i][shared:], shared,
-                             prefix_index if shared else -1)
+                             prefix_index if shared else -1, routing=part(i, shared, n))
             self.sources.append(torch.where(cols < shared, prefix_start + cols, start + cols - shared))
+
+    def pad_to(self, multiple: int, cp_size: int, routing: Tensor | None) -> bool:
+        """Appends a padding segment (pad tokens, no labels, no wanted outputs) so that every CP rank's share
+        of the row is a multiple of ``multiple`` tokens; returns whether it did. Under CP each segment is
+        padded to a multiple of ``2 * cp`` (:mod:`parallel.cp_sharding`), and so is this one."""
+        unit = 2 * cp_size if cp_size > 1 else 1
+        padded = sum(-(-(hi - lo) // unit) * unit for lo, hi in zip(self.bounds[:-1], self.bounds[1:]))
+        short = next(k * unit for k in range(multiple * cp_size + 1) if (padded + k * unit) % (multiple * cp_size) == 0)
+        if not short:
+            return False
+        zeros = self.tokens[0].new_zeros(short)
+        pad_routing = None if routing is None else routing.new_full((short, *routing.shape[2:]), UNROUTED)
+        self.add(zeros, zeros, zeros.bool(), 0, routing=pad_routing)
+        return True
 
     def fields(self):
         total = self.bounds[-1]
         source = torch.stack(self.sources).clamp(0, total - 1)
         return (torch.cat(self.tokens), torch.cat(self.labels), torch.cat(self.masks), torch.cat(self.positions),
-                source)
+                source, torch.cat(self.routing) if self.routing else None)
 
 
 def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int, *, packed: bool = True,
                         cp_size: int = 1, cp_rank: int = 0, cp_group=None,
                         groups: Sequence[Sequence[int]] | None = None,
-                        share_prefixes: bool = False) -> list[MicroBatch]:
+                        share_prefixes: bool = False, routing: Tensor | None = None,
+                        sequence_multiple: int = 1) -> list[MicroBatch]:
     """The micro-batches of a batch of sequences, for this CP rank.
 
     ``input_ids`` [B, L], ``lengths`` [B]; ``wanted`` [B, L] bool, token-aligned: the tokens whose
@@ -254,9 +314,15 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
     micro-batches live on ``input_ids``' device; ``groups`` keep rows together (:func:`plan_micro_batches`).
     ``share_prefixes`` (packed, CP = 1) packs rows that begin alike as shared-prefix trees
     (:mod:`parallel.shared_prefix`): the common tokens before the first wanted output are computed once.
+    ``routing`` ([B, L, moe_layers, top_k]): the record each micro-batch replays (module docstring).
+    ``sequence_multiple`` (the tensor-parallel size of a sequence-parallel model): every CP rank's part of a
+    micro-batch is a multiple of it (packed: a padding segment; unpacked: wider padding).
     """
     if wanted.shape != input_ids.shape:
         raise ValueError(f"build_micro_batches: wanted has shape {tuple(wanted.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if routing is not None and tuple(routing.shape[:2]) != tuple(input_ids.shape):
+        raise ValueError(f"build_micro_batches: routing has shape {tuple(routing.shape)}, input_ids "
                          f"{tuple(input_ids.shape)}")
     if share_prefixes and (not packed or cp_size != 1):
         raise ValueError(f"build_micro_batches: shared prefixes need packing and context parallel size 1 "
@@ -277,10 +343,10 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
         bin_trees = list(dict.fromkeys(tree_of[r] for r in bin_rows))  # in order of first row
         if packed:
             result.append(_packed_micro_batch(input_ids, lengths, host_lengths, wanted, bin_trees, cp_size, cp_rank,
-                                              cp_group))
+                                              cp_group, routing, sequence_multiple))
         else:
             result.append(_padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows, cp_size, cp_rank,
-                                              cp_group))
+                                              cp_group, routing, sequence_multiple))
     return result
 
 
@@ -295,7 +361,7 @@ def _host_rows(input_ids: Tensor, lengths: Tensor, wanted: Tensor, with_tokens: 
 
 
 def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_Tree], cp_size, cp_rank,
-                        cp_group) -> MicroBatch:
+                        cp_group, routing=None, sequence_multiple: int = 1) -> MicroBatch:
     """One packed row of ``trees`` (its rows in tree order), sharded for this CP rank."""
     device = input_ids.device
     order = [r for tree in trees for r in tree.rows]
@@ -305,8 +371,10 @@ def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_T
     row = _Segments()
     for tree in trees:
         index = torch.tensor(tree.rows, dtype=torch.long, device=device)
-        row.add_tree(input_ids[index], [host_lengths[r] for r in tree.rows], wanted[index], tree.shared, width)
-    tokens, labels, masks, positions, source = row.fields()
+        row.add_tree(input_ids[index], [host_lengths[r] for r in tree.rows], wanted[index], tree.shared, width,
+                     None if routing is None else routing[index])
+    padded = row.pad_to(sequence_multiple, cp_size, routing)
+    tokens, labels, masks, positions, source, row_routing = row.fields()
     plan = make_shard_plan(row.bounds, cp_size, cp_rank).to(device)
     fields = [shard(plan, t, 0).unsqueeze(0) for t in (tokens, labels, masks)]
     if any(tree.shared for tree in trees):
@@ -317,12 +385,18 @@ def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_T
         local_positions = plan.local_position_ids()
         params = packed_seq_params_for(plan, cp_group, local_positions if cp_size == 1 else None)
         positions = local_positions.unsqueeze(0)
+    local_routing = None if row_routing is None else shard(plan, row_routing, UNROUTED, 0)
+    padding = None
+    if padded:
+        full = torch.zeros(plan.total_tokens, dtype=torch.bool, device=device)
+        full[plan.bounds[-2]:] = True
+        padding = shard(plan, full, True, 0).unsqueeze(0)
     return MicroBatch(rows, lengths[rows], lens, fields[0], positions, fields[1], fields[2], params, plan, cp_group,
-                      source)
+                      source, local_routing, padding)
 
 
 def _padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows: list[int], cp_size, cp_rank,
-                        cp_group) -> MicroBatch:
+                        cp_group, routing=None, sequence_multiple: int = 1) -> MicroBatch:
     """One right-padded [n, width] micro-batch, each row sharded for this CP rank."""
     device = input_ids.device
     rows = torch.tensor(bin_rows, dtype=torch.long, device=device)
@@ -330,7 +404,7 @@ def _padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows: list
     ids = input_ids[rows]
     labels, masks = _next_token_fields(ids, lens, wanted[rows])
     width = max(lens)
-    multiple = 2 * cp_size if cp_size > 1 else 1
+    multiple = math.lcm(2 * cp_size if cp_size > 1 else 1, cp_size * sequence_multiple)
     padded = -(-width // multiple) * multiple
     plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
     full = [torch.zeros(len(bin_rows), padded, dtype=dtype, device=device)
@@ -339,4 +413,13 @@ def _padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows: list
         full[0][i, :n], full[1][i, :n], full[2][i, :n] = ids[i, :n], labels[i], masks[i]
     fields = [shard(plan, t, 0, seq_dim=1) for t in full]
     positions = plan.local_position_ids().unsqueeze(0).expand(len(bin_rows), -1)
-    return MicroBatch(rows, lengths[rows], lens, fields[0], positions, fields[1], fields[2], None, plan, cp_group)
+    local_routing = None
+    if routing is not None:  # [n, S_local, layers, top_k] -> sequence-major tokens
+        full_routing = torch.full((len(bin_rows), padded, *routing.shape[2:]), UNROUTED, dtype=routing.dtype,
+                                  device=device)
+        for i, (row, n) in enumerate(zip(bin_rows, lens)):
+            full_routing[i, :n] = routing[row, :n]
+        local_routing = shard(plan, full_routing, UNROUTED, seq_dim=1).transpose(0, 1).reshape(
+            -1, *routing.shape[2:])
+    return MicroBatch(rows, lengths[rows], lens, fields[0], positions, fields[1], fields[2], None, plan, cp_group,
+                      routing=local_routing)

@@ -148,10 +148,16 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
         share, metrics = loss_fn(mb, outputs)
         return share, {**metrics, PREFIX_TOKENS_SAVED: float(tokens_saved_by_sharing([mb]))}
 
+    replay = trainable.routing_replay
+    if replay is not None:
+        replay.reset_counts()
     per_mb = run_schedule(trainable.model, micro_batches, runtime, kind=trainable.kind,
-                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=counted)
+                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=counted,
+                          replay=replay)
     metrics = reduce_metric_sums(per_mb, [*metric_names, PREFIX_TOKENS_SAVED], runtime)
     moe = {} if trainable.router_stats is None else trainable.router_stats.step_metrics(runtime, len(micro_batches))
+    if replay is not None:  # the update's own routing against the routing it replays
+        moe.update(replay.mismatch_metrics(runtime, "moe/routing_"))
     lr = float(trainable.optimizer.param_groups[0]["lr"])
     bad_params, bad_grads = _nonfinite(trainable.model)
     loss = metrics[loss_name]
@@ -213,12 +219,15 @@ def tokens_saved_by_sharing(micro_batches: list[MicroBatch]) -> int:
 
 
 def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config, runtime: Runtime,
-                      groups=None) -> list[MicroBatch]:
+                      groups=None, routing: Tensor | None = None) -> list[MicroBatch]:
     """This CP rank's micro-batches of a (mini-)batch under ``config.train``'s budget and packing
     (``groups`` of rows kept in one micro-batch, e.g. preference pairs), with shared prompt prefixes where
     ``train.share_prompt_prefix`` asks and the layout allows (packed, CP = 1, megarlhf's attention:
     :func:`prefix_sharing_off_reason`)."""
     share = config.train.share_prompt_prefix and prefix_sharing_off_reason(config, runtime) is None
+    # under TP every row is a multiple of TP tokens (per CP rank), which sequence parallelism (MoE models at
+    # TP > 1) splits over the TP ranks; a dense model just computes those few padding tokens
     return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
                                packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
-                               cp_group=runtime.cp.group, groups=groups, share_prefixes=share)
+                               cp_group=runtime.cp.group, groups=groups, share_prefixes=share, routing=routing,
+                               sequence_multiple=runtime.tp.size)

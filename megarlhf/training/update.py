@@ -62,12 +62,44 @@ def compute_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfi
                      temperature: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [B, L] of ``batch``'s response tokens under ``model`` (and entropies if asked), at the
     rollout's scoring temperature (:func:`megarlhf.rollout.config.scoring_temperature`) unless
-    ``temperature`` is given."""
-    temperature = scoring_temperature(config.rollout) if temperature is None else temperature
-    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime)
-    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
-                       vocab_size=model.vocab_size, temperature=temperature, entropy=entropy)
+    ``temperature`` is given. An actor with routing replay replays ``batch.routed_experts`` when the batch
+    has them."""
+    out = _logprob_pass(model, batch, config, entropy, temperature)
     return (out["logprobs"], out["entropy"]) if entropy else out["logprobs"]
+
+
+def _logprob_pass(model: TrainModel, batch: ExperienceBatch, config: RunConfig, entropy: bool = False,
+                  temperature: float | None = None, record_routing: bool = False) -> dict[str, Tensor]:
+    temperature = scoring_temperature(config.rollout) if temperature is None else temperature
+    replay = model.routing_replay
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime,
+                            routing=batch.routed_experts if replay is not None else None)
+    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
+                       vocab_size=model.vocab_size, temperature=temperature, entropy=entropy, replay=replay,
+                       record_routing=record_routing)
+    if record_routing:
+        out["routing"] = replay.take_recorded(mbs, tuple(batch.input_ids.shape), model.provider.top_k)
+    return out
+
+
+def old_policy_logprobs(actor: TrainModel, batch: ExperienceBatch, config: RunConfig
+                        ) -> tuple[ExperienceBatch, dict[str, float]]:
+    """``batch`` with the actor's old log-probs and, under routing replay r2, the routing the actor chose
+    for them (its update replays it); under r3 that pass replays the rollout's routing. Metrics:
+    ``routing/mismatch`` and ``routing/mismatch_replayed`` of the pass when it replayed a record
+    (:mod:`megarlhf.training.routing_replay`)."""
+    record = config.algorithm.routing_replay == "r2"
+    if actor.routing_replay is not None:
+        actor.routing_replay.reset_counts()  # this pass's metrics only (not a probe's or calibration's)
+    out = _logprob_pass(actor, batch.replace(routed_experts=None) if record else batch, config,
+                        record_routing=record)
+    fields = {"old_logprobs": out["logprobs"]}
+    if record:
+        fields["routed_experts"] = out["routing"]
+    metrics = {}
+    if actor.routing_replay is not None:
+        metrics = actor.routing_replay.mismatch_metrics(actor.runtime, "routing/")
+    return batch.replace(**fields), metrics
 
 
 def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
@@ -211,7 +243,8 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         if normaliser.num_tokens == 0:
             results.append(skipped_step(actor, ACTOR_SUMS, NOTHING_TO_TRAIN))
             continue
-        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, runtime)
+        mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, runtime,
+                                routing=mini.routed_experts if actor.routing_replay is not None else None)
         results.append(optimizer_step(
             actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, normaliser, seen), ACTOR_SUMS,
             loss_name="loss", temperature=scoring_temperature(config.rollout), entropy=True,

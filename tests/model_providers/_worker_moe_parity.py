@@ -86,6 +86,9 @@ def main(tp: int, pp: int, ep: int, first_stage_layers: int, models: Path, out_d
     for arch in ARCHS:
         provider, model = load_hf_model(models / arch)
         ids, pos = inputs(provider.hf_config.vocab_size)
+        if tp > 1:  # at TP > 1 the MoE model runs sequence-parallel: the sequence splits evenly over TP ranks
+            keep = ids.shape[1] // tp * tp
+            ids, pos = ids[:, :keep], pos[:, :keep]
         logits = forward(model, ids, pos)
         r = {"experts": local_experts(model), "layers": [layer.layer_number for layer in model.decoder.layers]}
         if logits is not None:

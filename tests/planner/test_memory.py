@@ -175,5 +175,5 @@ def test_moe_expert_state_is_sharded_over_expert_data_parallel_ranks():
     with pytest.raises(ValueError, match="expert_model_parallel_size \\(8\\) x pipeline_model_parallel_size \\(2\\)"):
         plan_memory(config, shape, Launch(world_size=8))
     tp2 = _config(parallel={"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8}, train={"global_batch_size": 64})
-    with pytest.raises(ValueError, match="trains mixture-of-experts models at TP 1 only"):
+    with pytest.raises(ValueError, match="plans mixture-of-experts models at TP 1 only"):
         plan_memory(tp2, shape, Launch(world_size=16))

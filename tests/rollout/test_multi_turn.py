@@ -4,6 +4,7 @@ seed, and budgets, turn limits, malformed calls and failing tools end or continu
 import json
 
 import pytest
+import torch
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
@@ -11,6 +12,7 @@ from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.seeds import TURN_STRIDE as TURN_SEED_STRIDE
+from megarlhf.training.routing_replay import UNROUTED
 from model_providers.tiny_models import make_tiny_model
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -47,9 +49,11 @@ class Script:
     """A turn generator answering from ``turns[(prompt seed offset, turn number)]`` (text + the end-of-turn
     token, as a chat model stops), with log-prob -0.5 per token; records the seeds it was given."""
 
-    def __init__(self, tokenizer, base: int, turns: dict[tuple[int, int], str], end: str = "<|im_end|>"):
+    def __init__(self, tokenizer, base: int, turns: dict[tuple[int, int], str], end: str = "<|im_end|>",
+                 routing: bool = False):
         self.tokenizer, self.base, self.turns, self.seen = tokenizer, base, turns, []
         self.end = tokenizer.convert_tokens_to_ids(end)
+        self.routing = routing  # records routing like an MoE engine: every token it ran "routed" to [turn, turn]
 
     def __call__(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
         batch = RolloutBatch()
@@ -70,6 +74,10 @@ class Script:
                 batch.response_ids.append(ids)
                 batch.logprobs.append([-0.5] * len(ids))
                 batch.finish_reasons.append(finish)
+                if self.routing:  # the last token was sampled, never run
+                    record = torch.full((len(prompt) + len(ids), 1, 2), turn, dtype=torch.int16)
+                    record[-1] = UNROUTED
+                    batch.routed_experts.append(record)
         return batch
 
 
@@ -109,6 +117,29 @@ def test_conversation_tokens_masks_and_seeds(tokenizer):
         assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n" * calls
         assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(lps, mask))
     assert metrics["tools/calls"] == 3 and metrics["tools/samples_calling"] == 2 and metrics["tools/turns"] == 5
+
+
+def test_an_episodes_routing_record_keeps_each_tokens_first_routing(tokenizer):
+    """Routing replay (R3) with tools: a token keeps the routing of the call that first ran it (the one its
+    log-prob came from); a turn's last token, sampled and never run in its own call, takes the next call's
+    routing, as do the observation tokens; the episode's last token stays unrouted."""
+    base = 1000
+    script = Script(tokenizer, base, {(0, 0): CALL, (1, 0): CALL, (1, 1): CALL}, routing=True)
+    batch, _ = _rollout(tokenizer).run(script, _prompts(tokenizer, 1), SamplingConfig(n=2, temperature=1.0,
+                                                                                    max_new_tokens=64, seed=base))
+    for k, record in enumerate(batch.routed_experts):
+        prompt, mask = len(batch.prompt_ids[k]), batch.loss_masks[k]
+        assert record.shape == (prompt + len(mask), 1, 2)
+        expected, turn = [0] * prompt, 0
+        for i, model_token in enumerate(mask):
+            if i and model_token and not mask[i - 1]:  # the first token of the next turn
+                turn += 1
+            expected.append(turn if model_token else turn + 1)  # observations: first run by the next call
+        for i in range(prompt, prompt + len(mask) - 1):  # a turn's last token: run first by the next call
+            if mask[i - prompt] and not mask[i - prompt + 1]:
+                expected[i] = expected[i] + 1
+        expected[-1] = UNROUTED
+        assert record[:, 0, 0].tolist() == expected, k
 
 
 def test_turn_limit_budget_and_failures_end_or_continue_episodes(tokenizer):

@@ -1,7 +1,9 @@
 """GRPO on a tiny mixture-of-experts model (Qwen3-MoE: a dense first layer, 8 experts, top-2) through the
 command line at EP2 on 2 ranks with the HF rollout backend (and vLLM's, slow): the step-0 gate and the bit-verified weight
 sync pass with the engine's fused experts, the routing metrics are logged, the reward rises, the export
-loads in transformers; a killed and resumed run is bit-identical (slow)."""
+loads in transformers; a killed and resumed run is bit-identical (slow). The HF-backend runs replay the
+engine's routing (R3: the engine records it, the trainer routes every recorded token as the engine did);
+vLLM records routing only on a GPU."""
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,9 @@ def moe_assets(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_grpo_on_moe_at_ep2(moe_assets, tmp_path, backend):
     recipe = write_recipe(tmp_path / "grpo.yaml", moe_assets, "grpo", tmp_path / "run")
-    run_torchrun(CLI, 2, ["train", str(recipe), *MOE, "train.steps=8", f"rollout.backend={backend}"], timeout_s=900,
-                 env=REWARDS)
+    replay = ["algorithm.routing_replay=r3"] if backend == "hf" else []
+    run_torchrun(CLI, 2, ["train", str(recipe), *MOE, "train.steps=8", f"rollout.backend={backend}", *replay],
+                 timeout_s=900, env=REWARDS)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     first = records[0]
@@ -44,6 +47,9 @@ def test_grpo_on_moe_at_ep2(moe_assets, tmp_path, backend):
     assert all(1.0 <= r["actor/moe/imbalance"] <= 4.0 for r in records)  # 8 experts, top-2: at most 8 / 2
     assert {"actor/moe/layer1/imbalance", "actor/moe/layer2/imbalance"} <= set(first)
     assert "actor/moe/layer0/imbalance" not in first  # the dense first layer has no router
+    if backend == "hf":  # replayed: the routing used is the engine's in scoring and in every update
+        assert first["routing/mismatch_replayed"] == 0.0 and 0.0 <= first["routing/mismatch"] < 0.5
+        assert all(r["actor/moe/routing_mismatch_replayed"] == 0.0 for r in records)
     rewards = [r["reward/mean"] for r in records]
     assert sum(rewards[-2:]) / 2 > 2 * sum(rewards[:2]) / 2, rewards
     from transformers import AutoModelForCausalLM
@@ -56,7 +62,7 @@ def test_grpo_on_moe_at_ep2(moe_assets, tmp_path, backend):
 
 @pytest.mark.slow  # three 2-rank runs (~2 min on 2 cores): make test-slow
 def test_moe_run_killed_and_resumed_matches_uninterrupted(moe_assets, tmp_path):
-    overrides = [*MOE, "rollout.backend=hf", "train.steps=4", "checkpoint.every=2"]
+    overrides = [*MOE, "rollout.backend=hf", "train.steps=4", "checkpoint.every=2", "algorithm.routing_replay=r3"]
     full = tmp_path / "full"
     run_torchrun(CLI, 2, ["train", str(write_recipe(tmp_path / "full.yaml", moe_assets, "grpo", full)), *overrides],
                  timeout_s=900, env=REWARDS)
@@ -69,3 +75,18 @@ def test_moe_run_killed_and_resumed_matches_uninterrupted(moe_assets, tmp_path):
     resumed, uninterrupted = read_metrics(cut / "metrics.jsonl"), read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert strip(resumed) == strip(uninterrupted)
+    # another expert-parallel size: the optimizer state cannot follow (refused by name, nothing written), the
+    # weights can (a one-process conversion at EP1 equals the run's own export at EP2)
+    recipe = write_recipe(tmp_path / "ep1.yaml", moe_assets, "grpo", full)
+    at_ep1 = [o for o in overrides if not o.startswith("parallel.expert")] + ["train.steps=6", "checkpoint.resume=auto"]
+    before = sorted(p.name for p in (full / "checkpoints").iterdir())
+    with pytest.raises(RuntimeError, match=r"saved at expert_model_parallel_size=2, this run has 1"):
+        run_torchrun(CLI, 2, ["train", str(recipe), *at_ep1], timeout_s=900, env=REWARDS)
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == before
+    converted = tmp_path / "converted"
+    run_torchrun(CLI, 1, ["convert", "megatron-to-hf", "--ckpt", str(full / "checkpoints" / "step_4"), "--out",
+                          str(converted), "--hf-config", str(moe_assets[0])], timeout_s=600)
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(converted / "model.safetensors"), load_file(full / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

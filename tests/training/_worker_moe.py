@@ -1,5 +1,6 @@
 """One SFT step and one actor update of a tiny mixture-of-experts model in one (TP, EP) layout, with the
-gradients each produced, then an SFT step with the router's load-balancing and z-losses on.
+gradients each produced, then an SFT step with the router's load-balancing and z-losses on (at TP > 1,
+where the MoE layers run sequence-parallel, their refusal), then an update replaying a routing record.
 Usage: _worker_moe.py TP EP MODEL_DIR OUT_DIR
 
 The batch is :mod:`_batch`'s, split over the data-parallel ranks (every other sequence), so the global
@@ -52,7 +53,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runtime = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep))
     from megarlhf.data.sft import SFTExample
-    from megarlhf.training import actor_update, build_actor, sft_step
+    from megarlhf.training import actor_update, build_actor, old_policy_logprobs, sft_step
     from megarlhf.training.step import micro_batches_for
 
     cfg = run_config(model_dir)
@@ -84,16 +85,50 @@ def main() -> None:
     uneven_update = {f"uneven/{k}": v for k, v in actor_update(actor, mine, cfg).items()}
 
     cfg.model.moe.aux_loss_coeff, cfg.model.moe.z_loss_coeff = 0.01, 0.001
+    with_aux = {}
+    if tp > 1:  # sequence parallelism: router losses are refused by name
+        try:
+            build_actor(cfg, runtime)
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            with_aux["aux_refused"] = str(err)
+    else:
+        actor = build_actor(cfg, runtime)
+        capture_gradients(actor, out, "sft-aux")
+        with_aux.update({f"aux/{k}": v for k, v in sft_step(actor, examples, cfg).items()})
+        # the uneven split with the router losses on: padding micro-batches (EP2) must add nothing, not NaN
+        actor = build_actor(cfg, runtime)
+        capture_gradients(actor, out, "actor-uneven-aux")
+        with_aux.update({f"aux-uneven/{k}": v for k, v in actor_update(actor, mine, cfg).items()})
+    # routing replay (R3) of a random routing record on the uneven split: every token goes to the recorded
+    # experts in every layout, padding micro-batches included (router losses off: with them the uneven split's
+    # layouts differ by design, see test_router_losses_with_padding_micro_batches)
+    cfg.model.moe.aux_loss_coeff, cfg.model.moe.z_loss_coeff = 0.0, 0.0
+    cfg.algorithm.routing_replay = "r3"
     actor = build_actor(cfg, runtime)
-    capture_gradients(actor, out, "sft-aux")
-    with_aux = {f"aux/{k}": v for k, v in sft_step(actor, examples, cfg).items()}
-    # the uneven split with the router losses on: padding micro-batches (EP2) must add nothing, not NaN
+    capture_gradients(actor, out, "actor-replay")
+    record = random_routing(full, actor.provider)
+    replayed = {f"replay/{k}": v for k, v in actor_update(actor, full.replace(routed_experts=record).select(uneven),
+                                                           cfg).items()}
+    # R2 records the actor's own routing in the old-log-prob pass, on the uneven split (padding micro-batches at
+    # EP2 must record nothing)
+    cfg.algorithm.routing_replay = "r2"
+    cfg.train.micro_batch_tokens = 12  # a micro-batch per sequence: the ranks' counts and sizes differ
     actor = build_actor(cfg, runtime)
-    capture_gradients(actor, out, "actor-uneven-aux")
-    with_aux.update({f"aux-uneven/{k}": v for k, v in actor_update(actor, mine, cfg).items()})
+    recorded, _ = old_policy_logprobs(actor, mine, cfg)
+    replayed["r2_record_complete"] = bool((recorded.routed_experts[recorded.response_mask] >= 0).all())
+    torch.save(recorded.routed_experts, out / f"r2-record-rank{dist.get_rank()}.pt")
     write_rank_result(out, dist.get_rank(), {"dp": runtime.dp.size, "ep": runtime.ep.size, "edp": runtime.edp.size,
                                              "uneven_micro_batches": counts, **sft, **update, **uneven_update,
-                                             **with_aux})
+                                             **with_aux, **replayed})
+
+
+def random_routing(batch, provider) -> torch.Tensor:
+    """A routing record [B, L, moe_layers, top_k]: distinct random experts for every token (seeded)."""
+    from megarlhf.training.routing_replay import ROUTING_DTYPE, moe_layer_indices
+
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.rand((*batch.input_ids.shape, len(moe_layer_indices(provider)), provider.num_experts), generator=gen)
+    return scores.argsort(-1)[..., :provider.top_k].to(ROUTING_DTYPE)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Training a mixture-of-experts model (Qwen2-MoE with a gated shared expert, 6 experts, top-2): an SFT step
-and an actor update give the same loss and gradients at EP2 as at EP1 (both DP2 on 2 ranks); the routing
-metrics equal the expert load HF's router gives the same tokens; the router losses reach the metrics and
-the gradients; MoE training at TP > 1 is refused by name."""
+and an actor update give the same loss and gradients at EP2 as at EP1 (both DP2 on 2 ranks), and at EP2 x TP2
+on 4 ranks (sequence-parallel, slow); so does an update replaying a routing record; the routing metrics equal
+the expert load HF's router gives the same tokens; the router losses reach the metrics and the gradients
+(and are refused by name at TP > 1)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,6 +47,29 @@ def test_ep2_equals_ep1(moe_runs, step):
     worst = max(g1, key=lambda k: _relative(g1[k], g2[k]))
     assert _relative(g1[worst], g2[worst]) <= GRAD_TOL, worst
     assert sum(bool(g.norm() > 0) for g in g1.values()) > len(g1) * 0.8  # most tensors get a gradient
+
+
+def test_routing_replay_is_the_same_at_ep2_and_ep1(moe_runs):
+    """R3 replaying a random routing record (far from the model's own routing) on the uneven split: the same
+    loss and gradients at EP2 (padding micro-batches, tokens dispatched to the recorded experts on the other
+    rank) as at EP1, and not those of the model's own routing; R2's records are the same too."""
+    _, runs = moe_runs
+    (ranks1, dir1), (ranks2, dir2) = runs["ep1"], runs["ep2"]
+    first = ranks1[0]
+    assert first["replay/actor/moe/routing_mismatch"] > 0.5  # random experts: mostly not the model's choice
+    assert first["replay/actor/moe/routing_mismatch_replayed"] == 0.0
+    for key in ("replay/actor/loss", "replay/actor/grad_norm", "replay/actor/moe/routing_mismatch"):
+        assert ranks2[0][key] == pytest.approx(first[key], rel=GRAD_TOL), key
+    g1, g2 = torch.load(dir1 / "grads-actor-replay.pt"), torch.load(dir2 / "grads-actor-replay.pt")
+    worst = max(g1, key=lambda k: _relative(g1[k], g2[k]))
+    assert _relative(g1[worst], g2[worst]) <= GRAD_TOL, worst
+    own = torch.load(dir1 / "grads-actor-uneven.pt")  # the same update with the model's own routing
+    assert max(_relative(own[k], g1[k]) for k in g1 if "experts" in k) > 0.1
+    # R2's recording pass on the uneven split: the rank running padding micro-batches at EP2 records only its
+    # real ones (seen failing: a padding micro-batch's routing was appended to the last real one's record)
+    for rank in (0, 1):
+        assert ranks1[rank]["r2_record_complete"] and ranks2[rank]["r2_record_complete"]
+        assert torch.equal(torch.load(dir1 / f"r2-record-rank{rank}.pt"), torch.load(dir2 / f"r2-record-rank{rank}.pt"))
 
 
 def test_uneven_micro_batch_counts_are_padded_under_expert_parallelism(moe_runs):
@@ -137,16 +161,29 @@ def test_router_losses_with_padding_micro_batches(moe_runs):
     assert _relative(plain["model.layers.1.mlp.gate.weight"], grads["model.layers.1.mlp.gate.weight"]) > 1e-3
 
 
-def test_moe_training_with_tensor_parallelism_is_refused():
-    from megarlhf.training.models import _wrap_trainable
-    from parallel.config import LayoutError
-
-    runtime = SimpleNamespace(tp=SimpleNamespace(size=2))
-    provider = SimpleNamespace(is_moe=True)
-    config = SimpleNamespace(optim=None, model=SimpleNamespace(dtype="float32"))
-    with pytest.raises(LayoutError, match="mixture-of-experts model with tensor_model_parallel_size=2 needs sequence "
-                                          "parallelism"):
-        _wrap_trainable("actor", None, provider, config, runtime, 1e-3, 1)
+@pytest.mark.slow  # 4 ranks on 2 cores (~30 s): make test-slow
+def test_ep2_tp2_equals_ep1(moe_runs, tmp_path):
+    """EP2 x TP2 on 4 ranks (DP2, expert-DP 1; the MoE layers sequence-parallel, Megatron's uneven
+    sequence-parallel gathers over gloo through cpu_compat patch 6): the SFT step, the actor update, the
+    uneven split with padding micro-batches and the replayed update equal EP1's (seen failing before the
+    sequence-parallel hidden states were gathered without summing their gradient: every body gradient 2x).
+    Router losses are refused there by name."""
+    model, runs = moe_runs
+    ranks1, dir1 = runs["ep1"]
+    run_torchrun(HERE / "_worker_moe.py", 4, ["2", "2", str(model), str(tmp_path)], timeout_s=900)
+    ranks = read_rank_results(tmp_path, 4)
+    assert (ranks[0]["dp"], ranks[0]["ep"], ranks[0]["edp"]) == (2, 2, 1)
+    for key in ("sft/loss", "sft/grad_norm", "actor/loss", "actor/grad_norm", "uneven/actor/loss",
+                "uneven/actor/grad_norm", "replay/actor/loss", "replay/actor/grad_norm",
+                "replay/actor/moe/routing_mismatch", "actor/moe/imbalance"):
+        assert ranks[0][key] == pytest.approx(ranks1[0][key], rel=GRAD_TOL), key
+    for name in ("sft", "actor", "actor-uneven", "actor-replay"):
+        g1, g2 = torch.load(dir1 / f"grads-{name}.pt"), torch.load(tmp_path / f"grads-{name}.pt")
+        assert g1.keys() == g2.keys()
+        worst = max(g1, key=lambda k: _relative(g1[k], g2[k]))
+        # 5e-6: the smallest expert tensors (norm ~5e-3) sum their tokens in another order under EP x TP
+        assert _relative(g1[worst], g2[worst]) <= 5 * GRAD_TOL, (name, worst)
+    assert "router losses" in ranks[0]["aux_refused"] and "tensor_model_parallel_size=2" in ranks[0]["aux_refused"]
 
 
 def test_moe_training_with_a_dense_only_pipeline_stage_is_refused():
