@@ -37,7 +37,8 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(tiny, tmp_path):
     ranks = read_rank_results(tmp_path / "results", 2)
     marker = ranks[0]["marker"]
     assert marker["saved_with"] == {"world_size": 2, "tensor_model_parallel_size": 2,
-                                    "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
+                                    "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+                                    "expert_model_parallel_size": 1}
     assert marker["metadata"] == {"step": 7} and marker["has_extra_state"]
     assert marker["model"]["num_layers"] == 2 and marker["model"]["params_dtype"] == "float32"
     assert ranks[0]["saved_vs_hf"] < 1e-4  # the saved model is the HF model

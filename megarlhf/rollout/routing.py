@@ -46,7 +46,7 @@ def record_from_vllm(routed, moe_layers: tuple[int, ...], tokens: int, top_k: in
     record = unrouted(tokens, len(moe_layers), top_k)
     if routed is None:
         return record
-    values = torch.as_tensor(routed).long()
+    values = torch.as_tensor(routed).long()  # host: vLLM hands the record over as a numpy array
     if values.dim() != 3 or values.shape[2] != top_k or values.shape[1] <= max(moe_layers):
         raise ValueError(f"rollout engine: vLLM returned routed experts of shape {tuple(values.shape)}; expected "
                          f"[tokens, layers > {max(moe_layers)}, {top_k}]")

@@ -194,7 +194,8 @@ def _stacked_records(records: Sequence[Tensor], lengths: list[int], width: int) 
         if record.dim() != 3 or tuple(record.shape) != (n, *shape):
             raise ValueError(f"ExperienceBatch.from_sequences: routed_experts[{i}] has shape {tuple(record.shape)}, "
                              f"expected ({n}, {', '.join(map(str, shape))}): one row per prompt + response token")
-    out = torch.full((len(records), width, *shape), UNROUTED, dtype=records[0].dtype)
+    # host: stacked there, then moved to the device in one copy like the other fields
+    out = torch.full((len(records), width, *shape), UNROUTED, dtype=records[0].dtype)  # host: as above
     for i, (record, n) in enumerate(zip(records, lengths)):
         out[i, :n] = record
     return out

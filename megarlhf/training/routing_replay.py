@@ -45,7 +45,7 @@ ROUTING_DTYPE = torch.int16
 
 def unrouted(tokens: int, layers: int, top_k: int) -> Tensor:
     """A routing record of ``tokens`` tokens none of which was routed."""
-    return torch.full((tokens, layers, top_k), UNROUTED, dtype=ROUTING_DTYPE)
+    return torch.full((tokens, layers, top_k), UNROUTED, dtype=ROUTING_DTYPE)  # host: records live there
 
 
 def moe_layer_indices(provider) -> tuple[int, ...]:
