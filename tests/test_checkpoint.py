@@ -74,6 +74,7 @@ def test_only_megatrons_async_notice_of_a_synchronous_save_is_dropped():
     assert passes("some other warning of Megatron's torch_dist strategy")
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: make test-slow
 def test_interrupted_saves_leave_previous_checkpoint_loadable(tiny, tmp_path):
     # Own session: the killed save leaves Megatron's multiprocessing Manager orphaned; its group is ended below.
     log = tmp_path / "kill.log"

@@ -13,7 +13,7 @@ def engine_config(**rollout) -> EngineConfig:
                                      max_prompt_length=128)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1", pytest.param("tp2", marks=pytest.mark.slow)])  # tp2: ~40 s, slow set
 def test_seeded_sampling_is_reproducible(rollout_run, layout):
     ranks = rollout_run(layout)
     for rank in ranks:

@@ -47,6 +47,7 @@ def _rounds(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (online DPO, the same driver, stays in the default suite): make test-slow
 def test_rejection_sampling_run_keeps_the_best_and_writes_sft_rows(tmp_path, rl_assets):
     run_dir = _run("rs", tmp_path, rl_assets, "rs", "iterative.rs_threshold=0.1")
     rounds = _rounds(run_dir)
