@@ -188,7 +188,7 @@ class HFRolloutEngine:
         """One batched decode loop over ``prompts`` x ``sampling.n`` rows (row r has seed ``seeds[r]``):
         ``(tokens, log-probs, finish reason)`` per row, and the rows' routing records (empty unless recording)."""
         if self.recorder is None:
-            return self._decode_rows(prompts, seeds, sampling, stop_ids), []
+            return self._decode_rows(prompts, seeds, sampling, stop_ids)
         self.recorder.active = True
         try:
             return self._decode_rows(prompts, seeds, sampling, stop_ids)
@@ -253,7 +253,7 @@ class HFRolloutEngine:
         results = [(tokens[r][:length[r]], logprobs[r][:length[r]], "stop" if stopped[r] else "length")
                    for r in range(rows)]
         if routing is None:
-            return results
+            return results, []
         return results, self._records(prompts, prompt_routing.cpu(), routing.cpu(), length, n)
 
     @staticmethod
