@@ -84,8 +84,8 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
         if problem["prompt"] != solution["prompt"]:
             raise DataError(f"{where}: the problem's prompt {problem['prompt']!r} differs from the "
                             f"solution's {solution['prompt']!r}")
-        start = with_tool_text([{"role": "user", "content": problem["prompt"]}], describe(problem).text)
-        metadata = {k: v for k, v in problem.items() if k not in ("prompt", "answer")}
+        metadata = {k: v for k, v in problem.items() if k not in ("prompt", "answer")}  # what a rollout's env gets
+        start = with_tool_text([{"role": "user", "content": problem["prompt"]}], describe(metadata).text)
         if rng.random() < tool_fraction:
             turns = tool_conversation({**metadata, "answer": problem["answer"]}, config, tokenizer, where)
         else:
