@@ -38,23 +38,32 @@ from megarlhf.envs.tool_calls import ParsedCall
 from megarlhf.errors import DataError
 
 
-def tool_conversation(row: dict, config: EnvConfig, tokenizer: Any, where: str,
+def tool_conversation(metadata: dict, answer: str, config: EnvConfig, tokenizer: Any, where: str,
                       argument: str = "expression") -> list[dict[str, str]]:
-    """``row``'s problem solved with one call of the environment's only tool on ``row[argument]``."""
-    episode = resolve_environment(config.name)(dict(row), **config.kwargs)
-    if len(episode.tools) != 1:
-        raise DataError(f"{where}: environment {config.name!r} offers {len(episode.tools)} tools; a transcript "
-                        f"calls the one tool of a single-tool environment")
-    call = ParsedCall(episode.tools[0].name, {argument: row[argument]})
-    calling = PARSERS.get(config.parser)(list(episode.tools), tokenizer).format_call(call)
-    result = episode.step([{"role": "assistant", "content": calling}], call)
-    if result.observation is None or result.info.get("tool_error"):
-        raise DataError(f"{where}: the tool refused the row's {argument} {row[argument]!r}: {result.observation}")
-    if result.observation.strip() != str(row["answer"]).strip():
-        raise DataError(f"{where}: the tool returned {result.observation!r} for {row[argument]!r}, but the "
-                        f"row's answer is {row['answer']!r}")
-    return [{"role": "assistant", "content": calling}, {"role": "tool", "content": result.observation},
-            {"role": "assistant", "content": final_answer(str(row["answer"]), "answer_is")}]
+    """A problem solved with one call of the environment's only tool on ``metadata[argument]``; the
+    episode is made from ``metadata`` as a rollout makes it (the row without its prompt and answer)."""
+    try:
+        episode = resolve_environment(config.name)(dict(metadata), **config.kwargs)
+        tools = list(episode.tools)
+        if len(tools) != 1:
+            raise DataError(f"environment {config.name!r} offers {len(tools)} tools; a transcript calls the one "
+                            f"tool of a single-tool environment")
+        call = ParsedCall(tools[0].name, {argument: metadata[argument]})
+        calling = PARSERS.get(config.parser)(tools, tokenizer).format_call(call)
+        result = episode.step([{"role": "assistant", "content": calling}], call)
+    except Exception as exc:  # the environment may be user code: say which row it failed on
+        raise DataError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    observation = result.observation
+    if not isinstance(observation, str) or result.info.get("tool_error"):
+        raise DataError(f"{where}: the tool refused the row's {argument} {metadata[argument]!r}: {observation!r}")
+    if len(observation) > config.max_observation_chars:  # a rollout would cut it: the transcript would differ
+        raise DataError(f"{where}: the tool's answer has {len(observation)} characters, more than "
+                        f"rollout.env.max_observation_chars={config.max_observation_chars}")
+    if observation.strip() != answer.strip():
+        raise DataError(f"{where}: the tool returned {observation!r} for {metadata[argument]!r}, but the "
+                        f"row's answer is {answer!r}")
+    return [{"role": "assistant", "content": calling}, {"role": "tool", "content": observation},
+            {"role": "assistant", "content": final_answer(answer, "answer_is")}]
 
 
 def _require(row: dict, fields: tuple[str, ...], where: str) -> None:
@@ -64,9 +73,10 @@ def _require(row: dict, fields: tuple[str, ...], where: str) -> None:
 
 
 def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConfig, tokenizer: Any,
-                    tool_fraction: float, seed: int) -> list[dict]:
+                    tool_fraction: float, seed: int, system_prompt: str | None = None) -> list[dict]:
     """SFT rows (``messages``) for ``problems`` (prompt, answer, expression) whose worked solutions are
-    ``solutions`` (prompt, response), row for row; see the module docstring."""
+    ``solutions`` (prompt, response), row for row; see the module docstring. ``system_prompt`` is the RL
+    run's ``data.system_prompt``, if it sets one."""
     if not 0.0 <= tool_fraction <= 1.0:
         raise DataError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     if len(problems) != len(solutions):
@@ -85,9 +95,17 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
             raise DataError(f"{where}: the problem's prompt {problem['prompt']!r} differs from the "
                             f"solution's {solution['prompt']!r}")
         metadata = {k: v for k, v in problem.items() if k not in ("prompt", "answer")}  # what a rollout's env gets
-        start = with_tool_text([{"role": "user", "content": problem["prompt"]}], describe(metadata).text)
+        try:
+            description = describe(metadata).text
+        except Exception as exc:  # user code, as in build_prompt_dataset
+            raise DataError(f"{where}: the environment could not describe its tools: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        start = [{"role": "user", "content": problem["prompt"]}]
+        if system_prompt is not None:  # as data.system_prompt puts it before the tools' description
+            start.insert(0, {"role": "system", "content": system_prompt})
+        start = with_tool_text(start, description)
         if rng.random() < tool_fraction:
-            turns = tool_conversation({**metadata, "answer": problem["answer"]}, config, tokenizer, where)
+            turns = tool_conversation(metadata, str(problem["answer"]), config, tokenizer, where)
         else:
             turns = [{"role": "assistant", "content": solution["response"]}]
         rows.append({"messages": start + turns})
@@ -106,11 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parser", default="hermes")
     parser.add_argument("--tool-fraction", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--system-prompt", default=None, help="the RL run's data.system_prompt, if it sets one")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = transcript_rows(read_records(args.problems), read_records(args.solutions),
-                           EnvConfig(name=args.env, parser=args.parser), tokenizer, args.tool_fraction, args.seed)
+                           EnvConfig(name=args.env, parser=args.parser), tokenizer, args.tool_fraction, args.seed,
+                           args.system_prompt)
     path = write_jsonl(rows, Path(args.out), ("messages",))
     calls = sum(len(r["messages"]) > 3 for r in rows)
     print(json.dumps({"out": str(path), "rows": len(rows), "tool_transcripts": calls}))

@@ -58,16 +58,19 @@ class Replay:
         return batch
 
 
-def test_a_transcript_is_token_for_token_what_the_rollout_renders(tokenizer):
+@pytest.mark.parametrize("system_prompt", [None, "Be brief."])
+def test_a_transcript_is_token_for_token_what_the_rollout_renders(tokenizer, system_prompt):
     problems, solutions = _problems(1)
-    row = transcript_rows(problems, solutions, CALCULATOR, tokenizer, tool_fraction=1.0, seed=0)[0]
+    row = transcript_rows(problems, solutions, CALCULATOR, tokenizer, tool_fraction=1.0, seed=0,
+                          system_prompt=system_prompt)[0]
     roles = [m["role"] for m in row["messages"]]
     assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    assert row["messages"][0]["content"].startswith(system_prompt or "You can call the following tools")
     assert row["messages"][3]["content"] == "14"  # computed by the calculator: (10 + 7) - 3
     assert row["messages"][4]["content"] == "The answer is 14."
     sft = sft_example(row, tokenizer, DataConfig(messages_key="messages", chat_template="always"), True, "row 0")
 
-    config = DataConfig(chat_template="always")
+    config = DataConfig(chat_template="always", system_prompt=system_prompt)
     prompt = build_prompt_dataset(problems, tokenizer, config, describe_tools=tool_describer(CALCULATOR, tokenizer))[0]
     rollout = MultiTurnRollout(CALCULATOR, tokenizer, chat=True, max_new_tokens=96, budget=400)
     turns = [row["messages"][2]["content"], row["messages"][4]["content"]]
