@@ -79,6 +79,7 @@ def test_rejection_sampling_run_keeps_the_best_and_writes_sft_rows(tmp_path, rl_
     AutoModelForCausalLM.from_pretrained(run_dir / "hf")
 
 
+@pytest.mark.slow  # about 50 s: keeps the default suite under 15 minutes
 def test_online_dpo_run_forms_pairs_from_the_rewards_and_writes_dpo_rows(tmp_path, rl_assets):
     run_dir = _run("online-dpo", tmp_path, rl_assets, "odpo", "iterative.pair_rule=all")
     rounds = _rounds(run_dir)

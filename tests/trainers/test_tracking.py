@@ -275,6 +275,7 @@ def test_wandb_online_without_credentials_is_refused_before_any_prompt(tmp_path,
         open_trackers(LoggingConfig(backends=["wandb"], wandb_mode="online"), tmp_path, {}, -1)
 
 
+@pytest.mark.slow  # about 50 s: keeps the default suite under 15 minutes
 def test_an_sft_run_and_its_resume_log_the_same_values_to_wandb_and_mlflow(rl_assets, tmp_path, monkeypatch):
     """Through the command line on 2 ranks: steps 0-1, then a resume to step 3; W&B and MLflow hold what
     metrics.jsonl holds, in one run each, with the resolved config as parameters."""
