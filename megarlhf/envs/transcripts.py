@@ -28,8 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megarlhf.data.prompts import template_renders_tools, with_tool_text
-from megarlhf.data.source import read_records
+from megarlhf.data.prompts import row_messages, template_renders_tools, with_tool_text
+from megarlhf.data.source import DataConfig, read_records
 from megarlhf.data.synthetic import final_answer, write_jsonl
 from megarlhf.envs.api import EnvConfig, resolve_environment
 from megarlhf.envs.parsers import PARSERS
@@ -85,6 +85,7 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
         raise DataError("the tokenizer's chat template renders tools= itself; SFT rows do not pass tools= to "
                         "the template, so a transcript would not match the rollout's prompt")
     describe = tool_describer(replace(config, describe_tools=True), tokenizer)
+    prompt_config = DataConfig(system_prompt=system_prompt)
     rng = random.Random(f"{seed}-tool-transcripts")
     rows = []
     for i, (problem, solution) in enumerate(zip(problems, solutions)):
@@ -100,10 +101,8 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
         except Exception as exc:  # user code, as in build_prompt_dataset
             raise DataError(f"{where}: the environment could not describe its tools: "
                             f"{type(exc).__name__}: {exc}") from exc
-        start = [{"role": "user", "content": problem["prompt"]}]
-        if system_prompt is not None:  # as data.system_prompt puts it before the tools' description
-            start.insert(0, {"role": "system", "content": system_prompt})
-        start = with_tool_text(start, description)
+        # the RL prompt's messages (data.system_prompt first, if set), then the tools' description, as render_prompt
+        start = with_tool_text(row_messages(problem, prompt_config, where), description)
         if rng.random() < tool_fraction:
             turns = tool_conversation(metadata, str(problem["answer"]), config, tokenizer, where)
         else:
