@@ -23,6 +23,13 @@ CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl",
                 "time/step_s")
 
 
+def mean_and_std(count: float, total: float, total_sq: float) -> tuple[float, float]:
+    """Mean and (population) standard deviation of values given as count, sum and sum of squares, the
+    form in which data-parallel replicas reduce them in one collective."""
+    mean = total / count
+    return mean, max(total_sq / count - mean * mean, 0.0) ** 0.5
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """Every record of a ``metrics.jsonl`` file, in order (an absent file has none)."""
     path = Path(path)

@@ -64,3 +64,12 @@ def test_log_every_records_due_steps_the_last_and_evaluations(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 3, 4, 6, 7]
     with pytest.raises(ValueError, match="log_every must be an int >= 1"):
         MetricsRecorder(tmp_path, total_steps=1, log_every=0)
+
+
+def test_mean_and_std_from_count_sum_and_sum_of_squares():
+    from megarlhf.metrics import mean_and_std
+
+    assert mean_and_std(4, 1 + 2 + 3 + 4, 1 + 4 + 9 + 16) == (2.5, 1.25 ** 0.5)  # hand-worked
+    values = [0.1, 0.1, 0.1]  # E[x^2] - E[x]^2 rounds below zero here: the std is clamped to 0, not NaN
+    mean, std = mean_and_std(3, sum(values), sum(v * v for v in values))
+    assert sum(v * v for v in values) / 3 - mean * mean < 0 and std == 0.0

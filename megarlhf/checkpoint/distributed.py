@@ -71,6 +71,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from megarlhf import __version__ as megarlhf_version
+from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
 from megarlhf.errors import CheckpointError
 
 MARKER_FILE = "megarlhf_checkpoint.json"
@@ -86,8 +88,9 @@ class _DropSyncSaveAsyncNotice(logging.Filter):
     """megarlhf saves synchronously (``dist_checkpointing.save``). In megatron-core 0.19 the synchronous
     ``TorchDistSaveShardedStrategy.save`` runs through Megatron's own async machinery
     (``async_save(..., async_strategy="mcore")`` then ``execute_sync()``), which logs that *async* saving
-    through MCore is deprecated in favour of NVRx (nvidia-resiliency-ext). That notice is about async
-    saves we never make; only it is dropped, the logger's other messages pass."""
+    through MCore is deprecated in favour of NVRx (nvidia-resiliency-ext). For a synchronous save that notice
+    is about something we do not do; an async save through the built-in writer is announced by
+    :class:`AsyncCheckpointWriter` in our own words instead. Only it is dropped, the logger's other messages pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return MCORE_ASYNC_NOTICE not in record.getMessage()
@@ -270,7 +273,8 @@ def _part_marker(model, optimizer, scheduler, fresh: bool) -> dict:
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_state: dict | None = None, *,
                     metadata: dict | None = None, files: Mapping[str, str | os.PathLike] | None = None,
                     overwrite: bool = False, optimizer: Any = None, scheduler: Any = None,
-                    companions: Mapping[str, Companion] | None = None, rank_state: Any = None) -> Path:
+                    companions: Mapping[str, Companion] | None = None, rank_state: Any = None,
+                    writer: AsyncCheckpointWriter | None = None) -> Path:
     """Saves this rank's shards of ``model`` as a distributed checkpoint at ``directory``, atomically.
 
     Collective: every rank of the job calls it with its own model stage/shard. ``model`` is anything with
@@ -279,7 +283,9 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     relative paths inside the checkpoint to files that rank 0 copies in before publishing. An existing
     checkpoint at ``directory`` is an error unless ``overwrite``. ``optimizer`` / ``scheduler`` (the model's
     Megatron optimizer and OptimizerParamScheduler), ``companions`` and ``rank_state`` (tensors, numbers,
-    strings, tuples, lists and dicts only) see the module docstring. Returns the final path.
+    strings, tuples, lists and dicts only) see the module docstring. With ``writer`` the tensors are written
+    in the background and the checkpoint appears at the returned path only when ``writer`` publishes it
+    (:mod:`megarlhf.checkpoint.async_save`); ``model`` may change as soon as this returns. Returns the final path.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
@@ -321,7 +327,11 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
                                                          is_loading=False) for name, part in companions.items()}
         if extra_state is not None:
             state["extra_state"] = extra_state
-        dist_checkpointing.save(state, str(tmp))
+        if writer is None:
+            dist_checkpointing.save(state, str(tmp))
+        else:
+            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True,
+                                              async_strategy=writer.strategy)
     finally:
         for name, part in parts.items():
             if fresh[name]:
@@ -329,24 +339,30 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     if rank_state is not None:
         (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
         torch.save(rank_state, tmp / RANK_STATE_DIR / f"rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        from megarlhf import __version__
+    main = markers.pop("")
+    marker = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": megarlhf_version,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
+        "scheduler": main["scheduler"], "companions": markers, "rank_state": rank_state is not None,
+        "has_extra_state": extra_state is not None, "metadata": metadata or {},
+    }
 
-        main = markers.pop("")
-        marker = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": __version__,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
-            "scheduler": main["scheduler"], "companions": markers, "rank_state": rank_state is not None,
-            "has_extra_state": extra_state is not None, "metadata": metadata or {},
-        }
-        for relative, source in (files or {}).items():
-            (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, tmp / relative)
-        _write_json_durably(tmp / MARKER_FILE, marker)
-        _publish(tmp, final, token)
-    _barrier()
+    def publish() -> None:
+        """After every rank's tensors are written: rank 0 adds ``files`` and the marker, then renames."""
+        _barrier()
+        if _rank() == 0:
+            for relative, source in (files or {}).items():
+                (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, tmp / relative)
+            _write_json_durably(tmp / MARKER_FILE, marker)
+            _publish(tmp, final, token)
+        _barrier()
+
+    if writer is None:
+        publish()
+    else:
+        writer.schedule(request, final, publish)
     return final
 
 

@@ -256,8 +256,13 @@ class CheckpointConfig:
     every: int = 50  # steps between checkpoints (0: only at the end)
     keep_last: int | None = 3  # None: keep all
     resume: str = "auto"  # "auto" (latest in dir, if any), "none", or a checkpoint path
+    # write checkpoints in the background while training goes on; each is published (marker + rename)
+    # once written, at the start of a later step or at the end of the run (megarlhf/checkpoint/async_save.py)
+    async_save: bool = False
 
     def __post_init__(self):
+        _check(isinstance(self.async_save, bool), f"CheckpointConfig.async_save must be true or false, got "
+               f"{self.async_save!r}")
         _check(isinstance(self.every, int) and self.every >= 0,
                f"CheckpointConfig.every must be an int >= 0, got {self.every!r}")
         _check(self.keep_last is None or self.keep_last >= 1,

@@ -217,6 +217,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
         return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop)
 
     for step in range(first_step, steps):
+        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
         metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
         got = collect(phase, sampler, prompts, reward, run.tokenizer, config, runtime, step, stop)
@@ -235,6 +236,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
         recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
+    checkpointer.close()
     if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
     return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor, CONSOLE_KEYS[mode][:4])

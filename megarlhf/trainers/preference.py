@@ -28,7 +28,7 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferenceDataset, UnpairedExample, load_preference_dataset
 from megarlhf.errors import DataError
-from megarlhf.metrics import plot_curves
+from megarlhf.metrics import mean_and_std, plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
 from megarlhf.trainers.run import start_run
 from megarlhf.trainers.run_checkpoint import RunCheckpointer
@@ -131,6 +131,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         return {f"eval/{k}": v for k, v in evaluate_pairs(model, batch, config, ref, labels).items()}
 
     for step in range(first_step, steps):
+        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
         metrics = evaluate(step)
         indices = sampler.next_batch()
@@ -146,6 +147,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
+    checkpointer.close()
     if first_step < steps and held_out is not None and config.eval.every:
         recorder.log(steps, evaluate(steps))
     recorder.close()
@@ -172,8 +174,8 @@ def _score_stats(model, dataset: PreferenceDataset, config: RunConfig, runtime, 
         scores = compute_scores(model, pair_batch(chunk, runtime.device, pad_id), config).double()
         total = [total[0] + scores.numel(), total[1] + float(scores.sum()), total[2] + float((scores ** 2).sum())]
     count, s, sq = runtime.all_reduce(total)
-    mean = s / count
-    return {"mean": mean, "std": max(sq / count - mean * mean, 0.0) ** 0.5, "responses": count}
+    mean, std = mean_and_std(count, s, sq)
+    return {"mean": mean, "std": std, "responses": count}
 
 
 def train_dpo(config: RunConfig) -> Path:

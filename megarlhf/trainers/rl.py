@@ -78,6 +78,7 @@ def train_rl(config: RunConfig) -> Path | None:
                         samples)
 
     for step in range(first_step, steps):
+        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
         metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
         rollout_start = time.perf_counter()
@@ -104,6 +105,7 @@ def train_rl(config: RunConfig) -> Path | None:
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict(),
                                          **batches.state(step + 1)})
+    checkpointer.close()
     if first_step < steps and config.eval.every:
         recorder.log(steps, run_eval(steps))
     return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from megarlhf.metrics import mean_and_std
 from megarlhf.rollout.batch import RolloutBatch
 from parallel.runtime import Runtime
 
@@ -43,7 +44,7 @@ def rollout_metrics(rollout: RolloutBatch, rewards: list[float], runtime: Runtim
     n, r_sum, r_sq, len_sum, trunc = runtime.all_reduce(
         [len(lengths), r.sum().item(), (r * r).sum().item(), sum(lengths), truncated])
     peak = runtime.all_reduce([max(lengths, default=0)], op="max")[0]
-    mean = r_sum / n
-    return {"reward/mean": mean, "reward/std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
+    mean, std = mean_and_std(n, r_sum, r_sq)
+    return {"reward/mean": mean, "reward/std": std,
             "response_len/mean": len_sum / n, "response_len/max": peak,
             "response/truncated_fraction": trunc / n}

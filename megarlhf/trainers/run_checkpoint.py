@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
 from megarlhf.checkpoint.distributed import (CheckpointError, Companion, checkpoint_metadata, is_complete_checkpoint,
                                              load_checkpoint, load_rank_state, save_checkpoint)
 from megarlhf.config.schema import RunConfig
@@ -106,6 +107,7 @@ class RunCheckpointer:
         self.config = config
         self.models = dict(models)
         self.directory = Path(config.checkpoint.dir or Path(config.logging.run_dir) / "checkpoints").absolute()
+        self.writer = AsyncCheckpointWriter() if config.checkpoint.async_save else None
 
     def _companions(self) -> dict[str, Companion]:
         return {role: Companion(m.model, m.optimizer, m.scheduler) for role, m in self.models.items()
@@ -169,23 +171,50 @@ class RunCheckpointer:
 
     def save(self, step: int, extra_state: dict) -> Path:
         """Writes ``step_<step>`` atomically (replacing one of that name), then keeps only the newest
-        ``checkpoint.keep_last`` complete checkpoints. Collective; returns the checkpoint's path."""
+        ``checkpoint.keep_last`` complete checkpoints. Collective; returns the checkpoint's path.
+
+        With ``checkpoint.async_save`` the state is captured now and written in the background; the
+        checkpoint appears (and older ones are pruned) when :meth:`poll` or :meth:`close` publishes it.
+        A save still in flight is waited for first: one background write at a time bounds host memory."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"RunCheckpointer.save: step must be an int >= 0, got {step!r}")
+        if self.writer is not None:
+            self._after_publish(self.writer.wait())
         actor = self.models[MAIN_ROLE]
         path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state,
                                metadata={"step": step, "models": sorted(self.models)}, overwrite=True,
                                optimizer=actor.optimizer, scheduler=actor.scheduler,
-                               companions=self._companions(), rank_state=capture_rng_state())
+                               companions=self._companions(), rank_state=capture_rng_state(), writer=self.writer)
+        if self.writer is None:
+            self._after_publish([path])
+        return path
+
+    def poll(self) -> None:
+        """Publishes a background save whose write has finished (nothing without ``checkpoint.async_save``).
+        Collective: the trainers call it at the start of every step."""
+        if self.writer is not None:
+            self._after_publish(self.writer.poll())
+
+    def close(self) -> None:
+        """Waits for and publishes the background save in flight, if any, and stops the writer (later saves
+        are synchronous). Collective: the end of a run."""
+        if self.writer is not None:
+            published = self.writer.wait()
+            self.writer.close()
+            self.writer = None
+            self._after_publish(published)
+
+    def _after_publish(self, published: list[Path]) -> None:
+        if not published:
+            return
         if _rank() == 0:
-            self._prune(path)
+            self._prune(published[-1])
         if dist.get_world_size() > 1:
             dist.barrier()
-        return path
 
     def _prune(self, newest: Path) -> None:
         """Deletes complete checkpoints beyond ``keep_last`` and partial saves left by killed runs (saves
-        are sequential, so any temporary directory other than in-flight ones is dead)."""
+        are sequential and this runs when none is in flight, so any temporary directory is dead)."""
         keep = self.config.checkpoint.keep_last
         complete = self.complete_checkpoints()
         if keep is not None:

@@ -29,6 +29,7 @@ def train_sft(config: RunConfig) -> Path:
     recorder = run.open_recorder(steps, first_step,
                                  console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
     for step in range(first_step, steps):
+        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
         examples = [dataset[i] for i in sampler.next_batch()]
         metrics = sft_step(actor, examples, config, on_nonfinite=config.train.on_nonfinite, pad_id=run.pad_id)
@@ -36,6 +37,7 @@ def train_sft(config: RunConfig) -> Path:
         recorder.log(step, metrics)
         if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
+    checkpointer.close()
     recorder.close()
     export_dir = export_policy(actor, config, run.run_dir / "hf")
     if run.is_main:

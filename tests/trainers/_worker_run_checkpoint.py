@@ -2,7 +2,8 @@
 
 Usage: _worker_run_checkpoint.py MODE OUT_DIR MODEL_DIR CRITIC_DIR WORK_DIR [DP2_WORK_DIR KILL_DIR]
 
-MODE "dp2" (2 ranks) and "single" (1 rank): resume equivalence of the training engine. The reference
+MODE "dp2" (2 ranks) and "single" (1 rank): resume equivalence of the training engine (dp2 and the
+single-rank plain-optimizer run save with checkpoint.async_save, their writes started 2 s late). The reference
 run takes 4 RL steps (actor_update + critic_update, 2 optimizer steps each, warmup + cosine lr, weight
 decay, clipping) on fixed synthetic experience; the interrupted run takes 2, saves through
 RunCheckpointer, then actor and critic are rebuilt from the HF directories, the RNGs re-seeded
@@ -144,7 +145,9 @@ def perturb_rng_per_rank() -> None:
 
 
 def equivalence(config_fn, label: str) -> dict:
-    """Uninterrupted 4 steps vs 2 + save + rebuild + resume + 2 (see the module docstring)."""
+    """Uninterrupted 4 steps vs 2 + save + rebuild + resume + 2 (see the module docstring). With
+    ``checkpoint.async_save`` the interrupted run also takes steps 3 and 4 while its save is written."""
+    from megarlhf.checkpoint.distributed import is_complete_checkpoint
     from megarlhf.trainers.run_checkpoint import RunCheckpointer
 
     seed_everything(1234)
@@ -162,6 +165,16 @@ def equivalence(config_fn, label: str) -> dict:
     checkpointer = RunCheckpointer(config, models)
     path = checkpointer.save(SAVE_AT, {"step": SAVE_AT, "label": label})
     saved = snapshot(models)
+    in_flight = {}
+    if config.checkpoint.async_save:  # train on while the save is written: the files must hold step SAVE_AT
+        in_flight["published_at_save"] = is_complete_checkpoint(path)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            checkpointer.poll()
+            in_flight.setdefault("steps", []).append(rl_step(models, config, step))
+        in_flight["pending_after_steps"] = [p.name for p in checkpointer.writer.pending]
+        checkpointer.close()
+        in_flight["published_at_close"] = is_complete_checkpoint(path)
+        in_flight["listing"] = listing(path.parent)
     del models, checkpointer
 
     seed_everything(999)  # the "new process" starts from other streams: resume must restore them
@@ -175,15 +188,32 @@ def equivalence(config_fn, label: str) -> dict:
         "reference": reference, "resumed": first + second, "extra_state": extra, "path": str(path),
         "fresh_differs": not compare({"p": saved["actor/params"]}, {"p": fresh})["p"],
         "equal_at_resume": at_resume, "equal_at_end": compare(final, snapshot(models)),
+        "in_flight": in_flight,
         "adam_steps": {"saved": float(saved["actor/step"][0]), "final": [float(t) for t in final["actor/step"]]},
         "lr": {"saved": saved["actor/lr"], "final": final["actor/lr"]},
         "_final_actor": final["actor/params"],
     }
 
 
+def slow_background_writes(seconds: float) -> None:
+    """Megatron's background writer starts writing ``seconds`` late, so that the steps taken after an async
+    save certainly change the model while its files are being written."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def late_write(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(late_write)
+
+
 def dp2_mode(model_dir: str, critic_dir: str, work: Path) -> dict:
-    """Equivalence at DP=2, then the uninterrupted run's final actor weights for the DP=1 resume check."""
-    result = equivalence(lambda: make_config(model_dir, critic_dir, work / "checkpoints"), "dp2")
+    """Equivalence at DP=2 (saving in the background, with writes that start late), then the uninterrupted
+    run's final actor weights for the DP=1 resume check."""
+    slow_background_writes(2.0)
+    result = equivalence(lambda: make_config(model_dir, critic_dir, work / "checkpoints", async_save=True), "dp2")
     final = result.pop("_final_actor")
     if dist.get_rank() == 0:
         torch.save(final, work / "final_actor.pt")
@@ -308,6 +338,25 @@ def after_kill(model_dir: str, critic_dir: str, kill_dir: Path) -> dict:
     return {"extra_state": extra, "params_equal": equal, "listing_after_save": listing(kill_dir / "checkpoints")}
 
 
+def async_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
+    """checkpoint.async_save: the next save publishes the one in flight first; a background write that
+    fails (its directory removed under the writer) is reported and not published."""
+    from megarlhf.trainers.run_checkpoint import RunCheckpointer
+
+    config = make_config(model_dir, critic_dir, work / "async_failure", every=1, async_save=True)
+    models = actor_only(config)
+    checkpointer = RunCheckpointer(config, models)
+    rl_step(models, config, 1)
+    checkpointer.save(1, {"step": 1})
+    rl_step(models, config, 2)
+    path = checkpointer.save(2, {"step": 2})
+    in_flight = listing(path.parent)
+    for partial in path.parent.glob("step_2.tmp-*"):
+        shutil.rmtree(partial)
+    return {"listing_in_flight": in_flight, "error": error_of(checkpointer.close), "listing_after": listing(path.parent),
+            "latest": RunCheckpointer(config, models).latest().name}
+
+
 def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
     import megarlhf.checkpoint.distributed as distributed
     from megarlhf.trainers.run_checkpoint import RunCheckpointer
@@ -344,7 +393,10 @@ def main() -> None:
     dp2_work, kill_dir = Path(sys.argv[6]), Path(sys.argv[7])
     result, started = {}, time.perf_counter()
     for name, distributed in (("distributed", True), ("plain", False)):
-        result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed), name)
+        if not distributed:  # the plain optimizer's Adam state is updated in place, not through views: an
+            slow_background_writes(2.0)  # async save must still hold the values of the moment it was made
+        result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed,
+                                                       async_save=not distributed), name)
         final = result[name].pop("_final_actor")
         if distributed:
             torch.save(final, work / "final_actor_dp1.pt")
@@ -352,6 +404,7 @@ def main() -> None:
     result["reshard"] = reshard_check(model_dir, critic_dir, dp2_work, work)
     result["selection"] = selection_checks(model_dir, critic_dir, work, result["distributed"]["path"])
     result["after_kill"] = after_kill(model_dir, critic_dir, kill_dir)
+    result["async_failure"] = async_failure(model_dir, critic_dir, work)
     result["seconds_total"] = time.perf_counter() - started
     write_rank_result(out_dir, 0, result)
 

@@ -116,6 +116,19 @@ def test_resume_is_bit_identical_at_dp2(dp2):
     assert last[0]["actor/loss"] == last[1]["actor/loss"]  # while the metrics are global
 
 
+@pytest.mark.parametrize("layout", ["dp2", "plain"])
+def test_an_async_save_holds_the_state_at_save_time_and_appears_only_once_written(dp2, single, layout):
+    """checkpoint.async_save (DP=2 with the distributed optimizer; one rank with the plain one, whose Adam
+    state is not cloned when staged): steps 3 and 4 ran while step_2 was written in the background, yet the
+    resume found step 2's exact state (check_equivalence); the checkpoint was published only after the
+    write, and the steps taken meanwhile are the uninterrupted run's."""
+    for r in [rank["distributed"] for rank in dp2[1]] if layout == "dp2" else [single["plain"]]:
+        assert r["in_flight"]["published_at_save"] is False and r["in_flight"]["published_at_close"] is True
+        assert r["in_flight"]["pending_after_steps"] == ["step_2"]  # the write (started 2 s late) was in flight
+        assert r["in_flight"]["listing"] == ["step_2"]  # no temporary directory is left behind
+        assert r["in_flight"]["steps"] == r["reference"][2:]
+
+
 @pytest.mark.parametrize("optimizer", ["distributed", "plain"])
 def test_resume_is_bit_identical_in_one_process(single, optimizer):
     check_equivalence(single[optimizer], optimizer)
@@ -169,6 +182,13 @@ def test_kill_during_save_leaves_previous_checkpoint(killed, single):
     r = single["after_kill"]
     assert r["extra_state"] == {"step": 1} and r["params_equal"]  # resume auto: step_1, bit-identical weights
     assert r["listing_after_save"] == ["step_1", "step_2"]  # the partial save is gone after the next save
+
+
+def test_a_failed_background_write_is_reported_and_not_published(single):
+    r = single["async_failure"]
+    assert r["listing_in_flight"][0] == "step_1" and r["listing_in_flight"][1].startswith("step_2.tmp-")
+    assert "CheckpointError: the background write of checkpoint" in r["error"] and "step_2" in r["error"], r["error"]
+    assert r["listing_after"] == ["step_1"] and r["latest"] == "step_1"
 
 
 def test_should_save_and_constructor_errors(tmp_path):
