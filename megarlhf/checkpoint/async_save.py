@@ -91,8 +91,8 @@ class AsyncCheckpointWriter:
         except (Exception, CheckpointException) as err:  # torch's write failures derive from BaseException
             failed = self.pending
             self._pending.clear()
-            raise CheckpointError(f"the background write of checkpoint {failed[0]} failed ({type(err).__name__}: "
-                                  f"{err}); it was not published, the previous checkpoints are unchanged") from err
+            raise CheckpointError(f"the background save of checkpoint {failed[0]} failed while writing or publishing "
+                                  f"it ({type(err).__name__}: {err}); the previous checkpoints are unchanged") from err
         return [self._pending.pop(call) for call in sorted(done)]
 
     def close(self) -> None:

@@ -126,12 +126,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (collective; also a barrier)."""
+    box = [value if _rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _shared_token() -> str:
     """A name suffix chosen by rank 0 and known to every rank."""
-    token = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(token, src=0)
-    return token[0]
+    return _from_rank0(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -339,6 +344,10 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     if rank_state is not None:
         (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
         torch.save(rank_state, tmp / RANK_STATE_DIR / f"rank{_rank()}.pt")
+    if _rank() == 0:  # now, not at publication: the files as they are when the save is made
+        for relative, source in (files or {}).items():
+            (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, tmp / relative)
     main = markers.pop("")
     marker = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": megarlhf_version,
@@ -349,15 +358,21 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     }
 
     def publish() -> None:
-        """After every rank's tensors are written: rank 0 adds ``files`` and the marker, then renames."""
+        """After every rank's tensors are written: rank 0 writes the marker, then renames. A failure there is
+        raised on every rank (the others would otherwise wait for rank 0 forever)."""
         _barrier()
+        failure = None
         if _rank() == 0:
-            for relative, source in (files or {}).items():
-                (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, tmp / relative)
-            _write_json_durably(tmp / MARKER_FILE, marker)
-            _publish(tmp, final, token)
-        _barrier()
+            try:
+                _write_json_durably(tmp / MARKER_FILE, marker)
+                _publish(tmp, final, token)
+            except Exception as err:
+                failure = err
+        message = _from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise CheckpointError(f"rank 0 could not publish checkpoint {final} ({message}); it was not published")
 
     if writer is None:
         publish()

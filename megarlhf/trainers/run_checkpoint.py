@@ -107,7 +107,7 @@ class RunCheckpointer:
         self.config = config
         self.models = dict(models)
         self.directory = Path(config.checkpoint.dir or Path(config.logging.run_dir) / "checkpoints").absolute()
-        self.writer = AsyncCheckpointWriter() if config.checkpoint.async_save else None
+        self.writer: AsyncCheckpointWriter | None = None  # made by the first save with checkpoint.async_save
 
     def _companions(self) -> dict[str, Companion]:
         return {role: Companion(m.model, m.optimizer, m.scheduler) for role, m in self.models.items()
@@ -180,12 +180,14 @@ class RunCheckpointer:
             raise ValueError(f"RunCheckpointer.save: step must be an int >= 0, got {step!r}")
         if self.writer is not None:
             self._after_publish(self.writer.wait())
+        elif self.config.checkpoint.async_save:
+            self.writer = AsyncCheckpointWriter()
         actor = self.models[MAIN_ROLE]
         path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state,
                                metadata={"step": step, "models": sorted(self.models)}, overwrite=True,
                                optimizer=actor.optimizer, scheduler=actor.scheduler,
                                companions=self._companions(), rank_state=capture_rng_state(), writer=self.writer)
-        if self.writer is None:
+        if not self.config.checkpoint.async_save:
             self._after_publish([path])
         return path
 
@@ -196,8 +198,8 @@ class RunCheckpointer:
             self._after_publish(self.writer.poll())
 
     def close(self) -> None:
-        """Waits for and publishes the background save in flight, if any, and stops the writer (later saves
-        are synchronous). Collective: the end of a run."""
+        """Waits for and publishes the background save in flight, if any, and stops the writer (a later save
+        starts another). Collective: the end of a run."""
         if self.writer is not None:
             published = self.writer.wait()
             self.writer.close()

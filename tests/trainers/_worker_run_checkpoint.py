@@ -40,6 +40,7 @@ VOCAB = 384
 STEPS, SAVE_AT = 4, 2
 
 RUNTIME = None  # set by main: the Runtime init_parallel returned
+HOLD = None  # set by main: while this file exists, background checkpoint writes wait (hold_background_writes)
 
 
 def make_config(model_dir: str, critic_dir: str, ckpt_dir: Path, distributed: bool = True, **checkpoint):
@@ -163,15 +164,18 @@ def equivalence(config_fn, label: str) -> dict:
     models = build(config)
     first = [rl_step(models, config, step) for step in range(1, SAVE_AT + 1)]
     checkpointer = RunCheckpointer(config, models)
+    if config.checkpoint.async_save:
+        HOLD.touch()
     path = checkpointer.save(SAVE_AT, {"step": SAVE_AT, "label": label})
     saved = snapshot(models)
     in_flight = {}
-    if config.checkpoint.async_save:  # train on while the save is written: the files must hold step SAVE_AT
+    if config.checkpoint.async_save:  # train on while the save is held: the files must hold step SAVE_AT
         in_flight["published_at_save"] = is_complete_checkpoint(path)
         for step in range(SAVE_AT + 1, STEPS + 1):
             checkpointer.poll()
             in_flight.setdefault("steps", []).append(rl_step(models, config, step))
         in_flight["pending_after_steps"] = [p.name for p in checkpointer.writer.pending]
+        HOLD.unlink()
         checkpointer.close()
         in_flight["published_at_close"] = is_complete_checkpoint(path)
         in_flight["listing"] = listing(path.parent)
@@ -195,24 +199,45 @@ def equivalence(config_fn, label: str) -> dict:
     }
 
 
-def slow_background_writes(seconds: float) -> None:
-    """Megatron's background writer starts writing ``seconds`` late, so that the steps taken after an async
-    save certainly change the model while its files are being written."""
+def hold_background_writes(hold: Path) -> None:
+    """While the file ``hold`` exists, Megatron's background writer waits before writing (a synchronous save,
+    which writes in this process, never meets a hold: it is created only around async saves)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     write = FileSystemWriterAsync.write_preloaded_data_multithread
 
-    def late_write(*args, **kwargs):
-        time.sleep(seconds)
+    def held_write(*args, **kwargs):
+        deadline = time.time() + 300
+        while hold.exists() and time.time() < deadline:
+            time.sleep(0.05)
         return write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(late_write)
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(held_write)
+
+
+def publish_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
+    """Rank 0 cannot write the completion marker (a full disk): every rank gets an error, none waits."""
+    import megarlhf.checkpoint.distributed as distributed
+    from megarlhf.trainers.run_checkpoint import RunCheckpointer
+
+    config = make_config(model_dir, critic_dir, work / "publish_failure")
+    models = actor_only(config)
+    original = distributed._write_json_durably
+    if dist.get_rank() == 0:
+        def full_disk(path, payload):
+            raise OSError(28, "No space left on device")
+
+        distributed._write_json_durably = full_disk
+    try:
+        error = error_of(lambda: RunCheckpointer(config, models).save(1, {"step": 1}))
+    finally:
+        distributed._write_json_durably = original
+    return {"error": error, "listing": listing(work / "publish_failure")}
 
 
 def dp2_mode(model_dir: str, critic_dir: str, work: Path) -> dict:
-    """Equivalence at DP=2 (saving in the background, with writes that start late), then the uninterrupted
-    run's final actor weights for the DP=1 resume check."""
-    slow_background_writes(2.0)
+    """Equivalence at DP=2 (saving in the background), then the uninterrupted run's final actor weights for
+    the DP=1 resume check."""
     result = equivalence(lambda: make_config(model_dir, critic_dir, work / "checkpoints", async_save=True), "dp2")
     final = result.pop("_final_actor")
     if dist.get_rank() == 0:
@@ -349,10 +374,12 @@ def async_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
     rl_step(models, config, 1)
     checkpointer.save(1, {"step": 1})
     rl_step(models, config, 2)
+    HOLD.touch()
     path = checkpointer.save(2, {"step": 2})
     in_flight = listing(path.parent)
     for partial in path.parent.glob("step_2.tmp-*"):
         shutil.rmtree(partial)
+    HOLD.unlink()
     return {"listing_in_flight": in_flight, "error": error_of(checkpointer.close), "listing_after": listing(path.parent),
             "latest": RunCheckpointer(config, models).latest().name}
 
@@ -384,17 +411,21 @@ def main() -> None:
     mode, out_dir, model_dir, critic_dir, work = sys.argv[1:6]
     work = Path(work)
     RUNTIME = init_parallel(ParallelConfig())
+    global HOLD
+    HOLD = work / f"hold_writes_rank{dist.get_rank()}"
+    hold_background_writes(HOLD)
     if mode == "kill":
         kill_mode(model_dir, critic_dir, work)
         return
     if mode == "dp2":
-        write_rank_result(out_dir, dist.get_rank(), {"distributed": dp2_mode(model_dir, critic_dir, work)})
+        write_rank_result(out_dir, dist.get_rank(), {"distributed": dp2_mode(model_dir, critic_dir, work),
+                                                     "publish_failure": publish_failure(model_dir, critic_dir, work)})
         return
     dp2_work, kill_dir = Path(sys.argv[6]), Path(sys.argv[7])
     result, started = {}, time.perf_counter()
     for name, distributed in (("distributed", True), ("plain", False)):
-        if not distributed:  # the plain optimizer's Adam state is updated in place, not through views: an
-            slow_background_writes(2.0)  # async save must still hold the values of the moment it was made
+        # the plain optimizer's Adam state is updated in place, not through views: the async save must still
+        # hold the values of the moment it was made
         result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed,
                                                        async_save=not distributed), name)
         final = result[name].pop("_final_actor")

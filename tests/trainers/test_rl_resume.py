@@ -23,12 +23,14 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
-@pytest.mark.slow  # three 2-rank runs (~3-5 min on 2 cores): make test-slow
-def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets):
+@pytest.mark.slow  # three 2-rank runs each (~3-5 min on 2 cores): make test-slow
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets, async_save):
     # eval.every=4: an evaluation at step 0 (before the kill) and the final one at step 4 (after the
-    # resume), so the resumed run's final evaluation is compared too (eval.every=0 turns both off)
+    # resume), so the resumed run's final evaluation is compared too (eval.every=0 turns both off).
+    # checkpoint.async_save=true: step_2 is written in the background and published by a later step's poll
     overrides = ["train.steps=4", "checkpoint.every=2", "eval.every=4", "optim.schedule=cosine",
-                 "optim.warmup_steps=1"]
+                 "optim.warmup_steps=1", f"checkpoint.async_save={async_save}"]
     full = tmp_path / "full"
     run_torchrun(WORKER, 2, [str(_recipe(tmp_path, rl_assets, full)), *overrides], timeout_s=900)
 

@@ -120,11 +120,12 @@ def test_resume_is_bit_identical_at_dp2(dp2):
 def test_an_async_save_holds_the_state_at_save_time_and_appears_only_once_written(dp2, single, layout):
     """checkpoint.async_save (DP=2 with the distributed optimizer; one rank with the plain one, whose Adam
     state is not cloned when staged): steps 3 and 4 ran while step_2 was written in the background, yet the
-    resume found step 2's exact state (check_equivalence); the checkpoint was published only after the
-    write, and the steps taken meanwhile are the uninterrupted run's."""
+    resume found step 2's exact state; the checkpoint was published only after the write, and the steps
+    taken meanwhile are the uninterrupted run's."""
     for r in [rank["distributed"] for rank in dp2[1]] if layout == "dp2" else [single["plain"]]:
+        check_equivalence(r, "dp2" if layout == "dp2" else "plain")
         assert r["in_flight"]["published_at_save"] is False and r["in_flight"]["published_at_close"] is True
-        assert r["in_flight"]["pending_after_steps"] == ["step_2"]  # the write (started 2 s late) was in flight
+        assert r["in_flight"]["pending_after_steps"] == ["step_2"]  # the write was held until after step 4
         assert r["in_flight"]["listing"] == ["step_2"]  # no temporary directory is left behind
         assert r["in_flight"]["steps"] == r["reference"][2:]
 
@@ -184,10 +185,24 @@ def test_kill_during_save_leaves_previous_checkpoint(killed, single):
     assert r["listing_after_save"] == ["step_1", "step_2"]  # the partial save is gone after the next save
 
 
+def test_a_publish_that_fails_on_rank_0_raises_on_every_rank(dp2):
+    """DP=2, rank 0's marker write fails: rank 0 raises the OSError, rank 1 a CheckpointError with it; nothing
+    is published. Before, rank 1 waited at a barrier until rank 0's process was gone, then raised gloo's
+    "Connection closed by peer" (seen failing so; under NCCL it waits for the collective timeout)."""
+    ranks = dp2[1]
+    assert ranks[0]["publish_failure"]["error"] == "OSError: [Errno 28] No space left on device"
+    other = ranks[1]["publish_failure"]["error"]
+    assert other.startswith("CheckpointError: rank 0 could not publish checkpoint") and "step_1" in other, other
+    assert "No space left on device" in other
+    for rank in ranks:
+        listing = rank["publish_failure"]["listing"]
+        assert len(listing) == 1 and listing[0].startswith("step_1.tmp-"), listing
+
+
 def test_a_failed_background_write_is_reported_and_not_published(single):
     r = single["async_failure"]
     assert r["listing_in_flight"][0] == "step_1" and r["listing_in_flight"][1].startswith("step_2.tmp-")
-    assert "CheckpointError: the background write of checkpoint" in r["error"] and "step_2" in r["error"], r["error"]
+    assert "CheckpointError: the background save of checkpoint" in r["error"] and "step_2" in r["error"], r["error"]
     assert r["listing_after"] == ["step_1"] and r["latest"] == "step_1"
 
 
