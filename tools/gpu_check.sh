@@ -5,7 +5,8 @@
 # through the real driver with the transformers rollout engine (vLLM is not needed); mixture-of-experts
 # parity, a bf16 MoE SFT step with router losses and MoE GRPO steps (EP 1: one GPU); colocate offload
 # to pinned memory; the Triton log-prob kernel vs the torch op in bf16; the planner vs
-# torch.cuda.max_memory_allocated; train-step TFLOP/s and MFU.
+# torch.cuda.max_memory_allocated; train-step TFLOP/s and MFU; a checkpoint written in the background
+# (checkpoint.async_save) from device tensors holds the weights of the moment of the save.
 #
 # The GPU machine this targets has Python 3.12, torch and Triton but no megatron-core and no network.
 # What it lacks travels as wheels in .whl/ beside the repo (ignored by git). Prepare that folder on a

@@ -359,7 +359,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
 
     def publish() -> None:
         """After every rank's tensors are written: rank 0 writes the marker, then renames. A failure there is
-        raised on every rank (the others would otherwise wait for rank 0 forever)."""
+        raised on every rank (the others would otherwise wait at a barrier until rank 0's process is gone)."""
         _barrier()
         failure = None
         if _rank() == 0:

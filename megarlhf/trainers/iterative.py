@@ -237,6 +237,6 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
         if checkpointer.should_save(step + 1, steps):
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     checkpointer.close()
-    if first_step < steps and config.eval.every:
+    if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
         recorder.log(steps, run_eval(steps))
     return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor, CONSOLE_KEYS[mode][:4])

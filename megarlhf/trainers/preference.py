@@ -148,7 +148,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         if checkpointer.should_save(step + 1, steps):
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
     checkpointer.close()
-    if first_step < steps and held_out is not None and config.eval.every:
+    if held_out is not None and config.eval.every:  # also after resuming a finished run (as in rl.py)
         recorder.log(steps, evaluate(steps))
     recorder.close()
     out = run.run_dir / "hf"

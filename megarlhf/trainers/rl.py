@@ -106,7 +106,7 @@ def train_rl(config: RunConfig) -> Path | None:
             checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict(),
                                          **batches.state(step + 1)})
     checkpointer.close()
-    if first_step < steps and config.eval.every:
+    if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
         recorder.log(steps, run_eval(steps))
     return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor)
 

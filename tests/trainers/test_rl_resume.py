@@ -44,3 +44,19 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path, rl_assets, async
     assert _comparable(resumed) == _comparable(uninterrupted)
     # the generated text too: the resumed run's samples.jsonl was cut back to step 1 and continued
     assert read_metrics(cut / "samples.jsonl") == read_metrics(full / "samples.jsonl")
+
+
+@pytest.mark.slow  # two 1-rank runs (~1-2 min on 2 cores): make test-slow
+def test_resuming_a_finished_run_keeps_its_final_evaluation(tmp_path, rl_assets):
+    """A finished run resumed (to export it again, say) starts at its last step: its metrics.jsonl keeps the
+    final evaluation record, recomputed from the restored weights. Before, the resume cut that record (the
+    recorder keeps the checkpoint's completed steps) and did not evaluate again."""
+    run = tmp_path / "done"
+    recipe = _recipe(tmp_path, rl_assets, run)
+    overrides = ["train.steps=2", "eval.every=2", "checkpoint.every=0"]  # one checkpoint, at the end
+    run_torchrun(WORKER, 1, [str(recipe), *overrides], timeout_s=900)
+    finished = read_metrics(run / "metrics.jsonl")
+    run_torchrun(WORKER, 1, [str(recipe), *overrides, "checkpoint.resume=auto"], timeout_s=900)
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in finished] == [0, 1, 2] and "eval/accuracy" in finished[-1]
+    assert _comparable(resumed) == _comparable(finished)
