@@ -3,7 +3,7 @@
 Usage: _worker_run_checkpoint.py MODE OUT_DIR MODEL_DIR CRITIC_DIR WORK_DIR [DP2_WORK_DIR KILL_DIR]
 
 MODE "dp2" (2 ranks) and "single" (1 rank): resume equivalence of the training engine (dp2 and the
-single-rank plain-optimizer run save with checkpoint.async_save, their writes started 2 s late). The reference
+single-rank plain-optimizer run save with checkpoint.async_save, their writes held until steps 3-4 ran). The reference
 run takes 4 RL steps (actor_update + critic_update, 2 optimizer steps each, warmup + cosine lr, weight
 decay, clipping) on fixed synthetic experience; the interrupted run takes 2, saves through
 RunCheckpointer, then actor and critic are rebuilt from the HF directories, the RNGs re-seeded
@@ -407,11 +407,10 @@ def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
 
 
 def main() -> None:
-    global RUNTIME
+    global RUNTIME, HOLD
     mode, out_dir, model_dir, critic_dir, work = sys.argv[1:6]
     work = Path(work)
     RUNTIME = init_parallel(ParallelConfig())
-    global HOLD
     HOLD = work / f"hold_writes_rank{dist.get_rank()}"
     hold_background_writes(HOLD)
     if mode == "kill":
