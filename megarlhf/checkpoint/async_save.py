@@ -95,9 +95,9 @@ class AsyncCheckpointWriter:
                                   f"it ({type(err).__name__}: {err}); the previous checkpoints are unchanged") from err
         return [self._pending.pop(call) for call in sorted(done)]
 
-    def close(self) -> None:
-        """Waits for and publishes every scheduled save, then stops the writer. Collective."""
+    def close(self) -> list[Path]:
+        """Waits for and publishes every scheduled save, then stops the writer; returns their paths. Collective."""
         try:
-            self.wait()
+            return self.wait()
         finally:
             self._queue.close()

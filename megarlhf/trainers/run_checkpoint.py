@@ -201,10 +201,8 @@ class RunCheckpointer:
         """Waits for and publishes the background save in flight, if any, and stops the writer (a later save
         starts another). Collective: the end of a run."""
         if self.writer is not None:
-            published = self.writer.wait()
-            self.writer.close()
-            self.writer = None
-            self._after_publish(published)
+            writer, self.writer = self.writer, None
+            self._after_publish(writer.close())
 
     def _after_publish(self, published: list[Path]) -> None:
         if not published:

@@ -10,6 +10,15 @@ DRY_RUN = os.environ.get("MEGARLHF_GPU_CHECK_CPU") == "1"  # the check's code pa
 ON_GPU = torch.cuda.is_available()
 
 
+def sft_examples(vocab: int, lengths: tuple[int, ...], prompt_tokens: int, seed: int) -> list:
+    """Random SFT rows of ``lengths`` tokens, the first ``prompt_tokens`` of each masked out of the loss."""
+    from megarlhf.data.sft import SFTExample
+
+    gen = torch.Generator().manual_seed(seed)
+    return [SFTExample(torch.randint(0, vocab, (n,), generator=gen).tolist(),
+                       [0] * prompt_tokens + [1] * (n - prompt_tokens)) for n in lengths]
+
+
 def run_config(model_dir: Path, dtype: str, *overrides: str):
     """A small run config over ``model_dir`` (the loader applies ``overrides``)."""
     from megarlhf.config import RunConfig, load_config

@@ -4,17 +4,7 @@ import time
 
 import pytest
 
-
-def _sft_examples(vocab: int):
-    import torch
-
-    from megarlhf.data.sft import SFTExample
-
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for n in (48, 64, 32, 64):
-        out.append(SFTExample(torch.randint(0, vocab, (n,), generator=gen).tolist(), [0] * 8 + [1] * (n - 8)))
-    return out
+from _gpu_common import run_config, sft_examples
 
 
 @pytest.mark.gpu
@@ -27,14 +17,12 @@ def test_async_checkpoint_holds_the_state_at_save_time(runtime, tiny_llama, tmp_
     from megarlhf.training import build_actor, sft_step
 
     def config(name: str, async_save: bool):
-        from _gpu_common import run_config
-
         return run_config(tiny_llama, "bfloat16", "optim.lr=1e-3", f"checkpoint.dir={tmp_path / name}",
                           f"checkpoint.async_save={str(async_save).lower()}", f"logging.run_dir={tmp_path / 'run'}")
 
     sync_config, async_config = config("sync", False), config("async", True)
     actor = build_actor(sync_config, runtime, total_steps=8)
-    examples = _sft_examples(actor.vocab_size)
+    examples = sft_examples(actor.vocab_size, (48, 64, 32, 64), prompt_tokens=8, seed=0)
     sft_step(actor, examples, sync_config)  # Adam state on the device, as in a run's checkpoints
     start = time.perf_counter()
     RunCheckpointer(sync_config, {"actor": actor}).save(1, {"step": 1})

@@ -9,7 +9,7 @@ runs the experts."""
 import pytest
 import torch
 
-from _gpu_common import run_config, run_rl
+from _gpu_common import run_config, run_rl, sft_examples
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.15}
 
@@ -51,15 +51,12 @@ def test_moe_logprobs_match_hf(runtime, moe_models, arch, dtype, report):
 
 @pytest.mark.gpu
 def test_moe_bf16_sft_step_with_router_losses(runtime, moe_models, report):
-    from megarlhf.data.sft import SFTExample
     from megarlhf.training import build_actor, sft_step
 
     config = run_config(moe_models["qwen2_moe"], "bfloat16", "model.moe.aux_loss_coeff=0.01",
                         "model.moe.z_loss_coeff=0.001", "optim.lr=1e-3", "optim.warmup_steps=0")
     actor = build_actor(config, runtime)
-    gen = torch.Generator().manual_seed(1)
-    examples = [SFTExample(torch.randint(0, 384, (n,), generator=gen).tolist(), [0] * 4 + [1] * (n - 4))
-                for n in (40, 33, 60)]
+    examples = sft_examples(384, (40, 33, 60), prompt_tokens=4, seed=1)
     first, second = sft_step(actor, examples, config), sft_step(actor, examples, config)
     report("MoE bf16 SFT loss step 1 -> 2", f"{first['sft/loss']:.4f}->{second['sft/loss']:.4f}", "nats",
            f"imbalance {first['sft/moe/imbalance']:.3f}, lb loss {first['sft/moe/load_balancing_loss']:.3f}")

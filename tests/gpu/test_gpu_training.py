@@ -4,23 +4,16 @@ import time
 
 import pytest
 
-from _gpu_common import DRY_RUN, ON_GPU, run_config, run_rl
+from _gpu_common import DRY_RUN, ON_GPU, run_config, run_rl, sft_examples
 
 
 @pytest.mark.gpu
 def test_sft_steps_reduce_the_loss(runtime, tiny_llama, report):
-    import torch
-
-    from megarlhf.data.sft import SFTExample
     from megarlhf.training import build_actor, sft_step
 
     config = run_config(tiny_llama, "bfloat16", "optim.lr=1e-3", "optim.clip_grad=1.0")
     actor = build_actor(config, runtime, total_steps=8)
-    gen = torch.Generator().manual_seed(0)
-    examples = []
-    for n in (48, 64, 32, 64, 16, 40, 64, 24):
-        ids = torch.randint(0, actor.vocab_size, (n,), generator=gen).tolist()
-        examples.append(SFTExample(ids, [0] * 8 + [1] * (n - 8)))
+    examples = sft_examples(actor.vocab_size, (48, 64, 32, 64, 16, 40, 64, 24), prompt_tokens=8, seed=0)
     losses, start = [], time.perf_counter()
     for _ in range(8):
         losses.append(sft_step(actor, examples, config)["sft/loss"])
