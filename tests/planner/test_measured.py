@@ -1,8 +1,9 @@
 """The planner's trainer-phase estimate against memory measured on CPU runs of tiny models.
 
 Four configurations (1 rank fp32 GRPO+KL with the plain optimizer; 2 ranks DP=2 bf16 PPO with a critic
-and the distributed optimizer; 2 ranks TP=2 fp32 GRPO+KL with the distributed optimizer; a Qwen3-MoE at
-EP=2, fp32 GRPO+KL) run the real trainer functions in _worker_memory.py. Two measurements per rank:
+and the distributed optimizer, on a model of half the width; 2 ranks TP=2 fp32 GRPO+KL with the
+distributed optimizer; a Qwen3-MoE at EP=2, fp32 GRPO+KL) run the real trainer functions in
+_worker_memory.py. Two measurements per rank:
 
 * activations, exactly: the bytes of the distinct storages autograd saves during one actor update
   (parameters excluded), against the planner's ``activations`` term minus its output-head transient
@@ -46,6 +47,9 @@ CONFIGS = {  # name: (ranks, overrides of RECIPE's placeholders, parallel overri
 }
 TINY = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False)
+# bf16 GEMMs without AVX512-BF16/AMX (this project's CPU machines) run ~12x slower than fp32: the bf16 case
+# measures a model of half the width (about a quarter of the FLOPs), still large next to the runtime's noise
+TINY_BF16 = dict(TINY, hidden_size=256, intermediate_size=768, num_attention_heads=4)
 TINY_MOE = dict(TINY, head_dim=64, moe_intermediate_size=384, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[])
 
 
@@ -58,6 +62,7 @@ def models(tmp_path_factory):
                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
                                mlp_only_layers=[])
     return {"base": base, "model": make_tiny_model("qwen2", root / "model", seed=0, **TINY),
+            "bf16_model": make_tiny_model("qwen2", root / "bf16_model", seed=0, **TINY_BF16),
             "base_moe": base_moe, "moe": make_tiny_model("qwen3_moe", root / "moe", seed=0, **TINY_MOE)}
 
 
@@ -75,7 +80,8 @@ def test_planner_matches_measured_memory(tmp_path, models, name):
     ranks, values, overrides = CONFIGS[name]
     moe = "moe" in name
     base = _recipe(tmp_path / "base.yaml", models["base_moe" if moe else "base"], values)
-    recipe = _recipe(tmp_path / "recipe.yaml", models["moe" if moe else "model"], values)
+    model = "moe" if moe else "bf16_model" if values["DTYPE"] == "bfloat16" else "model"
+    recipe = _recipe(tmp_path / "recipe.yaml", models[model], values)
     run_torchrun(WORKER, ranks, [str(tmp_path / "out"), str(base), str(recipe), *overrides], timeout_s=600,
                  env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     measured = read_rank_results(tmp_path / "out", ranks)

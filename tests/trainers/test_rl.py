@@ -86,7 +86,7 @@ DISAGGREGATED = "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"
 
 @pytest.mark.parametrize("layout, ranks, overrides", [
     ("colocate DP2", 2, []),
-    pytest.param("disaggregated 1 trainer", 2, [DISAGGREGATED], marks=pytest.mark.slow),
+    # (one trainer beside the engine rank: the off-policy case below)
     # a tool whose answers differ call by call: replicas keep their own seeds (DP2) and a replica's
     # model-parallel peers run each call once and share its answer (TP2)
     pytest.param("disaggregated DP2", 3, [DISAGGREGATED, "rollout.env.kwargs={random: true}"], marks=pytest.mark.slow),
