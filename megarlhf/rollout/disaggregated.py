@@ -425,8 +425,7 @@ class DisaggregatedRollout:
         weights = iter_hf_weights(self.actor.model, self.actor.provider, copies=False)  # collective (trainers)
         for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
             if source:
-                for name, tensor in bucket:
-                    expected.add(name, tensor)
+                expected.add_bucket(bucket)
                 self._send_bucket(bucket)
                 sent += [name for name, _ in bucket]
         problems = []

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from megarlhf.rollout.fingerprint import fingerprint, to_host
+from megarlhf.rollout.fingerprint import fingerprint, fingerprint_many, to_host
 
 
 LORA_WRAPPER = ".base_layer."  # vLLM's LoRA layer keeps the layer it wraps under this name
@@ -205,7 +205,7 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None, 
     "problems": [...], "seconds": fingerprinting time}`` of the model after a reload (module docstring);
     ``model_dtype`` is the dtype the engine was built in."""
     start = time.perf_counter()
-    parameters, aliases, owner = {}, {}, {}
+    held, aliases, owner = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
         name = checkpoint_name(name)
         if id(param) in owner:
@@ -213,7 +213,8 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None, 
             continue
         owner[id(param)] = name
         if param.numel() > 0:  # an emptied parameter was packed: see the capture
-            parameters[name] = fingerprint(as_model_dtype(param.detach(), model_dtype))
+            held[name] = as_model_dtype(param.detach(), model_dtype)
+    parameters = dict(zip(held, fingerprint_many([(tensor, 0) for tensor in held.values()])))
     processed = capture.fingerprints if capture is not None else {}
     problems = unprocessed_problems(capture) if capture is not None else []
     host = to_host({**{("parameters", n): v for n, v in parameters.items()},

@@ -7,10 +7,11 @@
    :func:`weight_buckets` groups them into buckets of at most ``rollout.weight_sync.bucket_mb`` (a
    tensor larger than that travels alone), so at most one bucket of full tensors is alive at a time.
 2. The buckets are handed to the engine's in-place ``load_weights`` (one call for the whole stream).
-3. Bitwise verification at the engine's parameters: as each tensor leaves, the trainer fingerprints
-   it (:mod:`megarlhf.rollout.fingerprint`, tensor ops on its device) cast to the engine's dtype, at its
-   place in the engine's parameter (:class:`ExpectedFingerprints`: vLLM fuses ``q/k/v`` and
-   ``gate/up``); after loading and processing, the engine fingerprints the parameters its kernels use
+3. Bitwise verification at the engine's parameters: as each bucket leaves, the trainer fingerprints
+   its tensors (:mod:`megarlhf.rollout.fingerprint`, on their device; on a GPU one Triton launch for
+   many tensors) cast to the engine's dtype, each at its place in the engine's parameter
+   (:class:`ExpectedFingerprints`: vLLM fuses ``q/k/v`` and ``gate/up``); after loading and
+   processing, the engine fingerprints the parameters its kernels use
    (:mod:`megarlhf.rollout.engine_weights`). Both sides are read to the host once, as one small
    array each, and compared exactly: no tolerance, any dtype. A missing, extra, altered or stale
    parameter (a dropped bucket, post-load processing that did not run) stops the run with a
@@ -43,7 +44,7 @@ import torch
 from megarlhf.dtypes import torch_dtype
 from megarlhf.gates import Tolerances, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
-from megarlhf.rollout.fingerprint import combine, fingerprint, to_host
+from megarlhf.rollout.fingerprint import combine, fingerprint_many, to_host
 from megarlhf.seeds import PROBE_SEED
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import merge_rounding
@@ -87,9 +88,16 @@ class ExpectedFingerprints:
         self.seconds = 0.0  # host time spent here (on a GPU the kernels' launch; the read waits for them)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.add_bucket([(name, tensor)])
+
+    def add_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Fingerprints a bucket's tensors together (on a GPU: few kernel launches for many tensors)."""
         start = time.perf_counter()
-        engine_name, offset = self.placement.get(name, (name, 0))
-        self.parts.setdefault(engine_name, []).append(fingerprint(tensor.to(self.dtype), offset))
+        places = [self.placement.get(name, (name, 0)) for name, _ in bucket]
+        cast = [(tensor.to(self.dtype), offset) for (_, tensor), (_, offset) in zip(bucket, places)]
+        prints = fingerprint_many(cast)
+        for (engine_name, _), value in zip(places, prints):
+            self.parts.setdefault(engine_name, []).append(value)
         self.seconds += time.perf_counter() - start
 
     def result(self) -> dict[str, tuple[int, int]]:
@@ -269,9 +277,9 @@ class WeightSync:
         def outgoing():
             weights = iter_hf_weights(self.actor.model, self.actor.provider, copies=False)
             for bucket in weight_buckets(weights, self.sync_config.bucket_mb, stats):
+                expected.add_bucket(bucket)
                 while bucket:  # drop each tensor once the engine has taken it
                     name, tensor = bucket.pop(0)
-                    expected.add(name, tensor)
                     sent.append(name)
                     yield name, tensor
 

@@ -95,7 +95,7 @@ def test_fingerprint_kernel_matches_the_torch_path(report):
 
 @pytest.mark.gpu
 def test_fingerprint_cost_against_a_copy(report):
-    from megarlhf.rollout.fingerprint import fingerprint, to_host
+    from megarlhf.rollout.fingerprint import fingerprint, fingerprint_many, to_host
 
     tensors = _qwen2_0_5b_tensors(DEVICE, torch.bfloat16, 24 if ON_GPU else 2)
     targets = [torch.empty_like(t) for t in tensors]
@@ -108,9 +108,16 @@ def test_fingerprint_cost_against_a_copy(report):
     def fingerprints(backend):
         return lambda: to_host({str(i): fingerprint(t, backend=backend) for i, t in enumerate(tensors)})
 
+    def staged():  # as a sync takes them: small tensors staged, several to a launch
+        prints = fingerprint_many([(t, 0) for t in tensors], backend="triton")
+        return to_host({str(i): value for i, value in enumerate(prints)})
+
     copy_s = _median_seconds(copy)
     seconds = {backend: _median_seconds(fingerprints(backend)) for backend in (("torch", "triton") if ON_GPU
                                                                                 else ("torch",))}
+    if ON_GPU:
+        assert staged() == fingerprints("torch")()
+        seconds["triton, staged"] = _median_seconds(staged)
     for backend, fingerprint_s in seconds.items():
         # verified = the copy + the trainer's and the engine's fingerprints of the same bytes
         report(f"weight sync bf16 0.5B, {backend} fingerprint: time / copy", fingerprint_s / copy_s, "ratio",
