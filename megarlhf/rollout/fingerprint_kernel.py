@@ -111,7 +111,7 @@ def fingerprint_staged(parts: list[tuple[torch.Tensor, int]], columns: torch.Ten
         return out
     staged = torch.cat(pieces)
     # pinned and non-blocking: the table's copy to the device does not wait for the work queued there
-    table = torch.tensor([first_rows, slots], dtype=torch.int64)
+    table = torch.tensor([first_rows, slots], dtype=torch.int64)  # host: copied below
     table = (table.pin_memory() if device.type == "cuda" else table).to(device, non_blocking=True)
     _staged_kernel[(len(slots),)](staged, table[0], table[1], columns, row_weights, out, ROW=row,
                                   BLOCK_ROWS=BLOCK_ROWS)

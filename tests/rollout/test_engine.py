@@ -13,7 +13,8 @@ def engine_config(**rollout) -> EngineConfig:
                                      max_prompt_length=128)
 
 
-@pytest.mark.parametrize("layout", ["tp1", pytest.param("tp2", marks=pytest.mark.slow)])  # tp2: ~40 s, slow set
+@pytest.mark.slow  # one ~40 s launch per layout: make test-slow
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
 def test_seeded_sampling_is_reproducible(rollout_run, layout):
     ranks = rollout_run(layout)
     for rank in ranks:
@@ -23,6 +24,7 @@ def test_seeded_sampling_is_reproducible(rollout_run, layout):
     assert ranks[0]["seeded"]["responses"] == ranks[1]["seeded"]["responses"]  # independent engines (tp2)
 
 
+@pytest.mark.slow  # shares the tp2 launch with test_seeded_sampling_is_reproducible: make test-slow
 def test_sampled_rollouts_report_both_finish_reasons(rollout_run):
     for rank in rollout_run("tp2"):
         assert rank["before"]["finish_reasons"] == ["length", "stop"]

@@ -83,7 +83,9 @@ def test_uneven_micro_batch_counts_are_padded_under_expert_parallelism(moe_runs)
     even, uneven1, uneven2 = (torch.load(d / f"grads-{name}.pt") for d, name in
                               ((dir1, "actor"), (dir1, "actor-uneven"), (dir2, "actor-uneven")))
     for name in even:
-        assert _relative(uneven1[name], uneven2[name]) <= GRAD_TOL, name
+        # EP1 and EP2 reduce in another order: 1.12e-6 on a shared-expert gate on an AMD EPYC (oneDNN's fp32
+        # kernels differ by CPU), under 1e-6 on the Intel machine this bound was set on
+        assert _relative(uneven1[name], uneven2[name]) <= 2 * GRAD_TOL, name
         # other micro-batches than the even split's: the same sums in another order (fp32 rounding, ~1e-6)
         assert _relative(even[name], uneven2[name]) <= 10 * GRAD_TOL, name
     assert ranks2[0]["uneven/actor/loss"] == pytest.approx(ranks1[0]["actor/loss"], rel=GRAD_TOL)
