@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 def _update(actor, config, vocab: int, seed: int) -> None:
     """One actor update on random sequences (GRPO-style advantages of +-1)."""
-    from megarlhf.training import ExperienceBatch, actor_update, compute_logprobs
+    from megarlhf.learner import ExperienceBatch, actor_update, compute_logprobs
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(4)]
@@ -55,8 +55,8 @@ def main() -> None:
 
     from megarlhf.config.schema import CheckpointConfig, LoggingConfig, ModelConfig, RunConfig, TrainConfig
     from megarlhf.data.source import DataConfig
-    from megarlhf.trainers.run_checkpoint import RunCheckpointer
-    from megarlhf.training import build_actor
+    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.learner import build_actor
     from model_providers.tiny_models import make_tiny_model
     from parallel.config import ParallelConfig
     from parallel.runtime import init_parallel

@@ -41,7 +41,7 @@ def child(args) -> dict:
     from megarlhf.planner import Launch, plan_memory
     from megarlhf.planner.shapes import resolve_shape
     from megarlhf.rollout.colocate import torch_optimizers
-    from megarlhf.training import build_actor, sft_step
+    from megarlhf.learner import build_actor, sft_step
     from parallel.config import ParallelConfig
     from parallel.runtime import init_parallel
 

@@ -64,7 +64,7 @@ def main() -> None:
     from megarlhf.rollout.config import RolloutConfig, SamplingConfig, WeightSyncConfig
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
     from megarlhf.rollout.weight_sync import WeightSync
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
     from parallel.config import ParallelConfig
     from parallel.lora import LoRAConfig, adapters_of, attach_lora

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(args, staleness: int) -> list[dict]:
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     run_dir = Path(args.out).absolute() / f"staleness{staleness}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",

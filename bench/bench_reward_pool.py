@@ -27,9 +27,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from megarlhf.process_pool import TimedProcessPool
+    from megarlhf.isolation.process_pool import TimedProcessPool
     from megarlhf.rewards import RewardInput, resolve_reward
-    from megarlhf.timed_calls import TimedCall, TimedThreadPool
+    from megarlhf.isolation.timed_calls import TimedCall, TimedThreadPool
 
     samples = [RewardInput(prompt="q", response=f"Step 1: 12 * {i} = {12 * i}. #### {12 * i + i % 3}",
                            ground_truth=str(12 * i)) for i in range(args.batch)]

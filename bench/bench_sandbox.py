@@ -4,7 +4,7 @@ Three ways to run the same small program and its 3 tests, ``--runs`` times each 
 
 * in-process ``exec`` (no isolation at all: the floor any per-call isolation is compared with);
 * the sandbox's child process without namespaces (``isolation: none``: a fresh interpreter, rlimits);
-* the sandbox as it runs here (``megarlhf.sandbox.isolation()``: with namespaces where allowed).
+* the sandbox as it runs here (``megarlhf.isolation.sandbox.isolation()``: with namespaces where allowed).
 
 Also the throughput of ``--batch`` calls through the reward runner (``code_tests`` with its default 4
 worker threads), as a GRPO step would score a batch. Prints seconds and ratios.
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
 
-    from megarlhf import sandbox
+    from megarlhf.isolation import sandbox
     from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
 
     here = sandbox.isolation()

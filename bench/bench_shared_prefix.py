@@ -23,7 +23,7 @@ import torch
 
 def grpo_batch(args, vocab: int):
     """``prompts`` x ``samples`` sequences: one random prompt per group, random responses of random length."""
-    from megarlhf.training import ExperienceBatch
+    from megarlhf.learner import ExperienceBatch
 
     g = torch.Generator().manual_seed(0)
     low, high = (int(x) for x in args.response_length.split(":"))
@@ -68,8 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from megarlhf.training import actor_update, build_actor, compute_logprobs
-    from megarlhf.training.step import micro_batches_for
+    from megarlhf.learner import actor_update, build_actor, compute_logprobs
+    from megarlhf.learner.step import micro_batches_for
     from parallel.config import ParallelConfig
     from parallel.runtime import init_parallel
 

@@ -185,7 +185,7 @@ def warm_start(out: Path, base: Path, data: dict, steps: int) -> Path:
 
 def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
     """GRPO with the demo recipe and this size's overrides on 2 ranks x 1 thread."""
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     run_dir = out / "megarlhf"
     # data.eval_path: a recipe may name its own held-out file; evaluation is off here (eval.every=0)

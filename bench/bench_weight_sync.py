@@ -73,7 +73,7 @@ def main() -> None:
     from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
     from megarlhf.rollout.weight_sync import WeightSync
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
     from model_providers.tiny_models import QWEN2_0_5B_SHAPE, make_tiny_model
     from parallel.config import ParallelConfig

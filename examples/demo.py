@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO recipe's train.steps")
     args = parser.parse_args()
 
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     start = time.time()
     out = Path(args.out).absolute()

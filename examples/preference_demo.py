@@ -43,7 +43,7 @@ def supervised_model(out: Path, previous: Path | None, nproc: int) -> tuple[Path
 
 
 def last(metrics_path: Path, key: str) -> float:
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     values = [r[key] for r in read_metrics(metrics_path) if r.get(key) is not None]
     if not values:
@@ -58,7 +58,7 @@ def plot_summary(out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     panels = [("reward model: pair accuracy", "rm", ["rm/accuracy", "eval/rm/accuracy"]),
               ("GRPO: learned reward (std. units)", "grpo_rm", ["reward/mean"]),
@@ -109,7 +109,7 @@ def main() -> None:
     megarlhf("dpo", "demo_dpo.yaml", [f"model.path={sft}", f"logging.run_dir={out / 'dpo'}", *on_pairs], args.nproc)
     dpo = held_out_accuracy(out / "dpo" / "hf", data, args.nproc)
 
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     evals = [r for r in read_metrics(out / "grpo_rm" / "metrics.jsonl") if r.get("eval/accuracy") is not None]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]

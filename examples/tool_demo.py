@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/tool_demo")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     start = time.time()
     out = Path(args.out).absolute()

@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.checkpoint import fetch as fetch_command
-from megarlhf.errors import UserError
+from megarlhf.core.errors import UserError
 from parallel.config import LayoutError
 from megarlhf.planner import command as plan_command
-from megarlhf.registry import Registry
-from megarlhf.trainers import commands as trainer_commands
+from megarlhf.core.registry import Registry
+from megarlhf.loops import commands as trainer_commands
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-# Problems with what the user gave, whose message is the whole story (megarlhf.errors), and paths the user
+# Problems with what the user gave, whose message is the whole story (megarlhf.core.errors), and paths the user
 # named that cannot be read or written. Any other exception is megarlhf's own and keeps its traceback.
 USER_ERRORS = (UserError, LayoutError, FileNotFoundError, FileExistsError, IsADirectoryError,
                NotADirectoryError, PermissionError)

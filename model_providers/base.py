@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from megarlhf.errors import UserError
-from megarlhf.registry import Registry
+from megarlhf.core.errors import UserError
+from megarlhf.core.registry import Registry
 from model_providers.mapping import REPLICATED, VOCAB, ShardContext, WeightMapping
 from parallel import cpu_compat
 from parallel.config import LayoutError, ParallelConfig

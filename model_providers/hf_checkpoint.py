@@ -26,7 +26,7 @@ from typing import Collection, Iterator
 import torch
 import torch.distributed as dist
 
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 from model_providers.base import ModelProvider
 from model_providers.mapping import WeightMapping
 

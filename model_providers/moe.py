@@ -22,7 +22,7 @@ it over the expert-parallel group on export).
 auxiliary loss (``aux_loss_coeff``, of type ``load_balancing``) and the router z-loss (``z_loss_coeff``),
 both off by default. Megatron adds their gradients inside the forward (``MoEAuxLossAutoScaler``), averaged
 over the step's micro-batches and DDP's ranks; they are not part of a trainer's reported loss
-(:mod:`megarlhf.training.moe_metrics` reports them).
+(:mod:`megarlhf.learner.moe_metrics` reports them).
 """
 from __future__ import annotations
 

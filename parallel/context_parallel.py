@@ -3,7 +3,7 @@
 * :func:`with_cp_attention` swaps Megatron's local ``DotProductAttention`` in a layer spec for
   :class:`parallel.cp_attention.ContextParallelAttention` (when CP > 1 or packed sequences are used).
 * The token split and its inverse live in :mod:`parallel.cp_sharding` and are re-exported here;
-  :mod:`megarlhf.training.packing` uses them to build each CP rank's micro-batches::
+  :mod:`megarlhf.learner.packing` uses them to build each CP rank's micro-batches::
 
     plan = make_shard_plan(cu_seqlens, cp, cp_rank).to(device)
     tokens = shard(plan, packed_row).unsqueeze(0)

@@ -30,7 +30,7 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.slow  # ~28 s of 2-rank saves and loads; resharded resumes also run in tests/trainers
+@pytest.mark.slow  # ~28 s of 2-rank saves and loads; resharded resumes also run in tests/loops
 def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(tiny, tmp_path):
     proc = run_torchrun(WORKER, 2, ["reshard", str(tiny / "qwen2"), str(tmp_path)], timeout_s=600)
     assert MCORE_ASYNC_NOTICE not in proc.stdout + proc.stderr  # a synchronous save says nothing of async

@@ -111,7 +111,7 @@ def _command_raising(monkeypatch, error: BaseException) -> None:
 
 
 def test_user_errors_are_one_line_naming_the_file(monkeypatch, capsys):
-    from megarlhf.errors import ConfigError, DataError
+    from megarlhf.core.errors import ConfigError, DataError
     from parallel.config import LayoutError, ParallelConfig
 
     try:

@@ -168,7 +168,7 @@ def test_the_library_follows_the_layer_map():
 
 
 @pytest.mark.parametrize("where, bad_import, expected", [
-    ("parallel/config.py", "from megarlhf.trainers.rl import run_rl", "imports megarlhf.trainers.rl"),  # upward
+    ("parallel/config.py", "from megarlhf.loops.rl import run_rl", "imports megarlhf.loops.rl"),  # upward
     ("parallel/config.py", "from parallel.runtime import init_parallel", "circle"),  # config <-> runtime
     # the package imports its architecture files; one of them taking a name from the package closes a circle
     ("model_providers/llama.py", "from model_providers import get_provider", "circle"),

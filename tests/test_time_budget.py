@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(deadline: float) -> str:
     env = {**os.environ, "MEGARLHF_TEST_DEADLINE": str(deadline)}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_seeds.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "tests/core/test_seeds.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return done.stdout
 
 

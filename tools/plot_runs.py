@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megarlhf.metrics import read_metrics
+from megarlhf.records.metrics import read_metrics
 
 
 def plot_runs(run_dirs: list[Path], labels: list[str], keys: list[str], out: Path) -> Path:

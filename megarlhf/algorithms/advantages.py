@@ -39,7 +39,7 @@ from torch import Tensor
 
 from megarlhf.algorithms._checks import (all_reduce_sum, check_mask, check_shape, compute_dtype,
                                          zero_masked)
-from megarlhf.registry import Registry
+from megarlhf.core.registry import Registry
 
 
 @dataclass

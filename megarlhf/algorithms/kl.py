@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms._checks import check_mask, check_shape, zero_masked
-from megarlhf.registry import Registry
+from megarlhf.core.registry import Registry
 
 KLEstimator = Callable[[Tensor, Tensor, "KLConfig"], Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")

@@ -13,7 +13,7 @@ The rollout engine (vLLM) and the trainer (Megatron) compute different log-probs
 
 What the weights correct, exactly. ``exp(delta_t)`` is the ratio of the trainer's (proximal) policy to
 the policy that sampled the token: kernel noise, and with ``rollout.max_staleness >= 1`` also the
-updates the trainers made since the engines' weights (``megarlhf.trainers.pipeline``). Untruncated,
+updates the trainers made since the engines' weights (``megarlhf.loops.pipeline``). Untruncated,
 sequence-level weights would make the policy-gradient estimate unbiased for the proximal policy;
 token-level weights use the per-token ratio only (the ratios of earlier tokens are left out: lower
 variance, biased). Truncation at ``cap`` is biased whenever a true ratio exceeds ``cap`` (those samples

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms._checks import check_mask, check_shape, masked_mean, zero_masked
-from megarlhf.registry import Registry
+from megarlhf.core.registry import Registry
 
 
 @dataclass

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megarlhf.algorithms._checks import check_shape, compute_dtype
-from megarlhf.registry import Registry
+from megarlhf.core.registry import Registry
 
 
 @dataclass
@@ -126,7 +126,7 @@ class UnpairedLossInputs:
 
     ``kl_baseline`` is KTO's reference point ``z0``: an estimate of ``KL(pi || pi_ref)`` over the step's
     rows, a detached scalar the same for every row of the step (the trainer computes it over the whole
-    global batch: :func:`megarlhf.training.preference.kl_baseline`)."""
+    global batch: :func:`megarlhf.learner.preference.kl_baseline`)."""
 
     logps: Tensor  # policy log pi(y|x), summed over the response tokens, with grad
     lengths: Tensor  # response tokens of y, >= 1

@@ -29,7 +29,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 _warned_builtin = False

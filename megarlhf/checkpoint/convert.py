@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megarlhf.checkpoint.distributed import CheckpointError, checkpoint_metadata, load_checkpoint, save_checkpoint
-from megarlhf.errors import ConfigError
+from megarlhf.core.errors import ConfigError
 
 HF_SUBDIR = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

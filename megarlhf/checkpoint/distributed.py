@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from megarlhf import __version__ as megarlhf_version
 from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 
 MARKER_FILE = "megarlhf_checkpoint.json"
 FORMAT = "megarlhf.dist_checkpoint"

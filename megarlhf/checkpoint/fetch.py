@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megarlhf.checkpoint.output_dir import MARKER_FILE, atomic_output_dir, check_output_dir
-from megarlhf.errors import CheckpointError, UserError
+from megarlhf.core.errors import CheckpointError, UserError
 
 PIP_TAIL_LINES = 4
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from megarlhf.checkpoint.output_dir import MARKER_FILE, atomic_output_dir
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",

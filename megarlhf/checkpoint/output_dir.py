@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 
 MARKER_FILE = "megarlhf-fetch.json"  # what fetch wrote there (the last file of a complete directory)
 

@@ -34,7 +34,7 @@ from typing import Any, Literal, Sequence, TypeVar, Union
 
 import yaml
 
-from megarlhf.errors import ConfigError  # re-exported as megarlhf.config.ConfigError
+from megarlhf.core.errors import ConfigError  # re-exported as megarlhf.config.ConfigError
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 ``RunConfig`` nests the settings of each part of a run. Sub-configs owned by other packages are
 reused, not repeated: ``ParallelConfig`` (parallel/), the algorithm configs (megarlhf.algorithms),
 ``DataConfig`` (megarlhf.data), ``RewardConfig`` (megarlhf.rewards), ``RolloutConfig``
-(megarlhf.rollout) and ``GateConfig`` (megarlhf.gates). Each dataclass validates its
+(megarlhf.rollout) and ``GateConfig`` (megarlhf.rollout.gates). Each dataclass validates its
 own fields in ``__post_init__``; :class:`RunConfig` adds the checks that span sections. A recipe is a
 YAML file with any subset of these keys, loaded by :func:`megarlhf.config.load_config`.
 """
@@ -16,14 +16,14 @@ from typing import Literal
 from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES, AdvantageConfig,
                                  DynamicSamplingConfig, EstimatorNeeds, KLConfig, MismatchConfig, OverlongConfig,
                                  PolicyLossConfig)
-from megarlhf.dtypes import check_dtype_name
+from megarlhf.core.dtypes import check_dtype_name
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossConfig
 from megarlhf.data.preference import PreferenceDataConfig
 from megarlhf.data.source import DataConfig
-from megarlhf.gates import GateConfig, coarser_dtype
+from megarlhf.rollout.gates import GateConfig, coarser_dtype
 from megarlhf.rewards import RewardConfig, RewardSpec
 from megarlhf.rollout.config import RolloutConfig, vllm_lora_rank
-from megarlhf.tracking import TRACKERS
+from megarlhf.records.tracking import TRACKERS
 from model_providers.moe import MoEConfig
 from parallel.config import ParallelConfig
 from parallel.lora import LoRAConfig
@@ -44,7 +44,7 @@ def _positive_int(owner: object, *names: str, where: str = "") -> None:
 @dataclass
 class ModelConfig:
     path: str  # HF model directory (the actor, and the reference model)
-    dtype: str = "bfloat16"  # the trainer's parameter dtype (megarlhf.dtypes: float32, bfloat16)
+    dtype: str = "bfloat16"  # the trainer's parameter dtype (megarlhf.core.dtypes: float32, bfloat16)
     critic_path: str | None = None  # HF directory the critic starts from (None: the actor's path)
     # LoRA adapters on the actor and critic (parallel.lora); the base weights are frozen, and the
     # reference policy is the base model with adapters off (None: train all weights)
@@ -74,7 +74,7 @@ class AlgorithmConfig:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     overlong: OverlongConfig | None = None  # DAPO overlong reward shaping (None: off)
     # MoE actors: route the old-log-prob pass and the update as the rollout engine did (r3), the update as the
-    # old-log-prob pass did (r2), or freely (none); megarlhf.training.routing_replay
+    # old-log-prob pass did (r2), or freely (none); megarlhf.learner.routing_replay
     routing_replay: Literal["none", "r2", "r3"] = "none"
 
     def __post_init__(self):
@@ -291,7 +291,7 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints, the trackers' files
-    # experiment trackers (megarlhf.tracking): any of tensorboard, wandb, mlflow; [] for metrics.jsonl only
+    # experiment trackers (megarlhf.records.tracking): any of tensorboard, wandb, mlflow; [] for metrics.jsonl only
     backends: list[str] = field(default_factory=lambda: ["tensorboard"])
     project: str = "megarlhf"  # the W&B project / MLflow experiment
     run_name: str | None = None  # the W&B / MLflow run's name (None: the run directory's name)

@@ -3,7 +3,7 @@ examples (:mod:`megarlhf.data.sft`) and preference pairs (:mod:`megarlhf.data.pr
 """
 from __future__ import annotations
 
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 
 def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:

@@ -52,7 +52,7 @@ from typing import Any
 from megarlhf.data.prompts import uses_chat_template
 from megarlhf.data.chat import encode_text, render_with_loss_mask
 from megarlhf.data.source import DataConfig, read_records
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megarlhf.data.source import DataConfig, read_records
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 
 class PromptSampler:

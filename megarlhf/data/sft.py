@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from megarlhf.data.chat import encode_text, render_with_loss_mask
 from megarlhf.data.prompts import text_field, row_messages, uses_chat_template
 from megarlhf.data.source import DataConfig, read_records
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 logger = logging.getLogger(__name__)
 

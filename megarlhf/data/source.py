@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 
 @dataclass

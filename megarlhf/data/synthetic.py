@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 NAMES = ("Tom", "Mia", "Ravi", "Lena", "Omar", "Sofia", "Jack", "Aiko", "Noah", "Zara", "Ivan", "Emma",
          "Kofi", "Lucia", "Ben", "Nadia")

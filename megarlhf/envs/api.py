@@ -27,9 +27,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from megarlhf.envs.parsers import PARSERS
 from megarlhf.envs.tool_calls import ParsedCall, ParseError, ToolSpec  # the contract's step types, re-exported here
-from megarlhf.errors import ConfigError
-from megarlhf.registry import Registry, is_dotted_path, load_object
-from megarlhf.timed_calls import check_timeout
+from megarlhf.core.errors import ConfigError
+from megarlhf.core.registry import Registry, is_dotted_path, load_object
+from megarlhf.isolation.timed_calls import check_timeout
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
 

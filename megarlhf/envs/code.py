@@ -1,7 +1,7 @@
 """The built-in ``code`` environment: the model may run Python against the row's unit tests and read the
 result before it answers.
 
-One tool, ``run_tests(code)``: ``code`` runs in the sandbox of :mod:`megarlhf.sandbox` against the
+One tool, ``run_tests(code)``: ``code`` runs in the sandbox of :mod:`megarlhf.isolation.sandbox` against the
 row's tests (the ``tests_field`` of the row, as the ``code_tests`` reward reads it), and the model reads
 the report ("3/5 tests passed", the first failures, the start of its output). The episode itself gives no
 reward: score the final answer with the ``code_tests`` reward, so that the model is paid for the program
@@ -11,7 +11,7 @@ default), so that the sandbox ends a long program before the runner gives up on 
 from __future__ import annotations
 
 from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec, stateless
-from megarlhf.sandbox import SandboxLimits, row_tests, run_tests
+from megarlhf.isolation.sandbox import SandboxLimits, row_tests, run_tests
 
 RUN_TESTS_TOOL = ToolSpec(
     name="run_tests",

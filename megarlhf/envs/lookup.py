@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megarlhf.envs.api import ENVIRONMENTS, ToolEpisode, ToolError, ToolSpec, stateless
-from megarlhf.errors import ConfigError, DataError
+from megarlhf.core.errors import ConfigError, DataError
 
 
 def _normalize(key: str) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from megarlhf.envs.tool_calls import ParsedCall, ParseError, ToolSpec
-from megarlhf.registry import Registry
+from megarlhf.core.registry import Registry
 
 
 @dataclass(frozen=True)

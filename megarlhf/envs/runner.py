@@ -14,7 +14,7 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
 * a call: ``episode.step(messages, call)`` runs limited to ``timeout_s`` from the moment it starts:
 
   - an environment declared :func:`~megarlhf.envs.api.stateless` (the built-ins are): in a worker
-    process of a :class:`~megarlhf.process_pool.TimedProcessPool`, on an episode its factory makes
+    process of a :class:`~megarlhf.isolation.process_pool.TimedProcessPool`, on an episode its factory makes
     afresh for the call from the row's metadata and ``kwargs``. A call past its time, one that holds the
     GIL, exhausts the worker's CPU time, crashes or exits has its worker killed and replaced; nothing is
     left behind (an allocation past ``worker_memory_mb`` raises MemoryError in the call, an error like any
@@ -22,7 +22,7 @@ For each turn :meth:`ToolRunner.step` parses the last (assistant) message with t
     A worker that cannot start (the environment does not import by its name there, or the memory limit
     is too small for its imports) stops the run when the runner is made;
   - any other environment keeps its episodes (their state) in this process, and the call runs on a
-    thread of a :class:`~megarlhf.timed_calls.TimedThreadPool` (see its docstring for how a stuck
+    thread of a :class:`~megarlhf.isolation.timed_calls.TimedThreadPool` (see its docstring for how a stuck
     thread is abandoned and replaced; a thread cannot stop a call that holds the GIL). While a timed-out
     step is still running in its abandoned thread, further calls on *that* episode are refused ("busy")
     rather than run concurrently on the same state.
@@ -52,9 +52,9 @@ from typing import Any, Sequence
 from megarlhf.envs.api import (EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, is_stateless,
                                resolve_environment)
 from megarlhf.envs.parsers import PARSERS, ToolCallParser
-from megarlhf.errors import ConfigError
-from megarlhf.process_pool import TimedProcessPool
-from megarlhf.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
+from megarlhf.core.errors import ConfigError
+from megarlhf.isolation.process_pool import TimedProcessPool
+from megarlhf.isolation.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
 
 logger = logging.getLogger(__name__)
 

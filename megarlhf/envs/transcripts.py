@@ -35,7 +35,7 @@ from megarlhf.envs.api import EnvConfig, resolve_environment
 from megarlhf.envs.parsers import PARSERS
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.envs.tool_calls import ParsedCall
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 
 
 def tool_conversation(metadata: dict, answer: str, config: EnvConfig, tokenizer: Any, where: str,

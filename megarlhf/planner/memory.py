@@ -69,9 +69,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarlhf.dtypes import dtype_bytes
+from megarlhf.core.dtypes import dtype_bytes
 from megarlhf.config.schema import RunConfig
-from megarlhf.errors import ConfigError, UserError
+from megarlhf.core.errors import ConfigError, UserError
 from megarlhf.planner.shapes import ModelShape, resolve_shape
 
 GIB = 2**30

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from model_providers.base import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 
-from megarlhf.errors import ConfigError, UserError
+from megarlhf.core.errors import ConfigError, UserError
 from parallel.config import LayoutError, ParallelConfig
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from megarlhf.config import RunConfig, apply_override, from_dict, parse_override, to_dict
-from megarlhf.dtypes import dtype_bytes
+from megarlhf.core.dtypes import dtype_bytes
 from megarlhf.planner.memory import MIB, Launch, MemoryPlan, plan_memory
 from megarlhf.planner.shapes import ModelShape
 

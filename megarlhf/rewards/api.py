@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from megarlhf.errors import ConfigError
-from megarlhf.registry import Registry, is_dotted_path, load_object
-from megarlhf.timed_calls import check_timeout
+from megarlhf.core.errors import ConfigError
+from megarlhf.core.registry import Registry, is_dotted_path, load_object
+from megarlhf.isolation.timed_calls import check_timeout
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 def in_process(fn: RewardFn) -> RewardFn:
     """Declares a reward function safe and cheap on any input (bounded work, no unbounded parsing or
     symbolic maths of the response), so that it runs on a thread of the trainer's process. Every other
-    function runs in a worker process the runner can kill (:mod:`megarlhf.process_pool`)."""
+    function runs in a worker process the runner can kill (:mod:`megarlhf.isolation.process_pool`)."""
     fn.megarlhf_in_process = True
     return fn
 

@@ -1,5 +1,5 @@
 """The ``code_tests`` reward: the fraction of a dataset row's unit tests that the response's Python passes,
-run in the sandbox of :mod:`megarlhf.sandbox`.
+run in the sandbox of :mod:`megarlhf.isolation.sandbox`.
 
 Data: each row carries its tests under ``tests_field`` (default ``tests``), a list of call tests
 ``{"call": "add(2, 3)", "expected": 5}``: the call runs in the sandbox and its value is compared with
@@ -11,7 +11,7 @@ scoring a fixed model). The program is the last fenced code block of the respons
 keeps the tests that passed before it was killed. Keep ``wall_s`` below ``reward.timeout_s`` (5 s and
 10 s by default): the reward runner would otherwise give up on the call first and score it
 ``failure_reward``; the sandbox still kills the program at ``wall_s``. Where the machine cannot isolate
-programs (:func:`megarlhf.sandbox.isolation` is ``"none"``) every call fails with the reason, unless
+programs (:func:`megarlhf.isolation.sandbox.isolation` is ``"none"``) every call fails with the reason, unless
 ``allow_unisolated``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 
 from megarlhf.rewards.api import REWARDS, RewardInput, in_process
-from megarlhf.sandbox import SandboxLimits, row_tests, run_tests
+from megarlhf.isolation.sandbox import SandboxLimits, row_tests, run_tests
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

@@ -2,7 +2,7 @@
 
 :class:`CombinedReward` turns a :class:`~megarlhf.rewards.api.RewardConfig` into a callable
 ``samples -> RewardResult``: ``reward_i = sum_f weight_f * f(sample_i) + w_rm * reward_model(samples)_i``.
-Every call ``f(sample_i)`` runs in a worker process of a :class:`~megarlhf.process_pool.TimedProcessPool`
+Every call ``f(sample_i)`` runs in a worker process of a :class:`~megarlhf.isolation.process_pool.TimedProcessPool`
 (killed and replaced past ``timeout_s``), or, for a function declared
 :func:`~megarlhf.rewards.api.in_process`, on a thread; a call that raises, returns
 something other than a finite number, or runs longer than ``timeout_s`` gets ``failure_reward`` for that
@@ -10,7 +10,7 @@ term and a :class:`RewardFailure` report (batch index, truncated prompt/response
 the other samples are scored as usual. Metrics: ``reward/mean``, ``reward/<name>/mean`` (unweighted),
 ``reward/failures`` (raised or invalid), ``reward/timeouts``, ``reward/killed_workers`` (worker processes
 killed or found dead since the start) and ``reward/abandoned_threads`` (threads of in-process functions
-still stuck in a timed-out call: :class:`megarlhf.timed_calls.TimedThreadPool`).
+still stuck in a timed-out call: :class:`megarlhf.isolation.timed_calls.TimedThreadPool`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megarlhf.errors import ConfigError
-from megarlhf.process_pool import TimedProcessPool
+from megarlhf.core.errors import ConfigError
+from megarlhf.isolation.process_pool import TimedProcessPool
 from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward, runs_in_process
-from megarlhf.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
+from megarlhf.isolation.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
 
 logger = logging.getLogger(__name__)
 

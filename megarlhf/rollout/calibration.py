@@ -1,4 +1,4 @@
-"""The verification gates' calibration at start-up (:mod:`megarlhf.gates`), for both placements.
+"""The verification gates' calibration at start-up (:mod:`megarlhf.rollout.gates`), for both placements.
 
 Before the first sync the engine holds the checkpoint at ``model.path`` as its own loader read it, and
 the actor the same checkpoint through megarlhf's converter. Calibration then:
@@ -17,7 +17,7 @@ the actor the same checkpoint through megarlhf's converter. Calibration then:
    seeds; at most ``probe_max_length`` new tokens) and the trainer scores the samples: the step-0 gate's
    own measure, on the same kind of tokens.
 
-The floors set the run's tolerances (:func:`megarlhf.gates.run_tolerances`); a floor mean above the
+The floors set the run's tolerances (:func:`megarlhf.rollout.gates.run_tolerances`); a floor mean above the
 dtype's cap stops the run. Everything here is collective over the trainer ranks, which raise together.
 
 Hand-written because what calibration proves, and in what order, is megarlhf's verification policy.
@@ -28,10 +28,10 @@ import dataclasses
 
 import torch
 
-from megarlhf.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
+from megarlhf.rollout.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
 from megarlhf.rollout.config import SamplingConfig, rollout_sampling
 from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.seeds import CALIBRATION_SEED
+from megarlhf.core.seeds import CALIBRATION_SEED
 from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights
@@ -80,7 +80,7 @@ def natural_gap(actor, batch: RolloutBatch, config) -> tuple[float, float]:
     """(max, mean) |trainer - engine| log-prob gap over the sampled tokens of ``batch`` (the step-0 gate's
     measure); (0, 0) without any. Collective over the actor's model-parallel group (its ranks pass the
     same batch)."""
-    from megarlhf.training import ExperienceBatch, compute_logprobs
+    from megarlhf.learner import ExperienceBatch, compute_logprobs
 
     if not any(batch.response_ids):
         return 0.0, 0.0

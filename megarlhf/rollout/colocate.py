@@ -149,7 +149,7 @@ class OffloadedModel:
 
     @classmethod
     def of(cls, train_model, skip_host_storages: bool = True) -> "OffloadedModel":
-        """From a :class:`megarlhf.training.TrainModel` (its DDP model and Megatron optimizer, if any)."""
+        """From a :class:`megarlhf.learner.TrainModel` (its DDP model and Megatron optimizer, if any)."""
         optimizers = [] if train_model.optimizer is None else [train_model.optimizer]
         return cls(train_model.role, train_model.model, optimizers, skip_host_storages=skip_host_storages)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
-from megarlhf.dtypes import check_dtype_name
+from megarlhf.core.dtypes import check_dtype_name
 from megarlhf.envs.api import EnvConfig
-from megarlhf.errors import ConfigError
+from megarlhf.core.errors import ConfigError
 
 ROLLOUT_BACKENDS = ("vllm", "hf")
 MAX_STALENESS = 16  # rollout.max_staleness: beyond this the samples say little about the trained policy
@@ -68,7 +68,7 @@ class RolloutPlacementConfig:
 @dataclass
 class WeightSyncConfig:
     """How trainer weights reach the engines (:mod:`megarlhf.rollout.weight_sync`). The probe's
-    tolerance is a verification gate (:mod:`megarlhf.gates`), not a setting of the sync."""
+    tolerance is a verification gate (:mod:`megarlhf.rollout.gates`), not a setting of the sync."""
 
     bucket_mb: float = 256.0  # full HF tensors travel in buckets of at most this size (a larger tensor alone)
     probe_sequences: int = 4  # random sequences scored by engine and trainer after each sync (0: no probe)
@@ -126,7 +126,7 @@ class RolloutConfig:
     placement: RolloutPlacementConfig = field(default_factory=RolloutPlacementConfig)
     # off-policy training (disaggregated placement): k >= 1 lets the engines generate the next batch while
     # the trainers update, with weights at most k updates older than those that train on it (the weights
-    # are synced only when the next batch would be staler); 0 is synchronous (megarlhf.trainers.pipeline)
+    # are synced only when the next batch would be staler); 0 is synchronous (megarlhf.loops.pipeline)
     max_staleness: int = 0
     # multi-turn, tool-calling rollouts (megarlhf.rollout.multi_turn); None: one model turn per sample
     env: EnvConfig | None = None

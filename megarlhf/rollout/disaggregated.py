@@ -27,7 +27,7 @@ trainer rank calls :meth:`calibrate` / :meth:`sync` / :meth:`generate` / :meth:`
   in-place path as ``reload_weights``; the engine core then fingerprints the parameters it computes
   with, and the engine rank compares them with the source's, bit for bit. Then the probe forward: the
   trainers' log-probs of fixed random sequences (the training forward) vs each engine's prompt
-  log-probs, gated by :mod:`megarlhf.gates`. The fingerprints, the bucketing and the probe comparison
+  log-probs, gated by :mod:`megarlhf.rollout.gates`. The fingerprints, the bucketing and the probe comparison
   are :mod:`megarlhf.rollout.weight_sync`'s, shared with the colocated sync. A bucket never leaves
   the device: the source concatenates its tensors into one flat buffer on its device and broadcasts it
   over the ``payload`` group (NCCL between GPUs, gloo on CPU) into a buffer on each engine rank's
@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.data.prompts import PromptExample, uses_chat_template
-from megarlhf.dtypes import torch_dtype
-from megarlhf.gates import run_tolerances
+from megarlhf.core.dtypes import torch_dtype
+from megarlhf.rollout.gates import run_tolerances
 from megarlhf.rollout.adapter_sync import (SLOTS_CHECK, AdapterDirectory, adapter_metrics, adapter_only,
                                            engine_lora, expected_slots, load_problems, slot_problems)
 from megarlhf.rollout.batch import RolloutBatch

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarlhf.dtypes import check_dtype_name, torch_dtype
+from megarlhf.core.dtypes import check_dtype_name, torch_dtype
 from megarlhf.rollout.batch import FINISH_REASONS, RolloutBatch, check_prompt_ids
 from megarlhf.rollout.config import RolloutConfig, SamplingConfig, vllm_logprobs_mode, vllm_lora_rank
 from megarlhf.rollout.engine_weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report, arrival_report,
@@ -52,7 +52,7 @@ class EngineConfig:
 
     backend: str  # "vllm" or "hf" (RolloutConfig.backend)
     tensor_parallel_size: int
-    dtype: str  # a megarlhf.dtypes name
+    dtype: str  # a megarlhf.core.dtypes name
     seed: int
     enforce_eager: bool
     max_model_len: int

@@ -27,7 +27,7 @@ the tool turn, the assistant header); every rendering passes the ``tools=`` the 
 (:mod:`megarlhf.envs.prompting`). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
 
 Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn ``t`` of that episode
-uses that seed + ``t * TURN_STRIDE`` (:mod:`megarlhf.seeds`), so every episode's samples depend on the run seed, the step
+uses that seed + ``t * TURN_STRIDE`` (:mod:`megarlhf.core.seeds`), so every episode's samples depend on the run seed, the step
 and its position only, not on which other episodes are still running or where it is generated.
 
 Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training,
@@ -51,11 +51,11 @@ from megarlhf.envs.api import EnvConfig, ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import ToolRunner
-from megarlhf.errors import ConfigError
+from megarlhf.core.errors import ConfigError
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.routing import merge_turns, unrouted
-from megarlhf.seeds import TURN_STRIDE
+from megarlhf.core.seeds import TURN_STRIDE
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
                   "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers")

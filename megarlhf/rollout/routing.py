@@ -1,12 +1,12 @@
 """What a rollout engine's MoE routers chose: one record per sample, for routing replay (R3).
 
-A sample's routing record (the format is :mod:`megarlhf.training.routing_replay`'s, the trainer's side) is an
+A sample's routing record (the format is :mod:`megarlhf.learner.routing_replay`'s, the trainer's side) is an
 int16 tensor ``[tokens, moe_layers, top_k]`` on the host: row ``t`` holds the
 experts each MoE layer (in layer order) sent token ``t`` of prompt + response to when the engine computed that
 token (a prompt token in the prefill, a generated one in the decode step that fed it). ``UNROUTED`` (-1)
 marks tokens the engine never ran through the model: a sample's last token (sampled, never fed back) and,
 in a vLLM record, anything past what vLLM returned. The trainer routes those tokens itself
-(:mod:`megarlhf.training.routing_replay`); their outputs predict nothing a loss reads.
+(:mod:`megarlhf.learner.routing_replay`); their outputs predict nothing a loss reads.
 
 * :class:`GateRecorder`: the HF engine's recorder, forward hooks on transformers' top-k routers (their
   third output is the chosen experts);
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megarlhf.training.routing_replay import ROUTING_DTYPE, UNROUTED, moe_layer_indices, unrouted
+from megarlhf.learner.routing_replay import ROUTING_DTYPE, UNROUTED, moe_layer_indices, unrouted
 
 
 def engine_routing(config) -> dict:
@@ -77,7 +77,7 @@ def share_prompt_routing(prompt_index: list[int], prompt_ids: list[list[int]], r
 
     Samples of one prompt share its prefill: the HF engine runs it once, vLLM computes a shared prompt once
     with prefix caching, but two separately scheduled prefills of one prompt may round differently. Training
-    packs a prompt's samples as one shared prefix replayed once (:mod:`megarlhf.training.packing`), from
+    packs a prompt's samples as one shared prefix replayed once (:mod:`megarlhf.learner.packing`), from
     whichever sample comes first in that micro-batch; one routing per prompt makes the old-log-prob pass and
     every update replay the same one."""
     first: dict[int, Tensor] = {}

@@ -20,8 +20,8 @@
    sequences (a few short ones and one as long as the run's longest up to ``probe_max_length``, so that
    the positions the run uses are scored: past RoPE scaling boundaries and sliding windows) vs the
    trainer's, through
-   the trainer's own scoring path (:func:`megarlhf.training.compute_logprobs`, the packed forward that
-   training uses), gated by the tolerances of :mod:`megarlhf.gates` (max and mean gap); this catches
+   the trainer's own scoring path (:func:`megarlhf.learner.compute_logprobs`, the packed forward that
+   training uses), gated by the tolerances of :mod:`megarlhf.rollout.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
    calibrated once, before the first sync (:mod:`megarlhf.rollout.calibration`), with the same probe
    while the engine still holds the checkpoint it loaded itself.
@@ -41,11 +41,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megarlhf.dtypes import torch_dtype
-from megarlhf.gates import Tolerances, gap_problems, run_tolerances
+from megarlhf.core.dtypes import torch_dtype
+from megarlhf.rollout.gates import Tolerances, gap_problems, run_tolerances
 from megarlhf.rollout.config import WeightSyncConfig
 from megarlhf.rollout.fingerprint import combine, fingerprint_many, to_host
-from megarlhf.seeds import PROBE_SEED
+from megarlhf.core.seeds import PROBE_SEED
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import merge_rounding
 
@@ -199,7 +199,7 @@ def trainer_probe_logprobs(actor, probe: list[list[int]], config) -> torch.Tenso
     """The trainer's teacher-forced log-probs [S, L_max - 1] (host, fp32, temperature 1, zero past each
     sequence's end) of the probe sequences, through the training forward (collective over the actor's
     model-parallel group)."""
-    from megarlhf.training import ExperienceBatch, compute_logprobs
+    from megarlhf.learner import ExperienceBatch, compute_logprobs
 
     batch = ExperienceBatch.from_sequences([s[:1] for s in probe], [s[1:] for s in probe],
                                            device=actor.runtime.device)

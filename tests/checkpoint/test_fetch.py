@@ -18,7 +18,7 @@ from _gguf_writer import write_gguf
 from megarlhf import cli
 from megarlhf.checkpoint import fetch as fetch_module
 from megarlhf.checkpoint.fetch import MARKER_FILE, MODELS, FetchableModel, FetchError, fetch
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 from model_providers.tiny_models import make_tiny_model
 
 WHEEL_NAME, WHEEL_VERSION = "megarlhf-tiny-model", "1.0"

@@ -22,7 +22,7 @@ from megarlhf.checkpoint.gguf import (
     llama3_rope_from_factors,
 )
 from megarlhf.checkpoint.output_dir import MARKER_FILE
-from megarlhf.errors import CheckpointError
+from megarlhf.core.errors import CheckpointError
 from model_providers.tiny_models import make_tiny_model
 
 TEXTS = ["What is 3 + 4? The answer is 7.", "  two spaces\n\nand blank lines\t tab ",

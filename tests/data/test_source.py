@@ -68,7 +68,7 @@ def test_data_config_validation():
 def test_hostile_jsonl_rows_name_file_and_line(tmp_path):
     """Rows that the JSON decoder fails on outside its syntax errors (nesting thousands deep: RecursionError;
     an integer past Python's 4300-digit limit: ValueError) are data errors naming the file and line too."""
-    from megarlhf.errors import DataError
+    from megarlhf.core.errors import DataError
 
     path = tmp_path / "hostile.jsonl"
     for row, what in (('{"prompt": ' + "[" * 3000 + "]" * 3000 + "}", "nested too deeply"),

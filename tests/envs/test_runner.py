@@ -295,7 +295,7 @@ def test_a_long_observation_is_cut_in_the_worker_not_lost_with_it():
 
 def test_a_stateless_environment_whose_workers_cannot_start_is_refused_when_the_runner_is_made():
     from megarlhf.envs import ENVIRONMENTS
-    from megarlhf.errors import ConfigError
+    from megarlhf.core.errors import ConfigError
 
     ENVIRONMENTS.register("made_at_run_time")(stateless(hostile_tools))  # unknown in a fresh interpreter
     try:

@@ -10,7 +10,7 @@ from megarlhf.data.source import DataConfig
 from megarlhf.envs.api import EnvConfig
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.envs.transcripts import transcript_rows
-from megarlhf.errors import DataError
+from megarlhf.core.errors import DataError
 from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.multi_turn import MultiTurnRollout

@@ -32,8 +32,8 @@ def run_config(model_dir: Path, dtype: str, *overrides: str):
 def run_rl(tiny_llama, task, tmp_path, *overrides):
     """A 3-step RL run of the real driver with the transformers engine; its metrics records."""
     from megarlhf.config import RunConfig, load_config
-    from megarlhf.metrics import read_metrics
-    from megarlhf.trainers.rl import train_rl
+    from megarlhf.records.metrics import read_metrics
+    from megarlhf.loops.rl import train_rl
 
     config = load_config(RunConfig, None, [
         f"model.path={tiny_llama}", f"data.train_path={task / 'train.jsonl'}", "data.chat_template=never",

@@ -13,8 +13,8 @@ def test_async_checkpoint_holds_the_state_at_save_time(runtime, tiny_llama, tmp_
 
     from megarlhf.checkpoint.async_save import async_strategy
     from megarlhf.checkpoint.distributed import is_complete_checkpoint
-    from megarlhf.trainers.run_checkpoint import RunCheckpointer
-    from megarlhf.training import build_actor, sft_step
+    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.learner import build_actor, sft_step
 
     def config(name: str, async_save: bool):
         return run_config(tiny_llama, "bfloat16", "optim.lr=1e-3", f"checkpoint.dir={tmp_path / name}",

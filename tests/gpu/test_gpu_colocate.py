@@ -18,7 +18,7 @@ def _state(actor) -> list[torch.Tensor]:
 @pytest.mark.gpu
 def test_offload_to_pinned_memory_round_trip(runtime, tiny_llama, report):
     from megarlhf.rollout.colocate import OffloadedModel
-    from megarlhf.training import ExperienceBatch, actor_update, build_actor
+    from megarlhf.learner import ExperienceBatch, actor_update, build_actor
 
     config = run_config(tiny_llama, "bfloat16", "optim.use_distributed_optimizer=true")
     actor = build_actor(config, runtime)

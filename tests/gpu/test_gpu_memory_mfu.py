@@ -42,7 +42,7 @@ def mid_model(tmp_path_factory):
 @pytest.mark.gpu
 def test_planner_and_mfu(runtime, mid_model, report):
     from megarlhf.planner import Launch, plan_memory, resolve_shape
-    from megarlhf.training import ExperienceBatch, actor_update, build_actor
+    from megarlhf.learner import ExperienceBatch, actor_update, build_actor
 
     shape_dict = SMALL if DRY_RUN else SHAPE
     config = run_config(mid_model, "bfloat16", f"train.micro_batch_tokens={SEQ * SEQUENCES}",
@@ -83,7 +83,7 @@ def test_planner_and_mfu(runtime, mid_model, report):
 
 def _grpo_batch(runtime, vocab: int, groups: int, samples: int, prompt_len: int, response_lens: tuple[int, int]):
     """``groups`` prompts x ``samples`` responses of random length, with advantages and old log-probs."""
-    from megarlhf.training import ExperienceBatch
+    from megarlhf.learner import ExperienceBatch
 
     gen = torch.Generator().manual_seed(1)
     prompts, responses = [], []
@@ -102,8 +102,8 @@ def _grpo_batch(runtime, vocab: int, groups: int, samples: int, prompt_len: int,
 
 def _timed_update(actor, batch, config, runtime, share: bool):
     """(seconds, peak bytes above the state before it, tokens sharing saved) of one actor update."""
-    from megarlhf.training import actor_update
-    from megarlhf.training.step import micro_batches_for, tokens_saved_by_sharing
+    from megarlhf.learner import actor_update
+    from megarlhf.learner.step import micro_batches_for, tokens_saved_by_sharing
 
     config.train.share_prompt_prefix = share
     saved = tokens_saved_by_sharing(micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask,
@@ -124,7 +124,7 @@ def test_shared_prefix_update_memory_and_time(runtime, mid_model, report, monkey
     """One actor update (forward, backward, optimizer step) of a GRPO batch packed whole and with the groups'
     prompts shared, the latter with one FlexAttention call per micro-batch (the GPU default) and with the
     per-segment SDPA loop: peak device memory above the model's state, and wall time (best of 2), bf16."""
-    from megarlhf.training import actor_update, build_actor
+    from megarlhf.learner import actor_update, build_actor
     from parallel import cp_attention
 
     shape_dict = SMALL if DRY_RUN else SHAPE

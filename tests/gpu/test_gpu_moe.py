@@ -29,8 +29,8 @@ def moe_models(tmp_path_factory):
 def test_moe_logprobs_match_hf(runtime, moe_models, arch, dtype, report):
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.dtypes import torch_dtype
-    from megarlhf.training import ExperienceBatch, build_frozen, compute_logprobs
+    from megarlhf.core.dtypes import torch_dtype
+    from megarlhf.learner import ExperienceBatch, build_frozen, compute_logprobs
 
     config = run_config(moe_models[arch], dtype)
     policy = build_frozen(config, runtime, "policy")
@@ -51,7 +51,7 @@ def test_moe_logprobs_match_hf(runtime, moe_models, arch, dtype, report):
 
 @pytest.mark.gpu
 def test_moe_bf16_sft_step_with_router_losses(runtime, moe_models, report):
-    from megarlhf.training import build_actor, sft_step
+    from megarlhf.learner import build_actor, sft_step
 
     config = run_config(moe_models["qwen2_moe"], "bfloat16", "model.moe.aux_loss_coeff=0.01",
                         "model.moe.z_loss_coeff=0.001", "optim.lr=1e-3", "optim.warmup_steps=0")
@@ -82,8 +82,8 @@ def test_moe_routing_replay_r3_closes_the_gap(moe_models, runtime, tmp_path, rep
 
     from megarlhf.rollout.config import SamplingConfig
     from megarlhf.rollout.hf_engine import HFRolloutEngine
-    from megarlhf.training import ExperienceBatch, build_actor, build_frozen, compute_logprobs, old_policy_logprobs
-    from megarlhf.training.routing_replay import moe_layer_indices
+    from megarlhf.learner import ExperienceBatch, build_actor, build_frozen, compute_logprobs, old_policy_logprobs
+    from megarlhf.learner.routing_replay import moe_layer_indices
     from model_providers.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen3_moe", tmp_path / "tied", seed=3)

@@ -13,8 +13,8 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.15}  # bf16: two implementations rou
 def test_hf_vs_megatron_logprobs(runtime, tiny_llama, dtype, report):
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.dtypes import torch_dtype
-    from megarlhf.training import ExperienceBatch, build_frozen, compute_logprobs
+    from megarlhf.core.dtypes import torch_dtype
+    from megarlhf.learner import ExperienceBatch, build_frozen, compute_logprobs
 
     config = run_config(tiny_llama, dtype)
     policy = build_frozen(config, runtime, "policy")

@@ -14,7 +14,7 @@ PROMPT, CHOSEN, REJECTED = (6, 9, 4, 7), (12, 5, 9, 3), (7, 11, 6, 8)
 
 def _pairs(vocab: int, device):
     from megarlhf.data.preference import PreferencePair
-    from megarlhf.training.preference import pair_batch
+    from megarlhf.learner.preference import pair_batch
 
     gen = torch.Generator().manual_seed(0)
     pairs = []
@@ -49,8 +49,8 @@ def _reward_model_dir(tiny_llama, out):
 
 @pytest.mark.gpu
 def test_dpo_and_reward_model_steps_bf16(runtime, tiny_llama, tmp_path, report):
-    from megarlhf.training import build_actor, build_reward_model
-    from megarlhf.training.preference import preference_step, reward_model_step
+    from megarlhf.learner import build_actor, build_reward_model
+    from megarlhf.learner.preference import preference_step, reward_model_step
 
     config = run_config(tiny_llama, "bfloat16", "optim.clip_grad=0.0")
     batch = _pairs(384, runtime.device)
@@ -76,8 +76,8 @@ def test_dpo_and_reward_model_steps_bf16(runtime, tiny_llama, tmp_path, report):
 @pytest.mark.gpu
 def test_kto_step_bf16(runtime, tiny_llama, report):
     from megarlhf.data.preference import UnpairedExample
-    from megarlhf.training import build_actor
-    from megarlhf.training.preference import pair_batch, preference_step
+    from megarlhf.learner import build_actor
+    from megarlhf.learner.preference import pair_batch, preference_step
 
     config = run_config(tiny_llama, "bfloat16", "optim.clip_grad=0.0", "preference.loss=kto")
     pairs = _pairs(384, torch.device("cpu"))
@@ -105,8 +105,8 @@ def test_kto_step_bf16(runtime, tiny_llama, report):
 @pytest.mark.parametrize("mode", ["rs", "online-dpo"])
 def test_rejection_sampling_and_online_dpo_rounds_bf16(runtime, tiny_llama, task, tmp_path, report, mode):
     from megarlhf.config import RunConfig, load_config
-    from megarlhf.metrics import read_metrics
-    from megarlhf.trainers.iterative import train_iterative
+    from megarlhf.records.metrics import read_metrics
+    from megarlhf.loops.iterative import train_iterative
 
     config = load_config(RunConfig, None, [
         f"model.path={tiny_llama}", "model.dtype=bfloat16", f"data.train_path={task / 'train.jsonl'}",

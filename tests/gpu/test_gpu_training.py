@@ -9,7 +9,7 @@ from _gpu_common import DRY_RUN, ON_GPU, run_config, run_rl, sft_examples
 
 @pytest.mark.gpu
 def test_sft_steps_reduce_the_loss(runtime, tiny_llama, report):
-    from megarlhf.training import build_actor, sft_step
+    from megarlhf.learner import build_actor, sft_step
 
     config = run_config(tiny_llama, "bfloat16", "optim.lr=1e-3", "optim.clip_grad=1.0")
     actor = build_actor(config, runtime, total_steps=8)
@@ -48,8 +48,8 @@ def test_shared_prompt_prefix_gives_the_whole_sequences_log_probs(runtime, tiny_
     than packing whole is."""
     import torch
 
-    from megarlhf.training import ExperienceBatch, build_actor, compute_logprobs
-    from megarlhf.training.step import micro_batches_for, prefix_sharing_off_reason, tokens_saved_by_sharing
+    from megarlhf.learner import ExperienceBatch, build_actor, compute_logprobs
+    from megarlhf.learner.step import micro_batches_for, prefix_sharing_off_reason, tokens_saved_by_sharing
 
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []

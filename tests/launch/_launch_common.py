@@ -15,7 +15,7 @@ def overrides(assets, run_dir) -> list[str]:
 
 
 def training_metrics(run_dir: Path) -> list[dict]:
-    from megarlhf.metrics import read_metrics
+    from megarlhf.records.metrics import read_metrics
 
     records = read_metrics(Path(run_dir) / "metrics.jsonl")
     return [{k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith("_s")} for r in records]

@@ -54,7 +54,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def shard_packed_batch(tokens, cu, cp, cp_rank, labels, loss_mask, group=None):
-    """One CP rank's share of a packed row, as megarlhf.training.packing builds it."""
+    """One CP rank's share of a packed row, as megarlhf.learner.packing builds it."""
     plan = make_shard_plan(cu, cp, cp_rank)
     return SimpleNamespace(tokens=shard(plan, tokens).unsqueeze(0), labels=shard(plan, labels).unsqueeze(0),
                            loss_mask=shard(plan, loss_mask).unsqueeze(0),

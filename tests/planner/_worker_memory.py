@@ -21,8 +21,8 @@ import torch
 
 from megarlhf.config import RunConfig, load_config
 from megarlhf.testing.launch import write_rank_result
-from megarlhf.trainers.experience import compute_advantages, score
-from megarlhf.training import ExperienceBatch, actor_update, build_actor, build_critic, build_frozen, critic_update
+from megarlhf.loops.experience import compute_advantages, score
+from megarlhf.learner import ExperienceBatch, actor_update, build_actor, build_critic, build_frozen, critic_update
 from parallel.runtime import init_parallel
 
 PROMPT_LEN, RESPONSE_LEN, SEQUENCES = 32, 96, 16

@@ -57,7 +57,7 @@ def random_prompts(vocab_size: int, seed: int, count: int = 16) -> list[list[int
 def step0_gap(engine, actor, config) -> tuple[float, float, int]:
     """(max, mean, tokens) of |trainer - engine| over the response tokens of a sampled rollout."""
     from megarlhf.rollout.config import rollout_sampling
-    from megarlhf.training import ExperienceBatch, compute_logprobs
+    from megarlhf.learner import ExperienceBatch, compute_logprobs
 
     rollout = engine.generate(random_prompts(actor.vocab_size, seed=5), dataclasses.replace(rollout_sampling(config.rollout, ()), seed=3))
     batch = ExperienceBatch.from_sequences(rollout.prompt_ids, rollout.response_ids, device=actor.runtime.device,
@@ -127,7 +127,7 @@ def run_backend(model_dir: str, backend: str, runtime) -> dict:
     from megarlhf.rollout.engine import EngineConfig, make_engine
     from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.weight_sync import WeightSync
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
     config = config_for(model_dir, backend)

@@ -45,7 +45,7 @@ class RecordingSync:
 
 
 def batch_for(rank: int, step: int, vocab: int):
-    from megarlhf.training import ExperienceBatch
+    from megarlhf.learner import ExperienceBatch
 
     g = torch.Generator().manual_seed(100 * rank + step)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
@@ -118,7 +118,7 @@ def counts(actor, reference) -> dict[str, int]:
 
 def run_case(model_dir: str, dist_opt: bool, dtype: str, runtime) -> dict:
     from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
-    from megarlhf.training import actor_update, build_actor, build_frozen
+    from megarlhf.learner import actor_update, build_actor, build_frozen
 
     config = RunConfig(model=ModelConfig(path=model_dir, dtype=dtype), data=DataConfig(train_path="unused.jsonl"),
                        optim=OptimConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=dist_opt),

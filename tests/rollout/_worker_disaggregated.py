@@ -111,7 +111,7 @@ def main() -> None:
     runtime = init_disaggregated(ParallelConfig(), num_trainer_ranks=world - num_engines, seed=1234)
     from megarlhf.rollout.config import RolloutPlacementConfig
     from megarlhf.rollout.disaggregated import DisaggregatedRollout
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
     config = run_config(model_dir, 1)

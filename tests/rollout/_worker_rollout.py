@@ -56,7 +56,7 @@ def full_logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor:
 def trainer_logprobs(actor, config, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
     """The trainer's teacher-forced log-probs of tokens 1.. of each sequence: the training forward
     (packed micro-batches, fused log-prob op), as scoring and the sync probe use it."""
-    from megarlhf.training import ExperienceBatch, compute_logprobs
+    from megarlhf.learner import ExperienceBatch, compute_logprobs
 
     batch = ExperienceBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
                                            device=torch.device("cpu"))
@@ -308,7 +308,7 @@ def main() -> None:
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
     from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.weight_sync import WeightSync
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
     config = run_config(model_dir, engine_tp)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarlhf.config.schema import ModelConfig, RunConfig
-from megarlhf.errors import ConfigError
+from megarlhf.core.errors import ConfigError
 from megarlhf.rollout.adapter_sync import engine_slot_name, slot_problems
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -75,7 +75,7 @@ def _build(model_dir, dtype: str, rank: int, alpha: float):
     from megarlhf.rollout.calibration import calibrate_colocated
     from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
     from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.training import TrainModel
+    from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
     from parallel.config import ParallelConfig
     from parallel.lora import LoRAConfig, attach_lora

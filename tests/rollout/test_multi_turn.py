@@ -11,8 +11,8 @@ from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
 from megarlhf.rollout.config import SamplingConfig
 from megarlhf.rollout.batch import RolloutBatch
 from megarlhf.rollout.multi_turn import MultiTurnRollout
-from megarlhf.seeds import TURN_STRIDE as TURN_SEED_STRIDE
-from megarlhf.training.routing_replay import UNROUTED
+from megarlhf.core.seeds import TURN_STRIDE as TURN_SEED_STRIDE
+from megarlhf.learner.routing_replay import UNROUTED
 from model_providers.tiny_models import make_tiny_model
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -238,7 +238,7 @@ def test_a_template_that_rewrites_the_models_turn_is_refused_at_start_up(tmp_pat
 
     from transformers import AutoTokenizer
 
-    from megarlhf.errors import ConfigError
+    from megarlhf.core.errors import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path / "m", seed=0))
     trimming = copy.deepcopy(tokenizer)

@@ -134,7 +134,7 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.gates import FLOORS
+    from megarlhf.rollout.gates import FLOORS
     from megarlhf.rollout.hf_engine import HFRolloutEngine
     from megarlhf.rollout.weight_sync import probe_problems, probe_sequences
     from model_providers.tiny_models import make_tiny_model

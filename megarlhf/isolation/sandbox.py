@@ -1,0 +1,319 @@
+"""Runs model-written Python against unit tests in a fresh, limited, killable child process.
+
+:func:`run_tests` is the one entry point (the ``code_tests`` reward and the ``code`` environment use it).
+The program and its tests reach a child interpreter on stdin (:mod:`megarlhf.isolation.sandbox_harness`, standard
+library only, started with ``python -I -c``); nothing is written where the child could replace it, and
+the parent reads the child's results and output only through file descriptors it holds.
+
+**Tests.** A *call test* ``{"call": "square(3)", "expected": 9}`` sends only the call into the sandbox;
+the child reports the call's value as plain JSON data (exactly int, float, str, bool, None, list and
+dict: no subclass, so no object with its own ``__eq__``) and the parent compares it with ``expected``
+(as JSON, so ``1``, ``1.0`` and ``true`` differ). The expected values never enter the sandbox, so a
+program scores only by computing them. An *assert test* ``"assert square(3) == 9"`` passes if it raises
+nothing; it runs in the program's process, so a program can make it pass without solving anything
+(replace ``compile``, return an object equal to everything, forge the report): usable as feedback (the
+``code`` environment), refused by the ``code_tests`` reward unless ``allow_asserts``.
+
+**Bounds** (``prlimit`` on the child): CPU time (``RLIMIT_CPU``: SIGXCPU, then SIGKILL a second later),
+address space (``RLIMIT_AS``), largest file written (``RLIMIT_FSIZE``, which also caps its output and
+report), open files, no core dumps; a wall-clock limit enforced by the parent (the child's process
+tree is killed with SIGKILL); and ``PR_SET_PDEATHSIG``, so the sandbox dies with the thread that started
+it. Isolation (:func:`isolation`, probed once per process):
+
+* ``"namespaces"`` (``unshare``): new PID, mount and network namespaces. No network but loopback;
+  ``/proc`` shows only the sandbox's processes; every mount is read-only, and private size-capped tmpfs
+  cover ``/tmp`` (the working directory), ``/var/tmp``, ``/dev/shm`` and ``/run/lock``; when the shell
+  that is the namespace's first process exits, every process in it is killed. Started as root, the
+  program runs as ``nobody`` (files that are not world-readable are out of reach, other users'
+  processes cannot be signalled) with ``RLIMIT_NPROC`` against fork bombs (counted over all ``nobody``
+  processes: concurrent sandboxes share it). Started as another user, it keeps that user inside a user
+  namespace, with no process cap (it would count the user's own processes).
+* ``"none"``: ``unshare`` is missing or not permitted (e.g. a container without ``CAP_SYS_ADMIN``).
+  Only the rlimits and the wall clock hold: the program can use the network and read and write what the
+  user can. :func:`run_tests` refuses to run there unless ``SandboxLimits.allow_unisolated``.
+
+Not contained: memory held outside the address space (``memfd`` files count against tmpfs, not
+``RLIMIT_AS``) and, without cgroups, the machine's total CPU: run fewer workers than cores.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NOBODY = 65534  # the user a root parent runs the program as
+HARNESS = Path(__file__).with_name("sandbox_harness.py")
+MAX_TESTS = 1000
+_CHANNEL_BYTES = 2**20  # the most of the child's report the parent reads
+
+# Inside the new namespaces, before the program starts: every file system mount read-only (the kernel's
+# own, /proc, /sys, cgroups and device nodes, are not for ordinary users to write), private tmpfs over the
+# world-writable directories, /tmp as the working directory. The shell stays the namespace's first
+# process (PID 1, which ignores signals it has no handler for) and runs the program as its child, so the
+# program's own signals and limits end it as anywhere else and the shell reports how (128 + signal).
+_PREPARE = ("awk '$4 ~ /^rw/ && $3 !~ /^(proc|sysfs|cgroup2?|devpts|devtmpfs|mqueue)$/ {print $2}' /proc/self/mounts "
+            "| while read -r m; do mount -o remount,bind,ro \"$m\" 2>/dev/null; done; "
+            "for d in /tmp /var/tmp /dev/shm /run/lock; do if [ -d \"$d\" ] && [ ! -L \"$d\" ]; then "
+            "mount -t tmpfs -o size=32m,mode=1777 tmpfs \"$d\" || exit 97; fi; done; cd /tmp || exit 97; ")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The machine cannot isolate the program, and running it unisolated was not allowed."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """The bounds of one run (module docstring)."""
+
+    wall_s: float = 5.0
+    cpu_s: int = 5
+    memory_mb: int = 512  # address space of each process
+    file_mb: int = 16  # largest file a process may write (its output and report included)
+    max_processes: int = 16  # RLIMIT_NPROC of the nobody user (started as root, namespaces)
+    report_chars: int = 1000  # characters of the program's output kept
+    allow_unisolated: bool = False  # run with rlimits only where namespaces are unavailable
+
+    def __post_init__(self):
+        for name in ("wall_s", "cpu_s", "memory_mb", "file_mb", "max_processes", "report_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 10**7:
+                raise ValueError(f"SandboxLimits.{name} must be a positive number below 1e7, got {value!r}")
+        if not isinstance(self.allow_unisolated, bool):
+            raise ValueError(f"SandboxLimits.allow_unisolated must be true or false, got {self.allow_unisolated!r}")
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is JSON data a call test can expect (the harness's ``plain``, checked here)."""
+    if depth > 100:
+        return False
+    if type(value) is float:
+        return math.isfinite(value)
+    if type(value) in (int, str, bool, type(None)):
+        return True
+    if type(value) is list:
+        return all(_is_plain(item, depth + 1) for item in value)
+    return type(value) is dict and all(type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
+
+
+def _check_test(test: Any, index: int, where: str, allow_asserts: bool) -> None:
+    if isinstance(test, str):
+        if not allow_asserts:
+            raise ValueError(f"{where} test {index} is an assert statement, which the program it tests can make "
+                             f"pass without solving anything; write it as {{\"call\": ..., \"expected\": ...}} "
+                             f"or allow assert tests (allow_asserts)")
+        return
+    if not (isinstance(test, dict) and set(test) == {"call", "expected"} and isinstance(test["call"], str)):
+        raise ValueError(f"{where} test {index} must be {{\"call\": \"f(2)\", \"expected\": 4}} or an assert "
+                         f"statement, got {str(test)[:80]!r}")
+    if not _is_plain(test["expected"]):
+        raise ValueError(f"{where} test {index}: 'expected' must be plain JSON data (finite numbers, strings, "
+                         f"booleans, null, lists, objects), got {str(test['expected'])[:80]!r}")
+
+
+def row_tests(metadata: dict, tests_field: str, allow_asserts: bool = False) -> list:
+    """A dataset row's unit tests, checked (module docstring: call tests, and assert statements where
+    ``allow_asserts``); errors name the field and the test."""
+    tests = metadata.get(tests_field)
+    where = f"the row's {tests_field!r} field:"
+    if not isinstance(tests, list) or not tests:
+        raise ValueError(f"{where} must be a non-empty list of tests, got {type(tests).__name__}")
+    if len(tests) > MAX_TESTS:
+        raise ValueError(f"{where} has {len(tests)} tests (at most {MAX_TESTS})")
+    for index, test in enumerate(tests):
+        _check_test(test, index, where, allow_asserts)
+    return tests
+
+
+@dataclass
+class CodeResult:
+    """The outcome of :func:`run_tests`: ``passed`` of ``total`` tests, and how the run ended."""
+
+    passed: int
+    total: int
+    # "ok" (ran to the end), "timeout" (wall clock), "cpu_limit", "killed by SIG...", "exit N" (a non-zero
+    # exit), "error" (exited without finishing its tests)
+    status: str
+    isolation: str  # "namespaces" or "none" (module docstring)
+    seconds: float
+    errors: dict[int, str] = field(default_factory=dict)  # test index -> why it failed
+    solution_error: str | None = None  # the program itself raised (every test fails)
+    output: str = ""  # the start of what the program printed
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+    def report(self, chars: int = 1000) -> str:
+        """A short text for the model (a tool observation) or a log."""
+        lines = [f"{self.passed}/{self.total} tests passed" + ("" if self.status == "ok" else f" ({self.status})")]
+        if self.solution_error:
+            lines.append(f"the program raised {self.solution_error}")
+        lines += [f"test {i} failed: {e}" for i, e in sorted(self.errors.items())[:5]]
+        if self.output:
+            lines.append(f"output:\n{self.output}")
+        text = "\n".join(lines)
+        return text if len(text) <= chars else text[:chars] + "\n[report truncated]"
+
+
+def _command(python: list[str], limits: SandboxLimits, mode: str) -> list[str]:
+    """The child's command line: the interpreter ``python`` (with its arguments) under the rlimits of
+    ``limits`` (``prlimit``: set after fork, not in a pre-exec hook, which is unsafe in a threaded
+    parent) and, with ``mode == "namespaces"``, in new PID, mount and network namespaces (module docstring;
+    as root the limits are set before the switch to nobody, which only ``setpriv`` itself can exec
+    through directories nobody may not enter)."""
+    mb = 2**20
+    as_root = os.geteuid() == 0 and mode == "namespaces"
+    caps = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={limits.memory_mb * mb}",
+            f"--fsize={limits.file_mb * mb}", "--nofile=64", "--core=0"]
+    if as_root:  # counted per user: only meaningful for a user nothing else runs as
+        caps.append(f"--nproc={limits.max_processes}")
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if as_root else []
+    command = ["prlimit", *caps, "--", *drop, *python]
+    if mode != "namespaces":
+        return command
+    unshare = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if not as_root:
+        unshare += ["--user", "--map-root-user"]
+    return [*unshare, "sh", "-c", _PREPARE + '"$@"; exit $?', "sh", *command]
+
+
+@functools.cache
+def _sandbox() -> tuple[str, str]:
+    """(isolation, interpreter), probed once: the namespaces if ``unshare`` can make them here and the
+    sandbox user can start an interpreter in them (this one, or the system's ``python3``); else ``"none"``."""
+    candidates = [sys.executable] + [p for p in (shutil.which("python3", path="/usr/bin:/bin"),) if p]
+    if all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount", "awk", "prlimit")):
+        for python in candidates:
+            try:
+                done = subprocess.run(_command([python, "-I", "-c", "pass"], SandboxLimits(), "namespaces"),
+                                      capture_output=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if done.returncode == 0:
+                return "namespaces", python
+    return "none", sys.executable
+
+
+def isolation() -> str:
+    """How the sandbox isolates its child here: ``"namespaces"`` or ``"none"`` (module docstring)."""
+    return _sandbox()[0]
+
+
+def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits()) -> CodeResult:
+    """Runs ``program`` and then each of ``tests`` (:func:`row_tests`' forms) in a sandbox (module docstring)."""
+    if not isinstance(program, str):
+        raise TypeError(f"run_tests: the program must be a string, got {type(program).__name__}")
+    for index, test in enumerate(tests):
+        _check_test(test, index, "run_tests:", allow_asserts=True)
+    mode, python = _sandbox()
+    if mode == "none" and not limits.allow_unisolated:
+        raise SandboxUnavailable("the code sandbox cannot isolate programs on this machine (unshare cannot make "
+                                 "PID, mount and network namespaces here: run as root or allow user namespaces); "
+                                 "set allow_unisolated to run them with resource limits only")
+    token = secrets.token_hex(16)
+    request = json.dumps({"token": token, "program": program,
+                          "tests": [{"assert": t} if isinstance(t, str) else {"call": t["call"]} for t in tests]})
+    harness = [python, "-I", "-c", HARNESS.read_text(encoding="utf-8")]
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as channel, tempfile.TemporaryFile() as output, \
+            tempfile.TemporaryDirectory(prefix="megarlhf-sandbox-") as workdir:
+        command = ["setpriv", "--pdeathsig", "KILL", *_command(harness, limits, mode)]
+        child = subprocess.Popen(command, cwd=workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                 stdin=subprocess.PIPE, stdout=channel, stderr=output, start_new_session=True)
+        status = _wait(child, request.encode(), limits.wall_s)
+        channel.seek(0)
+        output.seek(0)
+        reports = _read_reports(channel.read(_CHANNEL_BYTES), token)
+        printed = _start_of(output.read(limits.report_chars * 4), limits.report_chars)
+    return _result(reports, tests, status, mode, time.monotonic() - start, printed)
+
+
+def _wait(child: subprocess.Popen, request: bytes, wall_s: float) -> str:
+    try:
+        child.communicate(input=request, timeout=wall_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # its session; with namespaces, unshare takes the namespace down
+        except ProcessLookupError:
+            pass
+        child.wait()
+        return "timeout"
+    return _exit_status(child.returncode)
+
+
+def _exit_status(code: int) -> str:
+    """How the child ended: a signal is a negative code, or 128 + signal from the namespace's shell (which a
+    program can also fake by exiting with that code: the status informs, the score does not depend on it)."""
+    if code == 0:
+        return "ok"
+    number = -code if code < 0 else code - 128 if code > 128 else None
+    try:
+        name = signal.Signals(number).name if number is not None else None
+    except ValueError:
+        name = None
+    if name is None:
+        return f"exit {code}"
+    return "cpu_limit" if name == "SIGXCPU" else f"killed by {name}"
+
+
+def _start_of(data: bytes, chars: int) -> str:
+    text = data.decode("utf-8", "replace")
+    return text if len(text) <= chars else text[:chars] + "\n[output truncated]"
+
+
+def _read_reports(data: bytes, token: str) -> list[dict]:
+    """The token-tagged JSON objects of the child's report (anything else is ignored)."""
+    reports = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        head, _, body = line.partition(" ")
+        if head != token:
+            continue
+        try:
+            record = json.loads(body)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            reports.append(record)
+    return reports
+
+
+def _same(value: Any, expected: Any) -> bool:
+    """Equal as JSON data: types matter (1, 1.0 and true differ), as does every element."""
+    try:
+        return json.dumps(value, sort_keys=True) == json.dumps(expected, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _result(reports: list[dict], tests: list, status: str, mode: str, seconds: float, output: str) -> CodeResult:
+    result = CodeResult(passed=0, total=len(tests), status=status, isolation=mode, seconds=seconds, output=output)
+    seen = set()
+    for record in reports:
+        index = record.get("test")
+        if "solution_error" in record:
+            result.solution_error = str(record["solution_error"])[:300]
+        elif type(index) is int and 0 <= index < len(tests) and index not in seen:
+            seen.add(index)
+            test = tests[index]
+            if "error" in record:
+                result.errors[index] = str(record["error"])[:300]
+            elif isinstance(test, str):
+                result.passed += record.get("passed") is True
+            elif "value" in record and _same(record["value"], test["expected"]):
+                result.passed += 1
+            else:
+                result.errors[index] = f"{test['call']} returned {str(record.get('value'))[:100]}"
+    if status == "ok" and not any(record.get("done") is True for record in reports) and result.solution_error is None:
+        result.status = "error"  # exited without finishing its tests (os._exit, a closed channel, ...)
+    return result

@@ -1,0 +1,152 @@
+"""Steps 1-6 of an RL step: draw prompts, generate (steps 2-5, the rollout phase), score rewards; with
+DAPO's dynamic sampling, repeated until the batch holds enough informative groups.
+
+Without dynamic sampling one round is made: this data-parallel replica's share of the next global batch.
+
+With ``algorithm.dynamic_sampling.enabled`` (Yu et al. 2025, DAPO sec. 3.2) a group (the samples of one
+prompt) is *informative* when its rewards are not all equal; a uniform group has zero group-relative
+advantage and no gradient. Rounds are generated until the informative groups found reach
+``train.global_batch_size`` or ``max_extra_rounds`` extra rounds were made. Each round draws the next
+global batch from the sampler (so extra rounds consume data, as in DAPO) and samples with seeds that
+depend on the round, so the whole procedure is reproducible and resumable. The groups of every round
+are gathered over the data-parallel ranks in a fixed order (round, global prompt position); the step
+trains on the first ``train.global_batch_size`` informative ones, and if fewer were found the batch is
+filled with uninformative groups, marked so that they are masked out of the update (an all-uniform
+batch therefore trains on nothing and skips its optimizer step rather than failing). The chosen groups
+are dealt out in contiguous shares to the data-parallel ranks, whole.
+
+Metrics: ``dapo/rounds`` (generation rounds made), ``dapo/informative_groups`` (found over all rounds),
+``dapo/filler_groups`` (uninformative groups in the trained batch), ``dapo/groups_generated``. The
+``reward/*`` metrics describe the first round, i.e. the policy as it samples.
+
+Hand-written because the round loop is the driver's own bookkeeping around the registered pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarlhf.algorithms import dynamic_sampling_filter
+from megarlhf.config.schema import RunConfig
+from megarlhf.data.prompts import PromptExample
+from megarlhf.rollout.config import rollout_sampling
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.core.seeds import ROUND_STRIDE, sample_seed
+from megarlhf.loops.rewarding import score_rewards
+from megarlhf.loops.rollout_metrics import global_reward_metrics, rollout_metrics, tool_metrics
+from parallel.runtime import Runtime
+
+
+
+@dataclass
+class Collected:
+    """This replica's share of the step: prompts, their samples and rewards."""
+
+    examples: list[PromptExample]
+    rollout: RolloutBatch  # prompt_index indexes ``examples``
+    rewards: list[float]  # one per sample
+    group_offset: int  # global batch position of ``examples[0]``
+    informative: list[bool] | None  # per sample, dynamic sampling only (False: masked out of the update)
+    metrics: dict[str, float]
+
+
+def _generate(phase, examples: list[PromptExample], config: RunConfig, stop: tuple[int, ...], seed: int,
+              sync_weights: bool) -> tuple[RolloutBatch, dict[str, float]]:
+    return phase.generate(examples, rollout_sampling(config.rollout, stop), seed,
+                          sync_weights=sync_weights)
+
+
+def replica_offset(config: RunConfig, runtime: Runtime) -> int:
+    """The global batch position of this data-parallel replica's first prompt."""
+    return runtime.dp.rank * (config.train.global_batch_size // runtime.dp.size)
+
+
+def score_round(examples: list[PromptExample], rollout: RolloutBatch, metrics: dict[str, float], reward, tokenizer,
+                config: RunConfig, runtime: Runtime) -> Collected:
+    """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
+    rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
+    metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
+               **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
+    return Collected(examples, rollout, rewards, replica_offset(config, runtime), None, metrics)
+
+
+def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime, step: int,
+            stop: tuple[int, ...]) -> Collected:
+    """Steps 1-6 for ``step`` (see the module docstring); collective over the trainer ranks."""
+    offset, n = replica_offset(config, runtime), config.rollout.n_samples
+    examples = [prompts[i] for i in sampler.next_batch()]
+    rollout, metrics = _generate(phase, examples, config, stop, sample_seed(config.seed, step, offset, n), True)
+    got = score_round(examples, rollout, metrics, reward, tokenizer, config, runtime)
+    if not config.algorithm.dynamic_sampling.enabled:
+        return got
+    return fill_groups(got, phase, sampler, prompts, reward, tokenizer, config, runtime, step, stop)
+
+
+def fill_groups(got: Collected, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
+                step: int, stop: tuple[int, ...], before_extra_rounds=dict) -> Collected:
+    """Dynamic sampling after the first round ``got``: the extra rounds (with the weights the engines
+    hold; collective over the trainer ranks) and the chosen groups (see the module docstring).
+    ``before_extra_rounds()`` runs once before the first extra round, if one is needed; its metrics join."""
+    offset, n = replica_offset(config, runtime), config.rollout.n_samples
+    examples, rollout, rewards, metrics = got.examples, got.rollout, got.rewards, got.metrics
+    rounds = [_groups(examples, rollout, rewards, runtime)]
+    found = sum(g[0] for g in rounds[0])
+    while found < config.train.global_batch_size and len(rounds) <= config.algorithm.dynamic_sampling.max_extra_rounds:
+        if len(rounds) == 1:
+            metrics.update(before_extra_rounds())
+        examples = [prompts[i] for i in sampler.next_batch()]
+        seed = sample_seed(config.seed + len(rounds) * ROUND_STRIDE, step, offset, n)
+        rollout, _ = _generate(phase, examples, config, stop, seed, False)
+        rewards, _ = score_rewards(reward, examples, rollout, tokenizer, config)
+        rounds.append(_groups(examples, rollout, rewards, runtime))
+        found += sum(g[0] for g in rounds[-1])
+    chosen = _choose(rounds, config.train.global_batch_size)
+    mine = chosen[offset:offset + config.train.global_batch_size // runtime.dp.size]
+    metrics.update({"dapo/rounds": float(len(rounds)), "dapo/informative_groups": float(found),
+                    "dapo/filler_groups": float(sum(not g[0] for g in chosen)),
+                    "dapo/groups_generated": float(sum(len(r) for r in rounds))})
+    return _as_collected(mine, offset, metrics)
+
+
+def _groups(examples: list[PromptExample], rollout: RolloutBatch, rewards: list[float],
+            runtime: Runtime) -> list[tuple]:
+    """Every replica's groups of one round, in global prompt order:
+    ``(informative, example, prompt_ids, responses, logprobs, finish_reasons, rewards, routing records)``
+    (the records empty unless the engine records routing: replay r3)."""
+    by_prompt: dict[int, list[int]] = {}
+    for k, p in enumerate(rollout.prompt_index):
+        by_prompt.setdefault(p, []).append(k)
+    group_ids = torch.tensor(rollout.prompt_index, dtype=torch.long)  # host: bookkeeping
+    rewards_t = torch.tensor(rewards, dtype=torch.float64)  # host: as above
+    kept = set(dynamic_sampling_filter(rewards_t, group_ids).kept_indices.tolist())
+    local = []
+    for p in range(len(examples)):
+        samples = by_prompt[p]  # an engine returns n >= 1 samples for every prompt
+        local.append((samples[0] in kept, examples[p], rollout.prompt_ids[samples[0]],
+                      [rollout.response_ids[k] for k in samples], [rollout.logprobs[k] for k in samples],
+                      [rollout.finish_reasons[k] for k in samples], [rewards[k] for k in samples],
+                      [rollout.routed_experts[k] for k in samples] if rollout.routed_experts else []))
+    return [group for part in runtime.all_gather_objects(local, over="dp") for group in part]
+
+
+def _choose(rounds: list[list[tuple]], size: int) -> list[tuple]:
+    """The first ``size`` informative groups in (round, position) order, filled with uninformative ones."""
+    everything = [g for groups in rounds for g in groups]
+    chosen = [g for g in everything if g[0]][:size]
+    return chosen + [g for g in everything if not g[0]][:size - len(chosen)]
+
+
+def _as_collected(groups: list[tuple], offset: int, metrics: dict[str, float]) -> Collected:
+    rollout, rewards, informative = RolloutBatch(), [], []
+    for p, (useful, _, prompt_ids, responses, logprobs, finishes, group_rewards, records) in enumerate(groups):
+        rollout.routed_experts += records
+        for response, lps, finish, r in zip(responses, logprobs, finishes, group_rewards):
+            rollout.prompt_index.append(p)
+            rollout.prompt_ids.append(prompt_ids)
+            rollout.response_ids.append(response)
+            rollout.logprobs.append(lps)
+            rollout.finish_reasons.append(finish)
+            rewards.append(r)
+            informative.append(useful)
+    return Collected([g[1] for g in groups], rollout, rewards, offset, informative, metrics)

@@ -1,0 +1,124 @@
+"""The trainer sub-commands of ``megarlhf``: ``train`` (RL), ``sft``, ``dpo``, ``rs``, ``online-dpo``, ``rm``,
+``eval`` and ``export``.
+
+Each takes a YAML recipe and ``key.sub=value`` overrides (see :mod:`megarlhf.config`) and runs the same
+way single-process or under ``torchrun --nproc-per-node N -m megarlhf ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from megarlhf.core.errors import ConfigError
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe (a RunConfig; see examples/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-6")
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    add_recipe_arguments(parser)
+    parser.add_argument("--out", required=True, help="HF directory to write")
+
+
+def _config(args: argparse.Namespace, needs_train_data: bool = False):
+    from megarlhf.config import ConfigError, RunConfig, load_config
+
+    config = load_config(RunConfig, args.recipe, args.overrides)
+    if needs_train_data and not config.data.train_path:
+        raise ConfigError(f"missing required config key(s): data.train_path (megarlhf {args.command} trains on it)")
+    return config
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from megarlhf.loops.rl import train_rl
+
+    train_rl(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    from megarlhf.loops.sft import train_sft
+
+    train_sft(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_dpo(args: argparse.Namespace) -> int:
+    from megarlhf.loops.preference import train_dpo
+
+    train_dpo(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_rs(args: argparse.Namespace) -> int:
+    from megarlhf.loops.iterative import train_iterative
+
+    train_iterative(_config(args, needs_train_data=True), "rs")
+    return 0
+
+
+def run_online_dpo(args: argparse.Namespace) -> int:
+    from megarlhf.loops.iterative import train_iterative
+
+    train_iterative(_config(args, needs_train_data=True), "online-dpo")
+    return 0
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    from megarlhf.loops.preference import train_rm
+
+    train_rm(_config(args, needs_train_data=True))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluates ``model.path`` on ``data.eval_path`` and prints the metrics as one JSON line."""
+    from megarlhf.rewards import CombinedReward
+    from megarlhf.loops.evaluate import evaluate
+    from megarlhf.loops.rollout_phase import build_rollout_phase, serve_engine_rank
+    from megarlhf.loops.run import start_run
+    from megarlhf.learner import build_frozen
+
+    config = _config(args)
+    if not config.data.eval_path:
+        raise ConfigError("megarlhf eval needs data.eval_path (the held-out prompts)")
+    if config.eval_reward is None:
+        raise ConfigError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
+    run = start_run(config)
+    if run.is_engine_rank:
+        serve_engine_rank(config, run.runtime)
+        return 0
+    prompts = run.load_prompts(config.data.eval_path)
+    policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
+    reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
+    phase = build_rollout_phase(config, policy, [], run.tokenizer)
+    metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
+                       (run.tokenizer.eos_token_id,))
+    reward.close()
+    phase.close()
+    if run.is_main:
+        print(json.dumps(metrics), flush=True)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory
+    (with LoRA: merged, and its PEFT adapter at ``<out>-adapter``)."""
+    from megarlhf.loops.run import start_run
+    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.learner import build_actor, build_critic, export_policy
+
+    config = _config(args)
+    run = start_run(config)
+    actor = build_actor(config, run.runtime)
+    models = {"actor": actor}
+    if config.algorithm.uses_critic:  # a PPO run's checkpoint holds its critic too, and loads whole
+        models["critic"] = build_critic(config, run.runtime)
+    if RunCheckpointer(config, models).resume() is None:
+        raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
+                                f"run_dir={config.logging.run_dir!r})")
+    out = export_policy(actor, config, args.out)  # with LoRA: merged weights, and the PEFT adapter beside
+    run.log(f"exported to {out}")
+    return 0

@@ -1,0 +1,68 @@
+"""Step 6 of an RL step: the run's reward, and the rewards of a rollout's samples on this replica.
+
+Reward functions read what the model wrote (:func:`model_text`: in multi-turn episodes its own turns,
+not the observations between them); a learned reward model scores the whole token sequence.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from megarlhf.algorithms import overlong_penalty
+from megarlhf.config.schema import RunConfig
+from megarlhf.data.prompts import PromptExample
+from megarlhf.rewards import CombinedReward, RewardInput
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.learner import TrainModel, build_reward_model
+from megarlhf.learner.learned_reward import LearnedReward, check_reward_model
+from parallel.runtime import Runtime
+
+
+def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[CombinedReward, TrainModel | None]:
+    """The run's reward and, with ``reward.reward_model_path``, the frozen reward model it scores with
+    (a trainer-side model: colocate it with the others so it is offloaded around rollouts)."""
+    path = config.reward.reward_model_path
+    if path is None:
+        return CombinedReward(config.reward), None
+    check_reward_model(path, tokenizer)
+    model = build_reward_model(config, runtime, path, trainable=False)
+    return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model
+
+
+def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) -> str:
+    """What the model wrote in a response: with a multi-turn ``loss_mask``, its own turns (each decoded
+    alone, joined by newlines) without the observations between them, which are not its answer."""
+    if not loss_mask:
+        return tokenizer.decode(response_ids, skip_special_tokens=True)
+    runs = itertools.groupby(zip(response_ids, loss_mask), key=lambda pair: bool(pair[1]))
+    turns = [[token for token, _ in run] for own, run in runs if own]
+    return "\n".join(tokenizer.decode(turn, skip_special_tokens=True).strip() for turn in turns)
+
+
+def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
+                  config: RunConfig, training: bool = True) -> tuple[list[float], dict[str, float]]:
+    """Rewards (one per sample of the rollout) and metrics. Reward functions read the model's own text
+    (:func:`model_text`); a reward model scores the whole token sequence. In ``training`` the environment's
+    rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join; evaluation scores
+    the answer only."""
+    masks = rollout.loss_masks or [None] * len(rollout.response_ids)
+    samples = [RewardInput(prompt=examples[p].prompt, response=model_text(tokenizer, r, m),
+                           ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
+                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r))
+               for p, r, m in zip(rollout.prompt_index, rollout.response_ids, masks)]
+    result = reward(samples)
+    for failure in result.failures:
+        print(f"[reward] sample {failure}", flush=True)
+    rewards = list(result.rewards)
+    metrics = dict(result.metrics)
+    if rollout.env_rewards and training:  # multi-turn episodes: the environment's own rewards join the sample's
+        rewards = [r + e for r, e in zip(rewards, rollout.env_rewards)]
+        metrics["reward/env/mean"] = sum(rollout.env_rewards) / max(len(rollout.env_rewards), 1)
+    overlong = config.algorithm.overlong
+    if overlong is not None and training:
+        lengths = torch.tensor([len(r) for r in rollout.response_ids])  # host: reward bookkeeping
+        penalty = overlong_penalty(lengths, config.rollout.response_budget, overlong)
+        rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above
+        metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    return rewards, metrics

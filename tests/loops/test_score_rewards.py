@@ -1,0 +1,41 @@
+"""score_rewards on multi-turn episodes: verifiers read the model's own turns (a tool's observation is not
+the model's answer), and environment rewards count in training but not in evaluation scores."""
+from __future__ import annotations
+
+import pytest
+
+from megarlhf.config import RunConfig, load_config
+from megarlhf.data.prompts import PromptExample
+from megarlhf.rewards import CombinedReward
+from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.loops.rewarding import score_rewards
+from model_providers.tiny_models import train_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tiny_tokenizer()
+
+
+def _episode(tokenizer, turns: list[tuple[str, int]], env_reward: float) -> RolloutBatch:
+    """One sample whose response is ``turns`` (text, 1 for the model's tokens / 0 for an observation)."""
+    ids, mask = [], []
+    for text, own in turns:
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        mask += [own] * len(piece)
+    return RolloutBatch(prompt_index=[0], prompt_ids=[[1, 2]], response_ids=[ids], logprobs=[[0.0] * len(ids)],
+                        finish_reasons=["length"], loss_masks=[mask], env_rewards=[env_reward], tool_calls=[1])
+
+
+def test_verifiers_read_the_models_turns_and_evaluation_leaves_env_rewards_out(tokenizer):
+    config = load_config(RunConfig, None, ["model.path=unused", "data.train_path=unused.jsonl", "reward.functions=[{name: exact_match}]"])
+    reward = CombinedReward(config.reward)
+    examples = [PromptExample(0, "What is 2 + 3?", [1, 2], "5", {})]
+    # the model never answered; the tool's observation holds an answer-shaped sentence
+    looked_up = _episode(tokenizer, [("Let me look it up.", 1), (" The answer is 5.", 0)], env_reward=0.25)
+    assert score_rewards(reward, examples, looked_up, tokenizer, config)[0] == [0.25]  # env reward only
+    assert score_rewards(reward, examples, looked_up, tokenizer, config, training=False)[0] == [0.0]
+    answered = _episode(tokenizer, [("Let me add.", 1), (" 5", 0), (" The answer is 5.", 1)], env_reward=0.25)
+    assert score_rewards(reward, examples, answered, tokenizer, config)[0] == [1.25]
+    assert score_rewards(reward, examples, answered, tokenizer, config, training=False)[0] == [1.0]
