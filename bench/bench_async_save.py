@@ -53,12 +53,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from megarlhf.config.schema import CheckpointConfig, LoggingConfig, ModelConfig, RunConfig, TrainConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.config.train import CheckpointConfig, LoggingConfig, TrainConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.run.checkpointer import RunCheckpointer
     from megarlhf.learner import build_actor
     from model_providers.tiny_models import make_tiny_model
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_async_save_"))

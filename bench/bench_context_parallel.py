@@ -103,7 +103,7 @@ def _attention_step(model, local_seq: int) -> float:
 
 def worker(args) -> None:
     from megarlhf.testing.launch import write_rank_result
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.context_parallel import make_shard_plan, shard
     from parallel.runtime import init_parallel, shutdown
     import torch.distributed as dist

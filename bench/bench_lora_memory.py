@@ -42,7 +42,7 @@ def child(args) -> dict:
     from megarlhf.planner.shapes import resolve_shape
     from megarlhf.rollout.colocate import torch_optimizers
     from megarlhf.learner import build_actor, sft_step
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel
 
     tree = {"model": {"path": args.model, "dtype": args.dtype}, "data": {"train_path": "unused.jsonl"},

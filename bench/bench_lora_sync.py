@@ -6,7 +6,7 @@ One RL step's rollout cost under each design, on the same model (the tiny demo s
 
 * merged (what megarlhf does): ``WeightSync.sync`` of the merged weights ``W + s B A`` (verified bit
   for bit, as every sync) into a plain vLLM engine, then generation;
-* adapter-only (``rollout.weight_sync.lora=adapter``): ``AdapterSync.sync`` (megarlhf.rollout.adapter_sync:
+* adapter-only (``rollout.weight_sync.lora=adapter``): ``AdapterSync.sync`` (megarlhf.rollout.sync.adapters:
   the adapters written as a PEFT directory in shared memory and loaded by an ``enable_lora`` vLLM engine,
   its adapter slots verified bit for bit), then generation through vLLM's LoRA kernels.
 
@@ -57,17 +57,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from megarlhf.config.schema import ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.adapter_sync import AdapterSync, engine_lora
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.config import RolloutConfig, SamplingConfig, WeightSyncConfig
-    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.rollout.sync.adapters import AdapterSync, engine_lora
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.config.rollout import RolloutConfig, WeightSyncConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.engines import EngineConfig
+    from megarlhf.rollout.engines.vllm import VLLMEngine
+    from megarlhf.rollout.sync.weights import WeightSync
     from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
-    from parallel.config import ParallelConfig
-    from parallel.lora import LoRAConfig, adapters_of, attach_lora
+    from megarlhf.config.parallel import ParallelConfig
+    from megarlhf.config.model import LoRAConfig
+    from parallel.lora import adapters_of, attach_lora
     from parallel.runtime import init_parallel
 
     runtime = init_parallel(ParallelConfig())
@@ -86,7 +90,7 @@ def main() -> None:
             engine_config = EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
                                                       max_prompt_length=64,
                                                       **(engine_lora(config) if mode == "adapter" else {}))
-            syncs[mode] = sync_class(RolloutEngine(str(src), engine_config), actor, config)
+            syncs[mode] = sync_class(VLLMEngine(str(src), engine_config), actor, config)
             calibrate_colocated(syncs[mode], [], ())  # on the checkpoint, while the adapters are fresh (B = 0)
         with torch.no_grad():
             for adapter in adapters_of(model):

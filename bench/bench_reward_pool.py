@@ -61,7 +61,8 @@ def main() -> None:
 def bench_tools(args) -> None:
     import json
 
-    from megarlhf.envs import EnvConfig, ToolRunner
+    from megarlhf.config.rollout import EnvConfig
+    from megarlhf.envs import ToolRunner
 
     config = EnvConfig("calculator", parser="hermes", num_workers=args.workers)
     conversations = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "<tool_call>" + json.dumps(

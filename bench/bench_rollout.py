@@ -34,15 +34,15 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def sampling(args):
-    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
 
     return SamplingConfig(n=1, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
 
 
 def engine_config(kv_cache_mb: int, **rollout):
     """The engine config a run with these rollout settings would build (fp32, 256-token sequences)."""
-    from megarlhf.rollout.config import RolloutConfig
-    from megarlhf.rollout.engine import EngineConfig
+    from megarlhf.config.rollout import RolloutConfig
+    from megarlhf.rollout.engines import EngineConfig
 
     return EngineConfig.from_rollout(RolloutConfig(kv_cache_mb=kv_cache_mb, max_new_tokens=128, **rollout),
                                      model_dtype="float32", seed=0, max_prompt_length=128)
@@ -59,9 +59,9 @@ def bare_generate(llm, prompt_list, cfg) -> int:
 
 
 def wrapper_vs_bare(args, model_dir: str) -> None:
-    from megarlhf.rollout.engine import RolloutEngine
+    from megarlhf.rollout.engines.vllm import VLLMEngine
 
-    engine = RolloutEngine(model_dir, engine_config(512, enforce_eager=not args.compile))
+    engine = VLLMEngine(model_dir, engine_config(512, enforce_eager=not args.compile))
     prompt_list, cfg = prompts(args.prompts, engine.vocab_size), sampling(args)
     engine.generate(prompt_list[:8], cfg)  # warm-up
     best = {"wrapper": float("inf"), "bare": float("inf")}
@@ -82,12 +82,12 @@ def wrapper_vs_bare(args, model_dir: str) -> None:
 def rank_run(args, model_dir: str, engine_tp: int, out: str) -> None:
     import torch.distributed as dist
 
-    from megarlhf.rollout.engine import RolloutEngine
+    from megarlhf.rollout.engines.vllm import VLLMEngine
     from parallel.runtime import init_distributed
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = RolloutEngine(model_dir, engine_config(256, tensor_parallel_size=engine_tp))
+    engine = VLLMEngine(model_dir, engine_config(256, tensor_parallel_size=engine_tp))
     all_prompts, cfg = prompts(args.prompts, engine.vocab_size), sampling(args)
     mine = all_prompts if engine_tp > 1 else all_prompts[rank::world]
     engine.generate(mine[:8], cfg)

@@ -48,7 +48,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from megarlhf.isolation import sandbox
-    from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
+    from megarlhf.rewards import CombinedReward, RewardInput
+    from megarlhf.config.reward import RewardConfig, RewardSpec
 
     here = sandbox.isolation()
     interpreter = sandbox._sandbox()[1]

@@ -41,8 +41,10 @@ def grpo_batch(args, vocab: int):
 
 
 def run_config(model_dir: str, micro_batch_tokens: int):
-    from megarlhf.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
-    from megarlhf.data.source import DataConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.train import OptimConfig, TrainConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
 
     config = RunConfig(model=ModelConfig(path=model_dir, dtype="float32"), data=DataConfig(train_path="unused.jsonl"),
                        optim=OptimConfig(lr=1e-6, clip_grad=1.0),
@@ -70,7 +72,7 @@ def main() -> None:
 
     from megarlhf.learner import actor_update, build_actor, compute_logprobs
     from megarlhf.learner.step import micro_batches_for
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel
 
     runtime = init_parallel(ParallelConfig())

@@ -237,7 +237,7 @@ def trl_child(job_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from megarlhf.data.prompts import load_prompt_dataset
-    from megarlhf.data.source import DataConfig
+    from megarlhf.config.data import DataConfig
     from megarlhf.rewards import REWARDS, RewardInput
 
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])

@@ -67,16 +67,18 @@ def main() -> None:
 
     import dataclasses
 
-    from megarlhf.config.schema import ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.config.rollout import RolloutConfig, WeightSyncConfig
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.rollout.engines import EngineConfig
+    from megarlhf.rollout.engines.vllm import VLLMEngine
+    from megarlhf.rollout.sync.weights import WeightSync
     from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
     from model_providers.tiny_models import QWEN2_0_5B_SHAPE, make_tiny_model
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel
 
     runtime = init_parallel(ParallelConfig())
@@ -88,7 +90,7 @@ def main() -> None:
                                                  weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb)))
         provider, model = load_hf_model(src, params_dtype=dtype, packed_sequences=True)
         actor = TrainModel("actor", model, provider, runtime)
-        engine = RolloutEngine(str(src), EngineConfig.from_rollout(config.rollout, model_dtype=args.dtype, seed=0,
+        engine = VLLMEngine(str(src), EngineConfig.from_rollout(config.rollout, model_dtype=args.dtype, seed=0,
                                                                    max_prompt_length=256))
         unprobed = dataclasses.replace(config, rollout=dataclasses.replace(
             config.rollout, weight_sync=WeightSyncConfig(bucket_mb=args.bucket_mb, probe_sequences=0)))

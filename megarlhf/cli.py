@@ -26,7 +26,7 @@ from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.checkpoint import fetch as fetch_command
 from megarlhf.core.errors import UserError
-from parallel.config import LayoutError
+from megarlhf.config.parallel import LayoutError
 from megarlhf.planner import command as plan_command
 from megarlhf.core.registry import Registry
 from megarlhf.loops import commands as trainer_commands

@@ -22,7 +22,7 @@ from megarlhf.core.errors import UserError
 from megarlhf.core.registry import Registry
 from model_providers.mapping import REPLICATED, VOCAB, ShardContext, WeightMapping
 from parallel import cpu_compat
-from parallel.config import LayoutError, ParallelConfig
+from megarlhf.config.parallel import LayoutError, ParallelConfig
 
 # keyed by HF model_type; each architecture file registers its ModelProvider subclass here
 PROVIDERS: Registry = Registry("model provider")

@@ -26,15 +26,13 @@ over the step's micro-batches and DDP's ranks; they are not part of a trainer's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from model_providers.base import ModelProvider
 from model_providers.llama import LAYER, MEGATRON_LAYER
 from model_providers.mapping import GATED_MLP, REPLICATED, ROW, WeightMapping
-from parallel.config import LayoutError, ParallelConfig
+from megarlhf.config.parallel import LayoutError, ParallelConfig
 
-LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 EXPERT = MEGATRON_LAYER + "mlp.experts.local_experts.{expert}."
 
 # HF config fields of routers this translation cannot reproduce, with the value that means "not used".
@@ -42,35 +40,6 @@ UNSUPPORTED_ROUTING = {
     "n_group": (None, 1), "topk_group": (None, 1), "topk_method": (None, "greedy"),
     "scoring_func": (None, "softmax"), "routed_scaling_factor": (None, 1.0), "router_jitter_noise": (None, 0.0),
 }
-
-
-@dataclass
-class MoEConfig:
-    """``model.moe``: router training signals of a mixture-of-experts model (refused for a dense one)."""
-
-    aux_loss_coeff: float = 0.0  # weight of the load-balancing loss (0: off)
-    # per micro-batch, per row of the micro-batch (with packing, one row holds many sequences: then the same
-    # as per micro-batch), or over all data-parallel ranks' tokens
-    load_balancing: Literal[LOAD_BALANCING] = "aux_loss"
-    z_loss_coeff: float = 0.0  # weight of the router z-loss (0: off)
-
-    def __post_init__(self):
-        if not (self.aux_loss_coeff >= 0 and self.z_loss_coeff >= 0):
-            raise ValueError(f"MoEConfig.aux_loss_coeff and z_loss_coeff must be >= 0, got {self.aux_loss_coeff}, "
-                             f"{self.z_loss_coeff}")
-        if self.load_balancing not in LOAD_BALANCING:
-            raise ValueError(f"MoEConfig.load_balancing must be one of {LOAD_BALANCING}, got {self.load_balancing!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.aux_loss_coeff > 0 or self.z_loss_coeff > 0
-
-    def transformer_config_fields(self) -> dict:
-        """Megatron's fields for these settings; empty when both losses are off (the provider's defaults)."""
-        if not self.enabled:
-            return {}
-        return dict(moe_aux_loss_coeff=self.aux_loss_coeff, moe_z_loss_coeff=self.z_loss_coeff or None,
-                    moe_router_load_balancing_type=self.load_balancing if self.aux_loss_coeff else "none")
 
 
 def expert_mappings(hf_expert: str, gate: str, up: str, down: str) -> tuple[WeightMapping, ...]:

@@ -22,7 +22,8 @@ from model_providers.base import ModelProvider
 from model_providers.hf_checkpoint import (HFCheckpoint, _bind, _replace_dir, _tp_context, iter_hf_weights, load_bound,
                                           unwrap)
 from model_providers.mapping import REPLICATED, ROW, Shared, WeightMapping
-from parallel.lora import SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAConfig, LoRAError
+from parallel.lora import SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAError
+from megarlhf.config.model import LoRAConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

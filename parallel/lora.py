@@ -38,10 +38,11 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from megarlhf.config.model import LoRAConfig
 
 # Megatron submodule name -> how its weight is split over tensor-parallel ranks, and the block holding it
 TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
@@ -55,35 +56,6 @@ _ROW_CLASSES = ("RowParallelLinear", "TERowParallelLinear")
 
 class LoRAError(ValueError):
     """A LoRA setting that cannot apply to this model (named)."""
-
-
-@dataclass
-class LoRAConfig:
-    """``model.lora``: low-rank adapters on the targeted linear layers; everything else is frozen."""
-
-    rank: int = 8
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
-    targets: list[str] = field(default_factory=lambda: list(TARGET_KINDS))  # Megatron layer names
-
-    def __post_init__(self):
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"LoRAConfig.rank must be an int >= 1, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        unknown = [t for t in self.targets if t not in TARGET_KINDS]
-        if unknown or not self.targets:
-            raise ValueError(f"LoRAConfig.targets: {unknown or 'an empty list'} "
-                             f"{'name no layer kind LoRA supports' if unknown else 'targets nothing'}; "
-                             f"known: {', '.join(TARGET_KINDS)}")
-        if len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"LoRAConfig.targets lists a layer twice: {self.targets}")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoRAAdapter(torch.nn.Module):

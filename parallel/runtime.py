@@ -2,7 +2,7 @@
 :class:`Runtime` that the rest of megarlhf reads instead of Megatron's global state.
 
 One entry point, :func:`init_parallel`, turns the launcher's environment (torchrun, Slurm's srun, or
-no launcher at all) and a :class:`~parallel.config.ParallelConfig` into an initialised default process
+no launcher at all) and a :class:`~megarlhf.config.parallel.ParallelConfig` into an initialised default process
 group (gloo on CPU, nccl on GPU) and Megatron-Core's tensor/pipeline/context/data-parallel groups, and
 returns a :class:`Runtime`: this rank's device (``cuda:<local_rank>`` or ``cpu``), its groups, and one
 helper for the bookkeeping collectives (metric sums, token counts, verdicts). Without CUDA it first
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import cpu_compat, megatron_fallbacks
-from parallel.config import LayoutError, ParallelConfig
+from megarlhf.config.parallel import LayoutError, ParallelConfig
 
 
 @dataclass(frozen=True)

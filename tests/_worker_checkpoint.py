@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from megarlhf.checkpoint import CheckpointError, checkpoint_metadata, load_checkpoint, save_checkpoint
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel, shutdown
 
 BATCH, SEQ = 2, 11

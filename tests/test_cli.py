@@ -112,7 +112,7 @@ def _command_raising(monkeypatch, error: BaseException) -> None:
 
 def test_user_errors_are_one_line_naming_the_file(monkeypatch, capsys):
     from megarlhf.core.errors import ConfigError, DataError
-    from parallel.config import LayoutError, ParallelConfig
+    from megarlhf.config.parallel import LayoutError, ParallelConfig
 
     try:
         ParallelConfig(tensor_model_parallel_size=3).validate(4)

@@ -1,8 +1,12 @@
-"""The import structure follows the layer map of docs/ARCHITECTURE.md ("Layers"): a module imports only
-from its own layer and the layers listed before it, and no modules import each other in a circle.
+"""The import structure follows the layer map of docs/ARCHITECTURE.md ("Layers"), at the granularity of
+folders: a module imports only from its own layer and the layers listed before it; no modules import each
+other in a circle; and no folders do either (a folder is a node of its own: ``megarlhf.rollout`` and
+``megarlhf.rollout.engines`` are two, so a subfolder never needs a module of the folder that holds it).
+The modules directly in ``megarlhf/`` (its ``__init__``, ``cli``, ``__main__``) are one node each.
 
-Every import statement counts, inside functions too (a lazy import is still a dependency), except those
-under ``if TYPE_CHECKING:``. ``from pkg import name`` depends on ``pkg.name`` when that is a module, else on
+Every import statement counts, inside functions too (a lazy import is still a dependency), and under
+``if TYPE_CHECKING:`` too (a reader follows it like any other). ``from pkg import name`` depends on
+``pkg.name`` when that is a module, else on
 ``pkg``'s ``__init__`` (also from inside ``pkg``: the circle of a package that imports its submodules and
 a submodule that takes a name from the package). Importing ``a.b.c`` also runs the ``__init__`` of ``a``
 and ``a.b``, so a package's ``__init__`` that imports anything counts as a dependency of whoever imports
@@ -18,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("megarlhf", "model_providers", "parallel")
+ROOT_PACKAGE = "megarlhf"  # its own modules hold only the entry points: each is a node of its own
 # map entries that name one module only, not the modules under it: the bare "megarlhf" is the package's
 # __init__, so that a new megarlhf.<something> must be placed in the map rather than falling into "core"
 EXACT_ENTRIES = ("megarlhf",)
@@ -47,15 +52,9 @@ def module_files(root: Path) -> dict[str, Path]:
 
 
 def _imported_names(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str, str]]:
-    """``(line, dotted name, its package)`` of every import outside ``if TYPE_CHECKING:`` bodies; for
-    ``import a.b`` the package is ``a.b`` itself."""
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
-               for statement in block.body for node in ast.walk(statement)}
+    """``(line, dotted name, its package)`` of every import; for ``import a.b`` the package is ``a.b`` itself."""
     names = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names += [(node.lineno, alias.name, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -155,23 +154,60 @@ def import_circles(graph) -> list[list[str]]:
     return circles
 
 
+def folder_of(module: str, files: dict[str, Path]) -> str:
+    """The folder node of ``module``: its package, or itself for a module directly in ``megarlhf/``."""
+    if files[module].name == "__init__.py" or module.count(".") == 1 and module.startswith(ROOT_PACKAGE + "."):
+        return module
+    return module.rpartition(".")[0]
+
+
+def folder_graph(graph, files) -> dict[str, dict[str, str]]:
+    """``{folder: {imported folder: "module -> module"}}``: the module graph seen folder by folder."""
+    folders: dict[str, dict[str, str]] = {}
+    for module, edges in graph.items():
+        here = folder_of(module, files)
+        folders.setdefault(here, {})
+        for target in edges:
+            there = folder_of(target, files)
+            if there != here:
+                folders[here].setdefault(there, f"{module} -> {target}")
+    return folders
+
+
 LAYERS = read_layer_map((ROOT / "docs" / "ARCHITECTURE.md").read_text())
+
+
+def structure_problems(root: Path) -> list[str]:
+    """Everything the map forbids: modules outside it, upward imports, circles of modules and of folders."""
+    files, graph = module_files(root), import_graph(root)
+    problems = layer_violations(graph, LAYERS)
+    problems += [f"modules that import each other in a circle: {c}" for c in import_circles(graph)]
+    folders = folder_graph(graph, files)
+    for circle in import_circles(folders):
+        links = [folders[a][b] for a in circle for b in circle if b in folders[a]]
+        problems.append(f"folders that import each other in a circle: {circle} (through {'; '.join(links)})")
+    return problems
 
 
 def test_the_library_follows_the_layer_map():
     graph = import_graph(ROOT)
     assert len(LAYERS) >= 8 and len(graph) > 100 and sum(map(len, graph.values())) > 300
-    violations = layer_violations(graph, LAYERS)
-    assert not violations, "imports against docs/ARCHITECTURE.md's layer map:\n" + "\n".join(violations)
-    circles = import_circles(graph)
-    assert not circles, "modules that import each other in a circle:\n" + "\n".join(map(str, circles))
+    assert len(folder_graph(graph, module_files(ROOT))) >= 25
+    problems = structure_problems(ROOT)
+    assert not problems, "imports against docs/ARCHITECTURE.md's layer map:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("where, bad_import, expected", [
-    ("parallel/config.py", "from megarlhf.loops.rl import run_rl", "imports megarlhf.loops.rl"),  # upward
-    ("parallel/config.py", "from parallel.runtime import init_parallel", "circle"),  # config <-> runtime
+    ("megarlhf/config/parallel.py", "from megarlhf.loops.rl import train_rl", "imports megarlhf.loops.rl"),  # upward
+    ("megarlhf/config/parallel.py", "from parallel.runtime import init_parallel", "imports parallel.runtime"),
+    # a type-only import is a dependency too
+    ("megarlhf/config/parallel.py", "if TYPE_CHECKING:\n        from megarlhf.learner import TrainModel",
+     "imports megarlhf.learner"),
     # the package imports its architecture files; one of them taking a name from the package closes a circle
-    ("model_providers/llama.py", "from model_providers import get_provider", "circle"),
+    ("model_providers/llama.py", "from model_providers import get_provider", "modules that import each other"),
+    # no module circle, but the engines folder would need the folder that holds it
+    ("megarlhf/rollout/engines/fake.py", "from megarlhf.rollout.colocate import OffloadedModel",
+     "megarlhf.rollout.engines.fake -> megarlhf.rollout.colocate"),
     ("megarlhf/newthing.py", "import os", "megarlhf.newthing: not in the layer map"),
 ])
 def test_the_check_fails_on_an_import_that_breaks_the_map(tmp_path, where, bad_import, expected):
@@ -181,7 +217,4 @@ def test_the_check_fails_on_an_import_that_breaks_the_map(tmp_path, where, bad_i
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     module = tmp_path / where
     module.write_text((module.read_text() if module.exists() else "") + f"\n\ndef _breaks_the_map():\n    {bad_import}\n")
-    graph = import_graph(tmp_path)
-    name = where.removesuffix(".py").replace("/", ".")
-    found = "\n".join(layer_violations(graph, LAYERS)) + "".join(" circle" for c in import_circles(graph) if name in c)
-    assert expected in found
+    assert expected in "\n".join(structure_problems(tmp_path))

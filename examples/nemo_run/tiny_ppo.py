@@ -13,12 +13,12 @@ Make the model and data with tools/make_tiny_model.py and megarlhf.data.syntheti
 import argparse
 from pathlib import Path
 
-from megarlhf.algorithms import KLConfig
+from megarlhf.config.algorithm import KLConfig
 from megarlhf.config import (AlgorithmConfig, CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig,
                              RolloutConfig, RunConfig, TrainConfig)
-from megarlhf.data.source import DataConfig
+from megarlhf.config.data import DataConfig
 from megarlhf.launch import local_executor, megarlhf_task, run_experiment, slurm_executor
-from megarlhf.rewards import RewardConfig, RewardSpec
+from megarlhf.config.reward import RewardConfig, RewardSpec
 
 
 def experiment_config(model_path: str, train_path: str, run_dir: str) -> RunConfig:

@@ -5,23 +5,15 @@ The three registries (:data:`ADVANTAGE_ESTIMATORS`, :data:`POLICY_LOSSES`, :data
 hold entries of one call signature; the modules' docstrings state the formulas and the papers. An
 advantage estimator also declares what it needs from the run (:class:`EstimatorNeeds`).
 """
-from megarlhf.algorithms.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs,
-                                            AdvantageOutputs, EstimatorNeeds)
-from megarlhf.algorithms.aggregation import (AGGREGATION_MODES, LossNormaliser, aggregate_loss,
-                                             compute_normaliser)
-from megarlhf.algorithms.dapo import (DynamicSamplingConfig, GroupFilterResult, OverlongConfig,
-                                      dynamic_sampling_filter, overlong_penalty)
-from megarlhf.algorithms.kl import KL_ESTIMATORS, KLConfig, kl_loss, kl_reward_penalty
-from megarlhf.algorithms.mismatch import (MismatchConfig, MismatchOutput, logprob_gap_mask,
-                                          rollout_correction, truncated_is_weights)
-from megarlhf.algorithms.policy_losses import (POLICY_LOSSES, LossOutput, PolicyLossConfig,
-                                               PolicyLossInputs, entropy_bonus, value_loss)
+from megarlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, AdvantageOutputs, EstimatorNeeds
+from megarlhf.algorithms.aggregation import LossNormaliser, aggregate_loss, compute_normaliser
+from megarlhf.algorithms.dapo import GroupFilterResult, dynamic_sampling_filter, overlong_penalty
+from megarlhf.algorithms.kl import KL_ESTIMATORS, kl_loss, kl_reward_penalty
+from megarlhf.algorithms.mismatch import MismatchOutput, logprob_gap_mask, rollout_correction, truncated_is_weights
+from megarlhf.algorithms.policy_losses import POLICY_LOSSES, LossOutput, PolicyLossInputs, entropy_bonus, value_loss
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "AdvantageInputs", "AdvantageOutputs", "EstimatorNeeds",
-    "AGGREGATION_MODES", "LossNormaliser", "aggregate_loss", "compute_normaliser",
-    "DynamicSamplingConfig", "GroupFilterResult", "OverlongConfig", "dynamic_sampling_filter", "overlong_penalty",
-    "KL_ESTIMATORS", "KLConfig", "kl_loss", "kl_reward_penalty",
-    "MismatchConfig", "MismatchOutput", "logprob_gap_mask", "rollout_correction", "truncated_is_weights",
-    "POLICY_LOSSES", "LossOutput", "PolicyLossConfig", "PolicyLossInputs", "entropy_bonus", "value_loss",
+    "ADVANTAGE_ESTIMATORS", "AdvantageInputs", "AdvantageOutputs", "EstimatorNeeds", "LossNormaliser", "aggregate_loss", "compute_normaliser", "GroupFilterResult", "dynamic_sampling_filter", "overlong_penalty",
+    "KL_ESTIMATORS", "kl_loss", "kl_reward_penalty", "MismatchOutput", "logprob_gap_mask", "rollout_correction", "truncated_is_weights",
+    "POLICY_LOSSES", "LossOutput", "PolicyLossInputs", "entropy_bonus", "value_loss",
 ]

@@ -40,26 +40,7 @@ from torch import Tensor
 from megarlhf.algorithms._checks import (all_reduce_sum, check_mask, check_shape, compute_dtype,
                                          zero_masked)
 from megarlhf.core.registry import Registry
-
-
-@dataclass
-class AdvantageConfig:
-    """Settings of the advantage estimators (the only place their defaults live)."""
-
-    gamma: float = 1.0  # discount per response token (GAE, REINFORCE++)
-    lam: float = 0.95  # GAE lambda
-    eps: float = 1e-6  # added to a standard deviation before dividing by it
-    gae_whiten: bool = True  # whiten GAE advantages over the (global) batch
-
-    def __post_init__(self):
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"AdvantageConfig.{name} must be in [0, 1], got {value}")
-        if not self.eps > 0.0:
-            raise ValueError(f"AdvantageConfig.eps must be > 0, got {self.eps}")
-        if not isinstance(self.gae_whiten, bool):
-            raise ValueError(f"AdvantageConfig.gae_whiten must be a bool, got {self.gae_whiten!r}")
+from megarlhf.config.algorithm import AdvantageConfig
 
 
 @dataclass
@@ -123,6 +104,11 @@ class AdvantageEstimator:
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What the estimator registered as ``name`` declared it needs from the run."""
+    return ADVANTAGE_ESTIMATORS.get(name).needs
 
 
 def _estimator(name: str, **needs: bool):

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms._checks import all_reduce_sum, check_mask, check_shape, group_size, zero_masked
-
-AGGREGATION_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from megarlhf.config.algorithm import AGGREGATION_MODES
 
 
 @dataclass(frozen=True)

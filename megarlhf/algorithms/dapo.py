@@ -13,22 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-
-@dataclass
-class OverlongConfig:
-    """Soft overlong punishment settings (the only place their defaults live). The maximum response
-    length itself is the rollout's generation limit and is passed in, not repeated here."""
-
-    buffer_length: int = 4096  # L_cache: the penalty ramps over the last buffer_length tokens
-    penalty_factor: float = 1.0  # the penalty reached at the maximum length
-
-    def __post_init__(self):
-        if not (isinstance(self.buffer_length, int) and self.buffer_length > 0):
-            raise ValueError(f"OverlongConfig.buffer_length must be a positive int, "
-                             f"got {self.buffer_length!r}")
-        if not self.penalty_factor >= 0.0:
-            raise ValueError(f"OverlongConfig.penalty_factor must be >= 0, got {self.penalty_factor}")
+from megarlhf.config.algorithm import OverlongConfig
 
 
 def overlong_penalty(response_lengths: Tensor, max_length: int, config: OverlongConfig) -> Tensor:
@@ -48,21 +33,6 @@ def overlong_penalty(response_lengths: Tensor, max_length: int, config: Overlong
     ramp = (lengths - start) / config.buffer_length
     penalty = -config.penalty_factor * torch.clamp(ramp, min=0.0, max=1.0)
     return penalty.to(torch.float32)
-
-
-@dataclass
-class DynamicSamplingConfig:
-    """DAPO dynamic sampling (the only place its defaults live)."""
-
-    enabled: bool = False
-    # generation rounds beyond the first; when they are used up without enough informative groups, the
-    # batch is filled with uninformative ones, which are masked out of the update
-    max_extra_rounds: int = 4
-
-    def __post_init__(self):
-        if not (isinstance(self.max_extra_rounds, int) and 0 <= self.max_extra_rounds <= 64):
-            raise ValueError(f"DynamicSamplingConfig.max_extra_rounds must be an int in [0, 64], "
-                             f"got {self.max_extra_rounds!r}")
 
 
 @dataclass

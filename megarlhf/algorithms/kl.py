@@ -21,7 +21,6 @@ take the response mask and zero padding before computing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,31 +28,10 @@ from torch import Tensor
 
 from megarlhf.algorithms._checks import check_mask, check_shape, zero_masked
 from megarlhf.core.registry import Registry
+from megarlhf.config.algorithm import KLConfig
 
 KLEstimator = Callable[[Tensor, Tensor, "KLConfig"], Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
-
-
-@dataclass
-class KLConfig:
-    """Which KL estimator, its weight and its clamping (the only place their defaults live)."""
-
-    estimator: str = "k3"  # a name in KL_ESTIMATORS
-    coef: float = 0.001  # beta: weight of the KL penalty / loss
-    clamp_min: float | None = -10.0  # lower bound on the per-token estimate (None: none)
-    clamp_max: float | None = 10.0  # upper bound on the per-token estimate (None: none)
-    log_ratio_limit: float = 20.0  # |logprobs - ref_logprobs| is limited to this before estimating
-
-    def __post_init__(self):
-        if self.estimator not in KL_ESTIMATORS:
-            raise ValueError(f"KLConfig.estimator {self.estimator!r} is not one of {KL_ESTIMATORS.names()}")
-        if not self.coef >= 0.0:
-            raise ValueError(f"KLConfig.coef must be >= 0, got {self.coef}")
-        if not self.log_ratio_limit > 0.0:
-            raise ValueError(f"KLConfig.log_ratio_limit must be > 0, got {self.log_ratio_limit}")
-        if self.clamp_min is not None and self.clamp_max is not None and self.clamp_min > self.clamp_max:
-            raise ValueError(f"KLConfig.clamp_min ({self.clamp_min}) must be <= "
-                             f"KLConfig.clamp_max ({self.clamp_max})")
 
 
 def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor, config: KLConfig) -> Tensor:

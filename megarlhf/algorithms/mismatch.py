@@ -36,26 +36,7 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms._checks import check_mask, check_shape, masked_mean, zero_masked
-
-TIS_LEVELS = ("token", "sequence")
-
-
-@dataclass
-class MismatchConfig:
-    """Rollout-correction settings (the only place their defaults live)."""
-
-    tis_level: str | None = "token"  # "token", "sequence", or None for no importance weights
-    tis_cap: float = 2.0  # truncation C of the importance weights
-    mask_threshold: float | None = None  # drop tokens with |trainer - rollout| log-prob gap above this
-
-    def __post_init__(self):
-        if self.tis_level is not None and self.tis_level not in TIS_LEVELS:
-            raise ValueError(f"MismatchConfig.tis_level must be one of {TIS_LEVELS} or None, "
-                             f"got {self.tis_level!r}")
-        if not self.tis_cap > 0.0:
-            raise ValueError(f"MismatchConfig.tis_cap must be > 0, got {self.tis_cap}")
-        if self.mask_threshold is not None and not self.mask_threshold >= 0.0:
-            raise ValueError(f"MismatchConfig.mask_threshold must be >= 0 or None, got {self.mask_threshold}")
+from megarlhf.config.algorithm import TIS_LEVELS, MismatchConfig
 
 
 @dataclass

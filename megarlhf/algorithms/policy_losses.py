@@ -29,36 +29,7 @@ from torch import Tensor
 
 from megarlhf.algorithms._checks import check_mask, check_shape, masked_mean, zero_masked
 from megarlhf.core.registry import Registry
-
-
-@dataclass
-class PolicyLossConfig:
-    """Settings of the policy losses (the only place their defaults live)."""
-
-    # ppo_clip: ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]; PPO is symmetric (0.2, 0.2),
-    # DAPO's clip-higher raises the upper bound (0.2, 0.28)
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: float | None = None  # ppo_clip: loss for A < 0 is at most -c * A (Ye et al. 2020: c = 3)
-    gspo_eps_low: float = 3e-4  # gspo: sequence ratio clipped to [1 - low, 1 + high] (GSPO paper)
-    gspo_eps_high: float = 4e-4
-    cispo_eps_low: float | None = None  # cispo: IS weight floor 1 - low; None = no floor (MiniMax-M1)
-    cispo_eps_high: float = 0.28  # cispo: IS weight cap 1 + high
-
-    def __post_init__(self):
-        for name in ("clip_eps_low", "clip_eps_high", "gspo_eps_low", "gspo_eps_high", "cispo_eps_high",
-                     "cispo_eps_low"):
-            value = getattr(self, name)
-            if value is None and name == "cispo_eps_low":
-                continue
-            if not 0.0 <= value:
-                raise ValueError(f"PolicyLossConfig.{name} must be >= 0, got {value}")
-        for name in ("clip_eps_low", "gspo_eps_low"):
-            if getattr(self, name) >= 1.0:
-                raise ValueError(f"PolicyLossConfig.{name} must be < 1 (lower bound 1 - eps > 0), "
-                                 f"got {getattr(self, name)}")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
-            raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 or null (off), got {self.dual_clip_c}")
+from megarlhf.config.algorithm import PolicyLossConfig
 
 
 @dataclass

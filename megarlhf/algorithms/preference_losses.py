@@ -34,7 +34,6 @@ trainer's forward); the formulas are short and each docstring states the one it 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,46 +43,7 @@ from torch import Tensor
 
 from megarlhf.algorithms._checks import check_shape, compute_dtype
 from megarlhf.core.registry import Registry
-
-
-@dataclass
-class PreferenceLossConfig:
-    """Settings of the preference losses (the only place their defaults live)."""
-
-    # dpo: the KL-regularisation strength beta (Rafailov et al. 2023 use 0.1); ipo: the regularisation
-    # tau of Azar et al. 2023 (the loss pulls the log-ratio margin to 1 / (2 tau))
-    beta: float = 0.1
-    # dpo, simpo: the assumed probability that a preference label is flipped (conservative DPO, Mitchell
-    # 2023); 0 is the plain loss. ipo has no such term and refuses a non-zero value.
-    label_smoothing: float = 0.0
-    # simpo: its own beta, because its reward is a per-token average log-prob, on a scale ~|y| times
-    # smaller than DPO's summed log-ratio: the SimPO paper's configs use 2.0-2.5, not DPO's 0.1
-    simpo_beta: float = 2.0
-    # simpo: the paper's target reward margin gamma, in reward units: -logsigmoid(r_w - r_l - gamma).
-    # The SimPO repository's newer configs give the ratio gamma / beta instead (0.5 with beta 2.0 for
-    # Llama-3-8B-Base, hence 1.0 here; its Mistral-7B-Base config has gamma 1.6 with beta 2.0).
-    # TRL's CPOConfig.simpo_gamma is this same gamma.
-    simpo_gamma: float = 1.0
-    # kto: the weights of the desirable and undesirable rows' losses (KTO paper, Eq. 8: lambda_D, lambda_U).
-    # The paper suggests choosing them so that desirable_weight * n_D / (undesirable_weight * n_U) lies in
-    # [1, 4/3] for n_D desirable and n_U undesirable rows.
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-
-    def __post_init__(self):
-        for name in ("beta", "label_smoothing", "simpo_beta", "simpo_gamma", "desirable_weight",
-                     "undesirable_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"PreferenceLossConfig.{name} must be a finite number, got {value!r}")
-        for name in ("beta", "simpo_beta", "desirable_weight", "undesirable_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PreferenceLossConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"PreferenceLossConfig.label_smoothing must be in [0, 0.5) (a label-flip "
-                             f"probability; 0.5 or more inverts the preferences), got {self.label_smoothing}")
-        if self.simpo_gamma < 0:
-            raise ValueError(f"PreferenceLossConfig.simpo_gamma must be >= 0, got {self.simpo_gamma}")
+from megarlhf.config.preference import PreferenceLossConfig
 
 
 @dataclass(kw_only=True)

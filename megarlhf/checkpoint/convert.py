@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs one conversion in this process (a rank of torchrun/srun, or alone)."""
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel, shutdown
 
     try:

@@ -27,3 +27,12 @@ def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
 
 def dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
+
+
+# coarsest first: a comparison of two dtypes' results is as exact as the coarser one
+_COARSENESS = ("bfloat16", "float32")
+
+
+def coarser_dtype(*names: str) -> str:
+    """The coarsest of the dtype names (the one whose rounding dominates a comparison)."""
+    return next(name for name in _COARSENESS if name in names)

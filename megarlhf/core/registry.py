@@ -41,6 +41,15 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._entries)) or "(none)"
             raise KeyError(f"unknown {self.kind} {name!r}; known: {known}") from None
 
+    def check_name(self, name: str, key: str, dotted_path: bool = False) -> None:
+        """Raises a ConfigError naming the config ``key`` unless ``name`` is registered (or, with
+        ``dotted_path``, names user code as ``pkg.module:name``)."""
+        if name in self._entries or (dotted_path and is_dotted_path(name)):
+            return
+        known = ", ".join(sorted(self._entries)) or "(none)"
+        raise ConfigError(f"{key}: unknown {self.kind} {name!r}; known: {known}"
+                          + (", or a dotted path 'pkg.module:name'" if dotted_path else ""))
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -5,12 +5,12 @@ from megarlhf.data.prompts import (PromptDataset, PromptExample, build_prompt_da
                                    render_prompt, row_messages, uses_chat_template)
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.data.sft import SFTDataset, SFTExample, build_sft_dataset, load_sft_dataset, sft_example
-from megarlhf.data.source import DataConfig, read_jsonl, read_records
+from megarlhf.data.source import read_jsonl, read_records
 from megarlhf.data.synthetic import generate_split, write_arithmetic_task
 
 __all__ = [
     "PromptDataset", "PromptExample", "build_prompt_dataset", "load_prompt_dataset", "render_prompt",
     "row_messages", "uses_chat_template", "PromptSampler", "SFTDataset", "SFTExample", "build_sft_dataset",
-    "load_sft_dataset", "sft_example", "DataConfig", "read_jsonl", "read_records", "generate_split",
+    "load_sft_dataset", "sft_example", "read_jsonl", "read_records", "generate_split",
     "write_arithmetic_task",
 ]

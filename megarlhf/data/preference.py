@@ -51,32 +51,12 @@ from typing import Any
 
 from megarlhf.data.prompts import uses_chat_template
 from megarlhf.data.chat import encode_text, render_with_loss_mask
-from megarlhf.data.source import DataConfig, read_records
+from megarlhf.config.data import DataConfig
+from megarlhf.data.source import read_records
 from megarlhf.core.errors import DataError
+from megarlhf.config.data import PreferenceDataConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PreferenceDataConfig:
-    """The keys of a preference row (the only place their defaults live)."""
-
-    prompt_key: str = "prompt"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    completion_key: str = "completion"  # unpaired rows (KTO)
-    label_key: str = "label"  # unpaired rows: true (desirable) or false (undesirable)
-
-    def __post_init__(self):
-        names = ("prompt_key", "chosen_key", "rejected_key", "completion_key", "label_key")
-        for name in names:
-            value = getattr(self, name)
-            if not (isinstance(value, str) and value):
-                raise DataError(f"PreferenceDataConfig.{name} must be a non-empty string, got {value!r}")
-        for group in (names[:3], (names[0], *names[3:])):
-            keys = tuple(getattr(self, name) for name in group)
-            if len(set(keys)) != 3:
-                raise DataError(f"PreferenceDataConfig: {', '.join(group)} must be three different keys, got {keys}")
 
 
 @dataclass

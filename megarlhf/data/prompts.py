@@ -24,7 +24,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megarlhf.data.source import DataConfig, read_records
+from megarlhf.config.data import DataConfig
+from megarlhf.data.source import read_records
 from megarlhf.core.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from megarlhf.data.chat import encode_text, render_with_loss_mask
 from megarlhf.data.prompts import text_field, row_messages, uses_chat_template
-from megarlhf.data.source import DataConfig, read_records
+from megarlhf.config.data import DataConfig
+from megarlhf.data.source import read_records
 from megarlhf.core.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -16,38 +16,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from megarlhf.core.errors import DataError
-
-
-@dataclass
-class DataConfig:
-    """Which files hold the prompts / SFT examples and how their rows are read (the only place the
-    data defaults live). A row provides either a prompt string (``prompt_key``) or chat messages
-    (``messages_key``: a list of ``{"role", "content"}``); RL rows carry a ground truth
-    (``answer_key``), SFT completion rows a response (``response_key``)."""
-
-    train_path: str = ""  # JSONL/Parquet file or datasets directory; `train` and `sft` need it, `eval` does not
-    eval_path: str | None = None
-    split: str | None = None  # which split of a DatasetDict directory
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    response_key: str = "response"  # SFT completion rows
-    messages_key: str | None = None  # set to read chat messages instead of a prompt string
-    chat_template: Literal["auto", "always", "never"] = "auto"  # auto: when the tokenizer has one
-    system_prompt: str | None = None  # prepended as a system message (chat) or text (plain)
-    max_prompt_length: int = 1024  # prompts with more tokens are dropped (RL)
-    max_sequence_length: int = 4096  # SFT examples with more tokens are dropped
-    shuffle: bool = True
-
-    def __post_init__(self):
-        for name in ("max_prompt_length", "max_sequence_length"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise DataError(f"DataConfig.{name} must be a positive int, got {value!r}")
 
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -6,15 +6,15 @@ calls (runner.py). The rollout loop itself lives in the trainer.
 from megarlhf.envs import calculator as _calculator  # noqa: F401  (registers the built-in environments)
 from megarlhf.envs import code as _code  # noqa: F401
 from megarlhf.envs import lookup as _lookup  # noqa: F401
-from megarlhf.envs.api import (ENVIRONMENTS, EnvConfig, Episode, ParsedCall, ParseError, StepResult, ToolEpisode,
-                               ToolError, ToolSpec, load_object, resolve_environment)
+from megarlhf.envs.api import (ENVIRONMENTS, Episode, ParsedCall, ParseError, StepResult, ToolEpisode, ToolError,
+                               ToolSpec, load_object, resolve_environment)
 from megarlhf.envs.calculator import CalculatorLimits, calculate, evaluate
 from megarlhf.envs.lookup import LookupTable
 from megarlhf.envs.parsers import PARSERS, CallFormat, ToolCallParser, detect_format
 from megarlhf.envs.runner import EpisodeHandle, StepBatch, ToolFailure, ToolRunner, TurnOutcome
 
 __all__ = [
-    "ENVIRONMENTS", "EnvConfig", "Episode", "ParsedCall", "ParseError", "StepResult", "ToolEpisode", "ToolError",
+    "ENVIRONMENTS", "Episode", "ParsedCall", "ParseError", "StepResult", "ToolEpisode", "ToolError",
     "ToolSpec", "load_object", "resolve_environment", "CalculatorLimits", "calculate", "evaluate", "LookupTable",
     "PARSERS", "CallFormat", "ToolCallParser", "detect_format", "EpisodeHandle", "StepBatch", "ToolFailure",
     "ToolRunner", "TurnOutcome",

@@ -25,11 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from megarlhf.envs.parsers import PARSERS
 from megarlhf.envs.tool_calls import ParsedCall, ParseError, ToolSpec  # the contract's step types, re-exported here
 from megarlhf.core.errors import ConfigError
 from megarlhf.core.registry import Registry, is_dotted_path, load_object
-from megarlhf.isolation.timed_calls import check_timeout
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant" | "tool", "content": str}
 
@@ -115,36 +113,3 @@ def resolve_environment(name: str) -> EnvFactory:
     return factory
 
 
-@dataclass
-class EnvConfig:
-    """The ``rollout.env`` settings of a multi-turn run (the only place their defaults live)."""
-
-    name: str  # a registered environment (ENVIRONMENTS) or a dotted path 'pkg.module:factory'
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the factory with each sample's metadata
-    max_turns: int = 4  # model turns per episode; the runner ends the episode after the last one
-    timeout_s: float = 5.0  # per tool call; a call that runs longer becomes "error: ... timed out"
-    max_observation_chars: int = 2048  # longer observations are cut to this many characters
-    parser: str = "tokenizer"  # tool-call format, a name in megarlhf.envs.parsers.PARSERS
-    num_workers: int = 4  # tool calls run concurrently (worker processes of a stateless environment, else threads)
-    # describe the tools in every prompt (the chat template's tools= where it renders them, else text in the
-    # system message); off when the data already describes them (megarlhf.envs.prompting)
-    describe_tools: bool = True
-    worker_memory_mb: int = 4096  # address space of each worker process (a stateless environment's)
-
-    def __post_init__(self):
-        if not (isinstance(self.name, str) and self.name):
-            raise ValueError(f"EnvConfig.name must be a non-empty string, got {self.name!r}")
-        if self.name not in ENVIRONMENTS and not is_dotted_path(self.name):
-            raise ValueError(f"EnvConfig.name: {_unknown_environment(self.name)}")
-        if not (isinstance(self.kwargs, dict) and all(isinstance(k, str) for k in self.kwargs)):
-            raise ValueError(f"EnvConfig.kwargs must be a mapping with string keys, got {self.kwargs!r}")
-        for name in ("max_turns", "max_observation_chars", "num_workers", "worker_memory_mb"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.describe_tools, bool):
-            raise ValueError(f"EnvConfig.describe_tools must be true or false, got {self.describe_tools!r}")
-        check_timeout(self.timeout_s, "EnvConfig.timeout_s")
-        if self.parser not in PARSERS:
-            raise ValueError(f"EnvConfig.parser: unknown tool-call parser {self.parser!r}; "
-                             f"known: {', '.join(PARSERS.names())}")

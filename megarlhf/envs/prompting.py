@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from megarlhf.data.prompts import ToolDescriber, ToolDescription
-from megarlhf.envs.api import EnvConfig, ToolSpec, resolve_environment
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.envs.api import ToolSpec, resolve_environment
 from megarlhf.envs.parsers import PARSERS
 
 

@@ -49,8 +49,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megarlhf.envs.api import (EnvConfig, Episode, Message, ParsedCall, ParseError, StepResult, is_stateless,
-                               resolve_environment)
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.envs.api import Episode, Message, ParsedCall, ParseError, StepResult, is_stateless, resolve_environment
 from megarlhf.envs.parsers import PARSERS, ToolCallParser
 from megarlhf.core.errors import ConfigError
 from megarlhf.isolation.process_pool import TimedProcessPool

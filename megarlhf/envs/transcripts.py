@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from megarlhf.data.prompts import row_messages, template_renders_tools, with_tool_text
-from megarlhf.data.source import DataConfig, read_records
+from megarlhf.config.data import DataConfig
+from megarlhf.data.source import read_records
 from megarlhf.data.synthetic import final_answer, write_jsonl
-from megarlhf.envs.api import EnvConfig, resolve_environment
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.envs.api import resolve_environment
 from megarlhf.envs.parsers import PARSERS
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.envs.tool_calls import ParsedCall

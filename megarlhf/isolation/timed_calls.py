@@ -20,8 +20,6 @@ import time
 from queue import SimpleQueue
 from typing import Any, Callable, Sequence
 
-MAX_TIMEOUT_S = 3600.0  # the longest per-call limit a config may set (threading refuses past TIMEOUT_MAX)
-
 
 def is_finite_number(value: Any) -> bool:
     """Whether a user call's result is a usable number: a real (bools count) whose float is finite. An int
@@ -42,13 +40,6 @@ def shown(value: Any, limit: int = 80) -> str:
     except ValueError:
         return f"an int of more than {sys.get_int_max_str_digits()} digits"
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def check_timeout(value: Any, key: str) -> None:
-    """Raises ValueError naming ``key`` unless ``value`` is a finite number of seconds in (0, MAX_TIMEOUT_S]."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0 < value <= MAX_TIMEOUT_S):
-        raise ValueError(f"{key} must be a finite number in (0, {MAX_TIMEOUT_S:g}] seconds, got {value!r}")
 
 
 class TimedCall:

@@ -113,7 +113,7 @@ class ExperienceBatch:
         """Builds a batch on ``device`` from token lists; ``rollout_logprobs[i]`` (one per response token)
         land on the response positions. ``loss_masks[i]`` (one 0/1 per response token; None: all 1) keeps
         tokens the model did not generate (multi-turn observations) out of ``response_mask``.
-        ``routed_experts[i]``: sample i's routing record, one row per token (:mod:`megarlhf.rollout.routing`)."""
+        ``routed_experts[i]``: sample i's routing record, one row per token (:mod:`megarlhf.rollout.engines.routing`)."""
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
                              f"responses (need the same non-zero number)")

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 from megarlhf.core.errors import ConfigError
-from megarlhf.rewards.api import RewardConfig, RewardInput
+from megarlhf.config.reward import RewardConfig
+from megarlhf.rewards.api import RewardInput
 from megarlhf.learner.batch import ExperienceBatch
 from megarlhf.learner.preference import compute_scores
 

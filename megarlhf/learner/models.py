@@ -36,7 +36,7 @@ import torch
 from megarlhf.core.dtypes import torch_dtype
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
-from parallel.config import LayoutError
+from megarlhf.config.parallel import LayoutError
 from parallel.runtime import Runtime
 
 

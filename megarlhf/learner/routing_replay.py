@@ -7,7 +7,7 @@ logits) and between the old and the updated policy. A flipped choice changes the
 numerics do, so importance ratios and the step-0 gap grow with it.
 
 * ``r3`` (rollout routing replay): the rollout engine records, per token and MoE layer, the experts it chose
-  (:mod:`megarlhf.rollout.routing`); the actor replays that routing when it computes the old log-probs and
+  (:mod:`megarlhf.rollout.engines.routing`); the actor replays that routing when it computes the old log-probs and
   in every update forward.
 * ``r2``: the actor records its own routing in the old-log-prob pass and replays it in the update's
   forwards (the routing of the policy that produced the old log-probs).

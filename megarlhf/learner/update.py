@@ -43,7 +43,7 @@ from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss
                                  kl_loss, rollout_correction, truncated_is_weights, value_loss)
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
-from megarlhf.rollout.config import scoring_temperature
+from megarlhf.config.rollout import scoring_temperature
 from megarlhf.learner.batch import ExperienceBatch
 from megarlhf.learner.forward import forward_only
 from megarlhf.learner.models import TrainModel
@@ -61,7 +61,7 @@ CRITIC_SUMS = ["value_loss", "tokens", "value_clip_fraction"]
 def compute_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConfig, entropy: bool = False,
                      temperature: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [B, L] of ``batch``'s response tokens under ``model`` (and entropies if asked), at the
-    rollout's scoring temperature (:func:`megarlhf.rollout.config.scoring_temperature`) unless
+    rollout's scoring temperature (:func:`megarlhf.config.rollout.scoring_temperature`) unless
     ``temperature`` is given. An actor with routing replay replays ``batch.routed_experts`` when the batch
     has them."""
     out = _logprob_pass(model, batch, config, entropy, temperature)

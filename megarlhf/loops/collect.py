@@ -30,8 +30,8 @@ import torch
 from megarlhf.algorithms import dynamic_sampling_filter
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.config import rollout_sampling
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import rollout_sampling
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.core.seeds import ROUND_STRIDE, sample_seed
 from megarlhf.loops.rewarding import score_rewards
 from megarlhf.loops.rollout_metrics import global_reward_metrics, rollout_metrics, tool_metrics

@@ -10,6 +10,7 @@ import argparse
 import json
 
 from megarlhf.core.errors import ConfigError
+from megarlhf.algorithms.advantages import estimator_needs
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +78,8 @@ def run_eval(args: argparse.Namespace) -> int:
     """Evaluates ``model.path`` on ``data.eval_path`` and prints the metrics as one JSON line."""
     from megarlhf.rewards import CombinedReward
     from megarlhf.loops.evaluate import evaluate
-    from megarlhf.loops.rollout_phase import build_rollout_phase, serve_engine_rank
-    from megarlhf.loops.run import start_run
+    from megarlhf.rollout.phase import build_rollout_phase, serve_engine_rank
+    from megarlhf.run.context import start_run
     from megarlhf.learner import build_frozen
 
     config = _config(args)
@@ -106,15 +107,15 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory
     (with LoRA: merged, and its PEFT adapter at ``<out>-adapter``)."""
-    from megarlhf.loops.run import start_run
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.context import start_run
+    from megarlhf.run.checkpointer import RunCheckpointer
     from megarlhf.learner import build_actor, build_critic, export_policy
 
     config = _config(args)
     run = start_run(config)
     actor = build_actor(config, run.runtime)
     models = {"actor": actor}
-    if config.algorithm.uses_critic:  # a PPO run's checkpoint holds its critic too, and loads whole
+    if estimator_needs(config.algorithm.estimator).critic:  # a PPO run's checkpoint holds its critic too, and loads whole
         models["critic"] = build_critic(config, run.runtime)
     if RunCheckpointer(config, models).resume() is None:
         raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "

@@ -18,7 +18,7 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
-from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.core.seeds import EVAL_OFFSET, sample_seed
 from megarlhf.loops.rewarding import score_rewards
@@ -43,7 +43,7 @@ def evaluate(phase, examples: list[PromptExample], reward: CombinedReward, token
              step: int, runtime: Runtime, stop_token_ids: tuple[int, ...] = (),
              samples: SampleLog | None = None) -> dict[str, float]:
     """``eval/accuracy``, ``eval/pass@k`` and ``eval/prompts`` over ``examples`` (all replicas together);
-    ``phase`` is the run's rollout side (:func:`~megarlhf.loops.rollout_phase.build_rollout_phase`);
+    ``phase`` is the run's rollout side (:func:`~megarlhf.rollout.phase.build_rollout_phase`);
     ``samples`` records some of the generations."""
     if config.eval.max_prompts is not None:
         examples = examples[:config.eval.max_prompts]

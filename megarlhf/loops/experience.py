@@ -10,9 +10,9 @@ import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty
 from megarlhf.config.schema import RunConfig
-from megarlhf.rollout.gates import Tolerances, gap_problems
-from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.routing import share_prompt_routing
+from megarlhf.rollout.sync.gates import Tolerances, gap_problems
+from megarlhf.rollout.engines.sampling import RolloutBatch
+from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
                                old_policy_logprobs)
 from parallel.runtime import Runtime
@@ -26,7 +26,7 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, devi
     """The token-aligned batch of the rollout on ``device``; group ids are global prompt positions. In
     multi-turn rollouts only the model's tokens are response tokens (observations are masked out). An engine
     that recorded routing (routing replay r3) gives the batch its records, one prompt routing per prompt
-    (:func:`~megarlhf.rollout.routing.share_prompt_routing`)."""
+    (:func:`~megarlhf.rollout.engines.routing.share_prompt_routing`)."""
     return ExperienceBatch.from_sequences(
         rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
         group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None,
@@ -41,7 +41,7 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
 
     The actor's scoring pass is skipped when the update's own forward gives the same numbers
     (:func:`megarlhf.learner.old_logprobs_from_update`), except at step 0, whose gate must hold before
-    any update. The gate (:mod:`megarlhf.rollout.gates`) bounds the max and the mean gap over the response
+    any update. The gate (:mod:`megarlhf.rollout.sync.gates`) bounds the max and the mean gap over the response
     tokens of the whole global batch. Routing replay (an MoE actor) works in the actor's pass
     (:func:`megarlhf.learner.old_policy_logprobs`)."""
     fields, metrics = {}, {}

@@ -50,11 +50,12 @@ from megarlhf.rewards import CombinedReward
 from megarlhf.loops.collect import Collected, collect
 from megarlhf.loops.evaluate import evaluate
 from megarlhf.loops.rewarding import build_reward
-from megarlhf.loops.rollout_phase import Calibration, build_rollout_phase, serve_engine_rank
-from megarlhf.loops.run import start_run
-from megarlhf.loops.run_checkpoint import RunCheckpointer
+from megarlhf.rollout.phase import Calibration, build_rollout_phase, serve_engine_rank
+from megarlhf.run.context import start_run
+from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import build_actor, build_reference, sft_step
 from megarlhf.learner.preference import pair_batch, preference_step, sequence_logprobs
+from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 
 KEPT_FILE = {"rs": "rs_kept.jsonl", "online-dpo": "online_pairs.jsonl"}
 CONSOLE_KEYS = {"rs": ("rs/kept_fraction", "rs/reward_kept", "sft/loss", "eval/accuracy", "time/step_s"),
@@ -72,7 +73,7 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
         raise ConfigError(f"megarlhf {mode}: rollout.env (multi-turn tool episodes) is not supported: the kept rows "
                           f"would lose the tool observations between the model's turns")
     if mode == "online-dpo":
-        if not config.preference.paired:
+        if not PREFERENCE_LOSSES.get(config.preference.loss).paired:
             raise ConfigError(f"megarlhf online-dpo: preference.loss={config.preference.loss!r} reads unpaired "
                               f"rows; online DPO forms pairs (dpo, ipo, simpo)")
         if config.rollout.n_samples < 2:
@@ -179,7 +180,7 @@ def _train_round(mode: str, actor, reference, items: list, config: RunConfig, pa
         return metrics
     batch = pair_batch(items, actor.runtime.device, pad_id)
     ref = None
-    if config.preference.needs_reference:  # the round's start policy (refresh) or model.path (fixed)
+    if PREFERENCE_LOSSES.get(config.preference.loss).needs_reference:  # the round's start policy (refresh) or model.path (fixed)
         ref = sequence_logprobs(actor if reference is None else reference, batch, config)
     for _ in range(config.train.epochs_per_step):
         metrics = preference_step(actor, batch, config, ref, on_nonfinite=on_nonfinite)
@@ -198,7 +199,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
     prompts, eval_prompts = run.train_and_eval_prompts()
     steps = config.train.steps
     actor = build_actor(config, runtime, total_steps=steps * config.train.epochs_per_step)
-    fixed_reference = (mode == "online-dpo" and config.preference.needs_reference
+    fixed_reference = (mode == "online-dpo" and PREFERENCE_LOSSES.get(config.preference.loss).needs_reference
                        and config.iterative.reference == "fixed")
     reference = build_reference(config, runtime, actor) if fixed_reference else None
     reward, reward_model = build_reward(config, runtime, run.tokenizer)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 
 from megarlhf.config.schema import RunConfig
-from megarlhf.rollout.config import rollout_sampling
+from megarlhf.rollout.engines.sampling import rollout_sampling
 from megarlhf.core.seeds import sample_seed
 from megarlhf.loops.collect import Collected, collect, fill_groups, replica_offset, score_round
 from parallel.runtime import Runtime

@@ -30,18 +30,19 @@ from megarlhf.data.preference import PreferenceDataset, UnpairedExample, load_pr
 from megarlhf.core.errors import DataError
 from megarlhf.records.metrics import mean_and_std, plot_curves
 from megarlhf.rollout.colocate import OffloadedModel
-from megarlhf.loops.run import start_run
-from megarlhf.loops.run_checkpoint import RunCheckpointer
+from megarlhf.run.context import start_run
+from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import build_actor, build_reference, build_reward_model, export_policy
 from megarlhf.learner.preference import (compute_scores, evaluate_pairs, pair_batch, preference_step,
                                           reward_model_step, sequence_logprobs)
 from megarlhf.learner.learned_reward import STATS_FILE
 from model_providers.value_head import export_reward_model
+from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 
 
 
 def _load(run, path: str, mode: str) -> PreferenceDataset:
-    paired = mode == "rm" or run.config.preference.paired
+    paired = mode == "rm" or PREFERENCE_LOSSES.get(run.config.preference.loss).paired
     dataset = load_preference_dataset(path, run.tokenizer, run.config.data, run.config.preference.keys, paired)
     if len(dataset) == 0:
         raise DataError(f"{path}: no preference pair is left after dropping {dataset.num_dropped} longer than "
@@ -54,7 +55,7 @@ def _reference_scorer(config: RunConfig, runtime, datasets: list[PreferenceDatas
     Precomputed: every dataset is scored once (each DP rank a share, then gathered) and the model dropped;
     otherwise the model stays and is offloaded between uses (a LoRA reference is the actor's own base:
     nothing to offload)."""
-    if not config.preference.needs_reference:
+    if not PREFERENCE_LOSSES.get(config.preference.loss).needs_reference:
         return None
     reference = build_reference(config, runtime, actor)
     if config.preference.precompute_reference:
@@ -114,7 +115,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     sampler, first_step = run.resume(checkpointer, len(train))
     if mode == "rm":
         keys = ("rm/loss", "rm/accuracy")
-    elif config.preference.paired:
+    elif PREFERENCE_LOSSES.get(config.preference.loss).paired:
         keys = ("dpo/loss", "rewards/accuracy", "rewards/margin")
     else:
         keys = ("dpo/loss", "rewards/chosen", "rewards/rejected", "kto/kl")

@@ -13,7 +13,7 @@ from megarlhf.algorithms import overlong_penalty
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward, RewardInput
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.learner import TrainModel, build_reward_model
 from megarlhf.learner.learned_reward import LearnedReward, check_reward_model
 from parallel.runtime import Runtime

@@ -19,7 +19,7 @@ registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torc
 10. record     metrics.jsonl + TensorBoard + console; a checkpoint every ``checkpoint.every`` steps;
                evaluation every ``eval.every`` steps (before that step's update) and at the end
 
-Steps 1-6 live in :mod:`megarlhf.loops.collect` (2-5 in :mod:`megarlhf.loops.rollout_phase`,
+Steps 1-6 live in :mod:`megarlhf.loops.collect` (2-5 in :mod:`megarlhf.rollout.phase`,
 colocated or disaggregated engines), 6 in :mod:`megarlhf.loops.rewarding`, 7-8 in
 :mod:`megarlhf.loops.experience`, 9 in :mod:`megarlhf.learner`.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.rewards import CombinedReward
-from megarlhf.rollout.config import greedy_sampling
+from megarlhf.rollout.engines.sampling import greedy_sampling
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.loops.collect import Collected
 from megarlhf.loops.evaluate import evaluate
@@ -38,10 +38,11 @@ from megarlhf.loops.experience import build_experience, compute_advantages, scor
 from megarlhf.loops.rewarding import build_reward, score_rewards
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.core.seeds import sample_seed
-from megarlhf.loops.rollout_phase import Calibration, build_rollout_phase, serve_engine_rank
-from megarlhf.loops.run import start_run
-from megarlhf.loops.run_checkpoint import RunCheckpointer
+from megarlhf.rollout.phase import Calibration, build_rollout_phase, serve_engine_rank
+from megarlhf.run.context import start_run
+from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
+from megarlhf.algorithms.advantages import estimator_needs
 
 
 def train_rl(config: RunConfig) -> Path | None:
@@ -55,7 +56,7 @@ def train_rl(config: RunConfig) -> Path | None:
     prompts, eval_prompts = run.train_and_eval_prompts()
     actor = build_actor(config, runtime)
     reference = build_reference(config, runtime, actor) if config.algorithm.uses_reference else None
-    critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
+    critic = build_critic(config, runtime) if estimator_needs(config.algorithm.estimator).critic else None
     reward, reward_model = build_reward(config, runtime, run.tokenizer)
     eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
     stop = (run.tokenizer.eos_token_id,)
@@ -115,7 +116,7 @@ def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, co
                     stop: tuple[int, ...]) -> list[float] | None:
     """For an estimator that declares ``greedy_baseline`` (ReMax): each sample's baseline is the reward
     of one greedy response to its prompt (the engine keeps the weights it was just synced with)."""
-    if not config.algorithm.needs.greedy_baseline:
+    if not estimator_needs(config.algorithm.estimator).greedy_baseline:
         return None
     greedy, _ = phase.generate(got.examples, greedy_sampling(config.rollout, stop),
                                sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
@@ -125,7 +126,7 @@ def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, co
 
 def _check_step0_ppo_kl(config: RunConfig, tolerance: float, metrics: dict[str, float]) -> None:
     """With one optimizer update per step, the step-0 ratio is exactly 1, so ``actor/ppo_kl`` must be 0
-    (within the dtype's gate, :mod:`megarlhf.rollout.gates`)."""
+    (within the dtype's gate, :mod:`megarlhf.rollout.sync.gates`)."""
     if config.train.updates_per_step == 1 and not abs(metrics.get("actor/ppo_kl", 0.0)) <= tolerance:
         raise RuntimeError(f"step-0 gate: actor/ppo_kl = {metrics['actor/ppo_kl']:.3e} with one update per step "
                            f"(must be 0 within gates.step0_ppo_kl={tolerance:g}: the actor scored the batch it "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.records.metrics import mean_and_std
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from parallel.runtime import Runtime
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.sft import load_sft_dataset
 from megarlhf.records.metrics import plot_curves
-from megarlhf.loops.run import start_run
-from megarlhf.loops.run_checkpoint import RunCheckpointer
+from megarlhf.run.context import start_run
+from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import build_actor, export_policy, sft_step
 
 

@@ -52,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace):
     from megarlhf.config import RunConfig, load_config
+    from megarlhf.run.checks import check_config
 
     config = load_config(RunConfig, args.recipe, args.overrides)
+    check_config(config)
     shape, source = resolve_shape(config.model.path, args.arch)
     reserve = args.reserve_gib if args.reserve_gib is not None else (3.0 if args.device == "gpu" else 0.0)
     launch = Launch(world_size=args.gpus or smallest_world(config.parallel), device_memory_gib=args.gpu_mem_gib,

@@ -73,6 +73,8 @@ from megarlhf.core.dtypes import dtype_bytes
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError, UserError
 from megarlhf.planner.shapes import ModelShape, resolve_shape
+from megarlhf.algorithms.advantages import estimator_needs
+from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 
 GIB = 2**30
 MIB = 2**20
@@ -96,15 +98,15 @@ class Workload:
 def workload(config: RunConfig, command: str) -> Workload:
     learned_reward = config.reward.reward_model_path is not None
     if command == "train":
-        return Workload(True, config.algorithm.uses_reference, config.algorithm.uses_critic, learned_reward, "lm")
+        return Workload(True, config.algorithm.uses_reference, estimator_needs(config.algorithm.estimator).critic, learned_reward, "lm")
     if command == "online-dpo":
-        reference = config.preference.needs_reference and config.iterative.reference == "fixed"
+        reference = PREFERENCE_LOSSES.get(config.preference.loss).needs_reference and config.iterative.reference == "fixed"
         return Workload(True, reference, False, learned_reward, "lm", rows_together=2)
     if command == "rs":
         return Workload(True, False, False, learned_reward, "lm")
     if command == "dpo":
-        return Workload(False, config.preference.needs_reference, False, False, "lm",
-                        rows_together=2 if config.preference.paired else 1)
+        return Workload(False, PREFERENCE_LOSSES.get(config.preference.loss).needs_reference, False, False, "lm",
+                        rows_together=2 if PREFERENCE_LOSSES.get(config.preference.loss).paired else 1)
     if command == "rm":
         return Workload(False, False, False, False, "value", rows_together=2)
     return Workload(False, False, False, False, "lm")

@@ -28,7 +28,7 @@ from pathlib import Path
 from model_providers.base import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 
 from megarlhf.core.errors import ConfigError, UserError
-from parallel.config import LayoutError, ParallelConfig
+from megarlhf.config.parallel import LayoutError, ParallelConfig
 
 
 _QWEN25_COMMON = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768)
@@ -110,7 +110,7 @@ class ModelShape:
 
     def check_layout(self, tp: int, pp: int, ep: int = 1, **uneven_stages: int) -> list[int]:
         """Raises unless TP divides the heads and the FFN, EP the experts, and the layers split over the PP
-        stages (``uneven_stages``: :class:`parallel.config.ParallelConfig`'s first / last stage counts);
+        stages (``uneven_stages``: :class:`megarlhf.config.parallel.ParallelConfig`'s first / last stage counts);
         returns each stage's layer count. The same rules as ``model_providers`` ``check_parallel``."""
         if self.num_heads % tp or self.num_kv_heads % tp or self.ffn_size % tp:
             raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the {self.num_heads} attention "

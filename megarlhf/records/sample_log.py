@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.records.metrics import truncate_records_after
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from parallel.runtime import Runtime
 
 

@@ -4,7 +4,7 @@
 signature, ``Tracker(settings, run_dir, params, resume_after_step)``, and two methods,
 ``log(step, metrics)`` and ``close(failed=False)``. Only the backends a run names are imported by megarlhf
 (``wandb`` and ``mlflow`` are optional packages: ``pip install megarlhf[tracking]``). Only global rank 0
-opens them; :meth:`megarlhf.loops.run.RunContext.open_recorder` shares the outcome, so a tracker that
+opens them; :meth:`megarlhf.run.context.RunContext.open_recorder` shares the outcome, so a tracker that
 cannot open stops every rank with its message instead of leaving the others waiting.
 
 What each backend gets:
@@ -39,13 +39,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
+from megarlhf.config.train import LoggingConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.core.registry import Registry
-
-if TYPE_CHECKING:
-    from megarlhf.config.schema import LoggingConfig
 
 TRACKERS: Registry[type] = Registry("tracking backend")
 STATE_FILE = "tracking.json"
@@ -134,7 +132,7 @@ def mlflow_metric_name(key: str) -> str:
     return "/".join(segments)[:MLFLOW_MAX_NAME_LENGTH] or "_"
 
 
-def _run_name(settings: "LoggingConfig", run_dir: Path) -> str:
+def _run_name(settings: LoggingConfig, run_dir: Path) -> str:
     return settings.run_name or run_dir.resolve().name
 
 
@@ -143,7 +141,7 @@ class TensorBoardTracker:
     """Scalars as TensorBoard events under ``<run_dir>/tensorboard`` (a resumed run purges the steps
     after its checkpoint). TensorBoard has no run parameters: the config is ``config.yaml``."""
 
-    def __init__(self, settings: "LoggingConfig", run_dir: Path, params: Mapping[str, Any],
+    def __init__(self, settings: LoggingConfig, run_dir: Path, params: Mapping[str, Any],
                  resume_after_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
@@ -166,7 +164,7 @@ class WandbTracker:
     (or W&B's own ``WANDB_MODE``) chooses online or offline. The run's config is the resolved config.
     Online without credentials is refused up front (W&B would otherwise prompt on rank 0's terminal)."""
 
-    def __init__(self, settings: "LoggingConfig", run_dir: Path, params: Mapping[str, Any],
+    def __init__(self, settings: LoggingConfig, run_dir: Path, params: Mapping[str, Any],
                  resume_after_step: int):
         wandb = _import_backend("wandb")
         mode = settings.wandb_mode or os.environ.get("WANDB_MODE", "online")
@@ -207,7 +205,7 @@ class MlflowTracker:
     working directory, needs the full ``mlflow`` package and moves with the directory a job starts in),
     the resolved config as its parameters."""
 
-    def __init__(self, settings: "LoggingConfig", run_dir: Path, params: Mapping[str, Any],
+    def __init__(self, settings: LoggingConfig, run_dir: Path, params: Mapping[str, Any],
                  resume_after_step: int):
         mlflow = _import_backend("mlflow")
         uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -249,7 +247,7 @@ class MlflowTracker:
         self._client.update_run(run_id, status="RUNNING")
         return run_id
 
-    def _create(self, settings: "LoggingConfig", run_dir: Path, params: Mapping[str, Any]) -> str:
+    def _create(self, settings: LoggingConfig, run_dir: Path, params: Mapping[str, Any]) -> str:
         from mlflow.entities import Param
 
         experiment = self._client.get_experiment_by_name(settings.project)
@@ -292,7 +290,7 @@ def _import_backend(name: str):
                           f"(pip install 'megarlhf[tracking]')") from None
 
 
-def open_trackers(settings: "LoggingConfig", run_dir: str | Path, params: Mapping[str, Any],
+def open_trackers(settings: LoggingConfig, run_dir: str | Path, params: Mapping[str, Any],
                   resume_after_step: int) -> list:
     """The trackers ``settings.backends`` names, opened for ``run_dir`` (call on global rank 0 only);
     ``resume_after_step`` is the checkpoint's last completed step, -1 for a fresh start (which forgets

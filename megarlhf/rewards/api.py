@@ -18,7 +18,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megarlhf.core.errors import ConfigError
 from megarlhf.core.registry import Registry, is_dotted_path, load_object
-from megarlhf.isolation.timed_calls import check_timeout
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,6 @@ class RewardModel(Protocol):
     def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float]: ...
 
 
-
-
 def load_function(path: str) -> Callable:
     """Imports the reward function ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
     fn = load_object(path, "reward function")
@@ -85,45 +82,3 @@ def resolve_reward(name: str) -> RewardFn:
                       f"or a dotted path 'pkg.module:function'")
 
 
-@dataclass
-class RewardSpec:
-    """One weighted term of the reward: a registered name or a dotted path, its weight and kwargs."""
-
-    name: str
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.name not in REWARDS and not is_dotted_path(self.name):
-            raise ConfigError(f"unknown reward function {self.name!r}; known: {', '.join(REWARDS.names())}, "
-                              f"or a dotted path 'pkg.module:function'")
-
-
-@dataclass
-class RewardConfig:
-    """How rewards are computed (the only place their defaults live)."""
-
-    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_verify")])
-    timeout_s: float = 10.0  # per call; a call that runs longer gets failure_reward and a report
-    failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
-    num_workers: int = 4  # threads, and worker processes, running reward calls concurrently
-    worker_memory_mb: int = 4096  # address-space limit of each reward worker process
-    reward_model_path: str | None = None  # HF ...ForSequenceClassification directory (e.g. `megarlhf rm`'s export)
-    reward_model_weight: float = 1.0  # weight of the reward model's score when reward_model_path is set
-    # standardise the reward model's scores with the mean / std stored with it (megarlhf_reward_stats.json)
-    reward_model_normalize: bool = False
-    reward_model_clip: float | None = None  # clip the (normalised) score to [-clip, clip]; None: no clip
-
-    def __post_init__(self):
-        if self.reward_model_clip is not None and not self.reward_model_clip > 0:
-            raise ValueError(f"RewardConfig.reward_model_clip must be > 0 or null, got {self.reward_model_clip}")
-        if not self.functions and self.reward_model_path is None:
-            raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
-        check_timeout(self.timeout_s, "RewardConfig.timeout_s")
-        for name in ("num_workers", "worker_memory_mb"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"RewardConfig.{name} must be an int >= 1, got {value!r}")
-        names = [spec.name for spec in self.functions]
-        if len(set(names)) != len(names):
-            raise ValueError(f"RewardConfig.functions names a function twice: {names}")

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from megarlhf.core.errors import ConfigError
 from megarlhf.isolation.process_pool import TimedProcessPool
-from megarlhf.rewards.api import RewardConfig, RewardInput, RewardModel, resolve_reward, runs_in_process
+from megarlhf.config.reward import RewardConfig
+from megarlhf.rewards.api import RewardInput, RewardModel, resolve_reward, runs_in_process
 from megarlhf.isolation.timed_calls import TimedCall, TimedThreadPool, is_finite_number, shown
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@
 
 ``enter_rollout``: offload every trainer model that is not the sync source (critic, reference, ...) and
 the actor's grads and optimizer state; wake the engine's weights; sync the actor into the engine
-(verified, see :mod:`megarlhf.rollout.weight_sync`); offload the actor's params (they were the sync
+(verified, see :mod:`megarlhf.rollout.sync.weights`); offload the actor's params (they were the sync
 source, so they go last); wake the engine's KV cache. ``exit_rollout``: the engine sleeps, every
 offloaded storage comes back. Any other order raises :class:`ColocateStateError`.
 

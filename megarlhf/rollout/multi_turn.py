@@ -47,14 +47,15 @@ import torch
 from jinja2 import TemplateError
 
 from megarlhf.data.prompts import PROBE_TOOL, PromptExample, template_renders_tools
-from megarlhf.envs.api import EnvConfig, ParsedCall
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.envs.api import ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import ToolRunner
 from megarlhf.core.errors import ConfigError
-from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.routing import merge_turns, unrouted
+from megarlhf.rollout.engines.sampling import SamplingConfig
+from megarlhf.rollout.engines.sampling import RolloutBatch
+from megarlhf.rollout.engines.routing import merge_turns, unrouted
 from megarlhf.core.seeds import TURN_STRIDE
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
@@ -75,7 +76,7 @@ class _Episode:
     turns: int = 0
     calls: int = 0
     turn_ids: list[int] = field(default_factory=list)  # the last turn's tokens
-    routing: object = None  # the routing record so far (routing replay r3; megarlhf.rollout.routing), else None
+    routing: object = None  # the routing record so far (routing replay r3; megarlhf.rollout.engines.routing), else None
     tools: list[dict] | None = None  # the tool schemas its prompt was rendered with (the template's tools=)
 
 

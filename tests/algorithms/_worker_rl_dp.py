@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from _rl_dp_batch import initial_theta, micro_batches, per_token_loss
-from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, AdvantageConfig,
-                                 AdvantageInputs, aggregate_loss, compute_normaliser)
+from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, aggregate_loss, compute_normaliser
+from megarlhf.config.algorithm import AGGREGATION_MODES, AdvantageConfig
 from megarlhf.testing.launch import write_rank_result
 
 MAX_RESPONSE_LENGTH = 8

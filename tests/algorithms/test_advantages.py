@@ -9,7 +9,8 @@ import statistics
 import pytest
 import torch
 
-from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs
+from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from megarlhf.config.algorithm import AdvantageConfig
 
 EPS = 1e-6
 NAN = float("nan")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from _rl_dp_batch import LAYOUT, initial_theta, micro_batches, per_token_loss
-from megarlhf.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, AdvantageConfig,
-                                 AdvantageInputs, aggregate_loss, compute_normaliser)
+from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, aggregate_loss, compute_normaliser
+from megarlhf.config.algorithm import AGGREGATION_MODES, AdvantageConfig
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 
 HERE = Path(__file__).parent

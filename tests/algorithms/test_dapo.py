@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarlhf.algorithms import OverlongConfig, dynamic_sampling_filter, overlong_penalty
+from megarlhf.config.algorithm import OverlongConfig
+from megarlhf.algorithms import dynamic_sampling_filter, overlong_penalty
 
 
 def test_overlong_penalty_hand_worked():

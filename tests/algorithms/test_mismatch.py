@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megarlhf.algorithms import MismatchConfig, logprob_gap_mask, rollout_correction, truncated_is_weights
+from megarlhf.config.algorithm import MismatchConfig
+from megarlhf.algorithms import logprob_gap_mask, rollout_correction, truncated_is_weights
 
 NAN = float("nan")
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, aggregate_loss,
-                                 compute_normaliser, entropy_bonus, value_loss)
+from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, compute_normaliser, entropy_bonus,
+                                 value_loss)
+from megarlhf.config.algorithm import PolicyLossConfig
 
 NAN = float("nan")
 

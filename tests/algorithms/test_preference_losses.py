@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, PreferenceLossConfig,
-                                                   PreferenceLossInputs, UnpairedLossInputs, bradley_terry_loss)
+from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, PreferenceLossInputs, UnpairedLossInputs,
+                                                   bradley_terry_loss)
+from megarlhf.config.preference import PreferenceLossConfig
 
 F64 = torch.float64
 

@@ -1,13 +1,16 @@
 """RunConfig: a YAML recipe plus overrides fills every section with the right types; the algorithm
-configs' own validation, Literal fields and registry names give errors naming the key; round trip."""
+configs' own validation, Literal fields and (through megarlhf.run.checks, as every command runs it) registry
+names give errors naming the key; round trip."""
 from __future__ import annotations
 
 import pytest
 
-from megarlhf.algorithms import AdvantageConfig, KLConfig, OverlongConfig, PolicyLossConfig
+from megarlhf.algorithms.advantages import estimator_needs
+from megarlhf.config.algorithm import AdvantageConfig, KLConfig, OverlongConfig, PolicyLossConfig
 from megarlhf.config import ConfigError, RunConfig, load_config, save_config
-from megarlhf.rewards import RewardSpec
-from parallel.config import ParallelConfig
+from megarlhf.config.reward import RewardSpec
+from megarlhf.config.parallel import ParallelConfig
+from megarlhf.run.checks import check_config
 
 RECIPE = """
 model:
@@ -34,6 +37,13 @@ reward:
   timeout_s: 5
 train: {steps: 20, global_batch_size: 8}
 """
+
+
+def load_checked(recipe, overrides):
+    """What a command gets from a recipe: the loaded config, checked against the registries."""
+    config = load_config(RunConfig, recipe, overrides)
+    check_config(config)
+    return config
 
 
 @pytest.fixture
@@ -65,7 +75,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     assert config.reward.timeout_s == 5.0 and type(config.reward.timeout_s) is float
     assert config.checkpoint.keep_last is None and config.eval.pass_at_k == [1, 4]
     assert config.train.steps == 20 and config.seed == 7
-    assert not config.algorithm.uses_critic
+    assert not estimator_needs(config.algorithm.estimator).critic
 
 
 @pytest.mark.parametrize("override, message", [
@@ -95,7 +105,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     # registry names list the known names
     ("algorithm.estimator=ppo", r"algorithm\.estimator: unknown advantage estimator 'ppo'; known: dr_grpo, gae, grpo"),
     ("algorithm.policy_loss=clip", r"algorithm\.policy_loss: unknown policy loss 'clip'; known: cispo, gspo, ppo_clip"),
-    ("algorithm.kl.estimator=k4", r"algorithm\.kl\.estimator 'k4' is not one of \['k1', 'k2', 'k3'\]"),
+    ("algorithm.kl.estimator=k4", r"algorithm\.kl\.estimator: unknown KL estimator 'k4'; known: k1, k2, k3"),
     ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: code_tests, exact_match, "
                                      r"math_verify, numeric, or a dotted path"),
     # checks across sections
@@ -107,7 +117,12 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.max_staleness=17", r"max_staleness must be an int in \[0, 16\] \(0: synchronous; k: samples at most k"),
     ("rollout.max_staleness=true", r"rollout\.max_staleness: expected int, got True \(bool\)"),
     ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
-    ("rollout.env={name: nope}", r"unknown environment 'nope'"),
+    ("rollout.env={name: nope}", r"rollout\.env\.name: unknown environment 'nope'; known: calculator, code, lookup, "
+                                 r"or a dotted path"),
+    ("rollout.env={name: calculator, parser: xml}",
+     r"rollout\.env\.parser: unknown tool-call parser 'xml'; known: hermes, mistral, tokenizer"),
+    ("rollout.backend=sglang", r"rollout\.backend: unknown rollout engine 'sglang'; known: fake, hf, vllm"),
+    ("logging.backends=[comet]", r"logging\.backends: unknown tracking backend\(s\) \['comet'\]"),
     ("eval.pass_at_k=[2]", r"eval\.pass_at_k values must be in \[1, n_samples=1\]"),
     # preference and iterative settings
     ("preference={loss: kto, params: {label_smoothing: 0.1}}",
@@ -119,7 +134,21 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
 ])
 def test_bad_values_name_the_key(recipe, override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(RunConfig, recipe, [override])
+        load_checked(recipe, [override])
+
+
+def test_what_an_engine_supports_comes_from_its_registry_entry(recipe):
+    load_checked(recipe, ["rollout.tensor_parallel_size=2"])  # vLLM spreads one engine over ranks
+    for backend in ("hf", "fake"):
+        with pytest.raises(ConfigError, match=rf"rollout\.backend='{backend}' runs one engine per rank: "
+                                              r"rollout\.tensor_parallel_size must be 1, got 2"):
+            load_checked(recipe, [f"rollout.backend={backend}", "rollout.tensor_parallel_size=2"])
+    lora = ["model.lora={rank: 8}", "rollout.weight_sync.lora=adapter", "model.dtype=bfloat16"]
+    load_checked(recipe, lora)
+    with pytest.raises(ConfigError, match=r"needs an engine that loads adapters alone; rollout\.backend='hf'"):
+        load_checked(recipe, [*lora, "rollout.backend=hf"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank: LoRA rank 600: vLLM serves adapters of rank at most 512"):
+        load_checked(recipe, ["model.lora={rank: 600}", "rollout.weight_sync.lora=adapter", "model.dtype=bfloat16"])
 
 
 def test_off_policy_with_multi_turn_and_dynamic_sampling_is_accepted(recipe):
@@ -161,11 +190,10 @@ def test_what_an_estimator_needs_comes_from_its_registry_entry(recipe):
 
     # reinforce_pp_baseline subtracts a group mean: one sample per prompt would give all-zero advantages
     with pytest.raises(ConfigError, match="'reinforce_pp_baseline' compares samples of a prompt"):
-        load_config(RunConfig, recipe, ["algorithm.estimator=reinforce_pp_baseline", "rollout.n_samples=1"])
+        load_checked(recipe, ["algorithm.estimator=reinforce_pp_baseline", "rollout.n_samples=1"])
     for name in ADVANTAGE_ESTIMATORS.names():
-        config = load_config(RunConfig, recipe, [f"algorithm.estimator={name}"])
-        needs = ADVANTAGE_ESTIMATORS.get(name).needs
-        assert config.algorithm.needs == needs and config.algorithm.uses_critic == needs.critic
+        config = load_checked(recipe, [f"algorithm.estimator={name}"])
+        assert estimator_needs(config.algorithm.estimator) == ADVANTAGE_ESTIMATORS.get(name).needs
     assert ADVANTAGE_ESTIMATORS.get("gae").needs == EstimatorNeeds(critic=True)
     assert ADVANTAGE_ESTIMATORS.get("remax").needs == EstimatorNeeds(greedy_baseline=True)
     # a new estimator is one registry entry: config validation and the planner follow its declaration
@@ -176,10 +204,9 @@ def test_what_an_estimator_needs_comes_from_its_registry_entry(recipe):
     _estimator("test_grouped_critic", critic=True, groups=True)(gae)
     try:
         with pytest.raises(ConfigError, match="'test_grouped_critic' compares samples"):
-            load_config(RunConfig, recipe, ["algorithm.estimator=test_grouped_critic", "rollout.n_samples=1"])
-        config = load_config(RunConfig, recipe, ["algorithm.estimator=test_grouped_critic",
-                                                 "parallel.tensor_model_parallel_size=1"])
-        assert config.algorithm.uses_critic
+            load_checked(recipe, ["algorithm.estimator=test_grouped_critic", "rollout.n_samples=1"])
+        config = load_checked(recipe, ["algorithm.estimator=test_grouped_critic", "parallel.tensor_model_parallel_size=1"])
+        assert estimator_needs(config.algorithm.estimator).critic
         shape = ModelShape(name="test", vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                            head_dim=16, ffn_size=128, tied_embeddings=True, qkv_bias=False, qk_norm=False)
         plan = plan_memory(config, shape, Launch(world_size=1))

@@ -10,9 +10,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from megarlhf.data.preference import (PreferenceDataConfig, build_preference_dataset,
-                                      load_preference_dataset)
-from megarlhf.data.source import DataConfig
+from megarlhf.config.data import PreferenceDataConfig
+from megarlhf.data.preference import build_preference_dataset, load_preference_dataset
+from megarlhf.config.data import DataConfig
 from model_providers.tiny_models import make_tiny_model
 
 END = "<|im_end|>\n"

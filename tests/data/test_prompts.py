@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarlhf.data import DataConfig, build_prompt_dataset, load_prompt_dataset
+from megarlhf.config.data import DataConfig
+from megarlhf.data import build_prompt_dataset, load_prompt_dataset
 from model_providers.tiny_models import TOOLS_CHAT_TEMPLATE
 
 ROWS = [{"question": "What is 2 + 3?", "gold": "5", "source": "hand"},

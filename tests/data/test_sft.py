@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarlhf.data import DataConfig, build_sft_dataset, load_sft_dataset
+from megarlhf.config.data import DataConfig
+from megarlhf.data import build_sft_dataset, load_sft_dataset
 
 
 def _masked(example):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from megarlhf.data import DataConfig, read_records
+from megarlhf.config.data import DataConfig
+from megarlhf.data import read_records
 
 ROWS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 4 * 4?", "answer": "16", "id": 7}]
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from megarlhf.envs import EnvConfig, ParsedCall, ParseError, StepResult, ToolEpisode, ToolRunner, ToolSpec
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.envs import ParsedCall, ParseError, StepResult, ToolEpisode, ToolRunner, ToolSpec
 from megarlhf.envs.api import stateless
 from megarlhf.testing.hostile import alive, live_children, misbehave
 

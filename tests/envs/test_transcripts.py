@@ -6,13 +6,13 @@ import pytest
 
 from megarlhf.data.prompts import build_prompt_dataset
 from megarlhf.data.sft import sft_example
-from megarlhf.data.source import DataConfig
-from megarlhf.envs.api import EnvConfig
+from megarlhf.config.data import DataConfig
+from megarlhf.config.rollout import EnvConfig
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.envs.transcripts import transcript_rows
 from megarlhf.core.errors import DataError
-from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.config import SamplingConfig
+from megarlhf.rollout.engines.sampling import RolloutBatch
+from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from model_providers.tiny_models import train_tiny_tokenizer
 

@@ -61,7 +61,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def runtime():
     """This process as a one-rank job (nccl on the GPU)."""
-    from parallel.config import ParallelConfig
+    from megarlhf.config.parallel import ParallelConfig
     from parallel.runtime import init_parallel
 
     return init_parallel(ParallelConfig(), seed=0)

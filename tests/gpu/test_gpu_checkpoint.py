@@ -13,7 +13,7 @@ def test_async_checkpoint_holds_the_state_at_save_time(runtime, tiny_llama, tmp_
 
     from megarlhf.checkpoint.async_save import async_strategy
     from megarlhf.checkpoint.distributed import is_complete_checkpoint
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
     from megarlhf.learner import build_actor, sft_step
 
     def config(name: str, async_save: bool):

@@ -80,8 +80,8 @@ def test_moe_routing_replay_r3_closes_the_gap(moe_models, runtime, tmp_path, rep
     brings the trainer's log-probs of the engine's samples back to the fp32 floor."""
     from safetensors.torch import load_file, save_file
 
-    from megarlhf.rollout.config import SamplingConfig
-    from megarlhf.rollout.hf_engine import HFRolloutEngine
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.engines.hf import HFEngine
     from megarlhf.learner import ExperienceBatch, build_actor, build_frozen, compute_logprobs, old_policy_logprobs
     from megarlhf.learner.routing_replay import moe_layer_indices
     from model_providers.tiny_models import make_tiny_model
@@ -94,7 +94,7 @@ def test_moe_routing_replay_r3_closes_the_gap(moe_models, runtime, tmp_path, rep
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     config = run_config(model, "float32", "algorithm.routing_replay=r3", "rollout.temperature=1.0")
     actor, plain = build_actor(config, runtime), build_frozen(config, runtime, "policy")
-    engine = HFRolloutEngine(str(model), dtype=torch.float32, device=runtime.device, seed=0, max_model_len=96,
+    engine = HFEngine(str(model), dtype=torch.float32, device=runtime.device, seed=0, max_model_len=96,
                              routing_layers=moe_layer_indices(actor.provider))
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 7, 3, 9)]
     rollout = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_new_tokens=32, seed=1,

@@ -16,8 +16,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 def _receiver(conn) -> None:
-    from megarlhf.rollout.fingerprint import fingerprint, to_host
-    from megarlhf.rollout.shared_tensor import open_shared
+    from megarlhf.rollout.engines.fingerprint import fingerprint, to_host
+    from megarlhf.rollout.engines.shared_tensor import open_shared
 
     payload = open_shared(conn.recv_bytes())
     conn.send((str(payload.device), to_host({"bucket": fingerprint(payload)})["bucket"]))
@@ -29,8 +29,8 @@ def _receiver(conn) -> None:
 
 @pytest.mark.gpu
 def test_bucket_handoff_to_another_process(report):
-    from megarlhf.rollout.fingerprint import fingerprint, to_host
-    from megarlhf.rollout.shared_tensor import share, shared_buffer
+    from megarlhf.rollout.engines.fingerprint import fingerprint, to_host
+    from megarlhf.rollout.engines.shared_tensor import share, shared_buffer
 
     buffer = shared_buffer(64 * 2**20, torch.device(DEVICE))
     buffer.copy_(torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8,
@@ -78,7 +78,7 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 @pytest.mark.gpu
 def test_fingerprint_kernel_matches_the_torch_path(report):
-    from megarlhf.rollout.fingerprint import fingerprint
+    from megarlhf.rollout.engines.fingerprint import fingerprint
 
     if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1")
@@ -95,7 +95,7 @@ def test_fingerprint_kernel_matches_the_torch_path(report):
 
 @pytest.mark.gpu
 def test_fingerprint_cost_against_a_copy(report):
-    from megarlhf.rollout.fingerprint import fingerprint, fingerprint_many, to_host
+    from megarlhf.rollout.engines.fingerprint import fingerprint, fingerprint_many, to_host
 
     tensors = _qwen2_0_5b_tensors(DEVICE, torch.bfloat16, 24 if ON_GPU else 2)
     targets = [torch.empty_like(t) for t in tensors]

@@ -196,7 +196,8 @@ def test_bad_rows_and_limits_are_named():
 
 
 def test_code_tests_reward_scores_the_last_code_block_through_the_reward_runner():
-    from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
+    from megarlhf.rewards import CombinedReward, RewardInput
+    from megarlhf.config.reward import RewardConfig, RewardSpec
     from megarlhf.rewards.code import extract_program
 
     assert extract_program("first\n```python\nx = 1\n```\nthen\n```\ndef square(x): return x*x\n```\n") == \

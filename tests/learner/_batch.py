@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs
-from megarlhf.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
-from megarlhf.data.source import DataConfig
+from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from megarlhf.config.algorithm import AdvantageConfig
+from megarlhf.config.model import ModelConfig
+from megarlhf.config.train import OptimConfig, TrainConfig
+from megarlhf.config.schema import RunConfig
+from megarlhf.config.data import DataConfig
 from megarlhf.learner import ExperienceBatch
 
 PROMPT_LENGTHS = (5, 7, 2, 3)  # one per group of two

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_providers.tiny_models import make_tiny_model
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -83,8 +83,8 @@ def chosen_equal_recorded(actor, batch, config, maps) -> tuple[bool, int]:
 def main() -> None:
     out = Path(sys.argv[1])
     runtime = init_parallel(ParallelConfig())
-    from megarlhf.rollout.config import SamplingConfig
-    from megarlhf.rollout.hf_engine import HFRolloutEngine
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.engines.hf import HFEngine
     from megarlhf.learner import ExperienceBatch, actor_update, build_actor, old_policy_logprobs
     from megarlhf.learner.routing_replay import UNROUTED, moe_layer_indices
 
@@ -92,7 +92,7 @@ def main() -> None:
     config = run_config(str(model), micro_batch_tokens=64)
     config.rollout.temperature = 1.0
     actor = build_actor(config, runtime)
-    engine = HFRolloutEngine(str(model), dtype=torch.float32, device="cpu", seed=0, max_model_len=64,
+    engine = HFEngine(str(model), dtype=torch.float32, device="cpu", seed=0, max_model_len=64,
                              routing_layers=moe_layer_indices(actor.provider))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 7, 3, 9)]
@@ -120,7 +120,7 @@ def main() -> None:
     result["gap_r3"], result["metrics_r3"] = gap(scored), metrics
     result["chosen_equal_recorded"], result["tokens_checked"] = chosen_equal_recorded(replayed, batch, config, maps)
     maps.clear()
-    from megarlhf.rollout.calibration import natural_gap
+    from megarlhf.rollout.sync.calibration import natural_gap
 
     result["calibration_gap_r3"] = natural_gap(replayed, rollout, config)  # the gates' natural floor, replayed
 

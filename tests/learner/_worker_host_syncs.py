@@ -22,7 +22,7 @@ import torch
 
 from megarlhf.testing.launch import write_rank_result
 from model_providers.tiny_models import make_tiny_model
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))

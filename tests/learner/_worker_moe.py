@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))

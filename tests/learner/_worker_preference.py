@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,7 +89,7 @@ def max_rel_grad(megatron: dict, hf_model) -> float:
 def policy_checks(check, cfg, runtime, full, local, ref, single: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.algorithms.preference_losses import PreferenceLossConfig
+    from megarlhf.config.preference import PreferenceLossConfig
     from megarlhf.learner import build_actor
     from megarlhf.learner.preference import preference_step
 
@@ -149,7 +149,8 @@ def learned_reward_checks(cfg, runtime, export: Path, full, local, pooled) -> di
     the stored statistics and clipped, vs HF's pooled logits put through the same formula by hand."""
     import json
 
-    from megarlhf.rewards import RewardConfig, RewardInput
+    from megarlhf.config.reward import RewardConfig
+    from megarlhf.rewards import RewardInput
     from megarlhf.learner.learned_reward import STATS_FILE, LearnedReward
     from megarlhf.learner import build_reward_model
 
@@ -191,7 +192,7 @@ def kto_batch(full):
 def kto_checks(cfg, runtime, full, single: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.algorithms.preference_losses import PreferenceLossConfig
+    from megarlhf.config.preference import PreferenceLossConfig
     from megarlhf.learner import build_actor
     from megarlhf.learner.preference import preference_step
 

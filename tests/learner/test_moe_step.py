@@ -192,7 +192,7 @@ def test_moe_training_with_a_dense_only_pipeline_stage_is_refused():
     from megarlhf.learner.models import _wrap_trainable
     from model_providers import get_provider
     from model_providers.tiny_models import tiny_config
-    from parallel.config import LayoutError, ParallelConfig
+    from megarlhf.config.parallel import LayoutError, ParallelConfig
 
     provider = get_provider(tiny_config("qwen3_moe"))  # 3 layers, the first dense
     layout = ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)

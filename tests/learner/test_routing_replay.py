@@ -70,7 +70,7 @@ def test_the_update_replays_and_reports(replay):
 
 
 def test_replay_refuses_what_it_cannot_replay(tmp_path):
-    from megarlhf.rollout.routing import merge_turns, record_from_vllm
+    from megarlhf.rollout.engines.routing import merge_turns, record_from_vllm
     from megarlhf.learner import ExperienceBatch
     from megarlhf.learner.routing_replay import UNROUTED, unrouted
 
@@ -96,10 +96,12 @@ def test_replay_refuses_what_it_cannot_replay(tmp_path):
 
 
 def test_replay_on_a_dense_model_or_vllm_on_cpu_is_refused(tmp_path):
-    from megarlhf.config.schema import ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.routing import engine_routing
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.rollout.engines import EngineConfig
+    from megarlhf.rollout.engines.vllm import VLLMEngine
+    from megarlhf.rollout.engines.routing import engine_routing
     from model_providers.tiny_models import make_tiny_model
 
     dense = make_tiny_model("llama", tmp_path / "dense")
@@ -114,7 +116,7 @@ def test_replay_on_a_dense_model_or_vllm_on_cpu_is_refused(tmp_path):
     engine = EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0, max_prompt_length=8,
                                        **engine_routing(config))
     with pytest.raises(ValueError, match="runs on a GPU only; on CPU use rollout.backend='hf'"):
-        RolloutEngine(str(moe), engine)
+        VLLMEngine(str(moe), engine)
 
 
 @pytest.mark.slow  # a 1-, a 2- and a 4-rank run (~1.5 min on 2 cores): make test-slow
@@ -151,7 +153,7 @@ def test_dynamic_sampling_keeps_the_routing_records():
     from types import SimpleNamespace
 
     from megarlhf.data.prompts import PromptExample
-    from megarlhf.rollout.batch import RolloutBatch
+    from megarlhf.rollout.engines.sampling import RolloutBatch
     from megarlhf.loops.collect import _as_collected, _groups
     from megarlhf.learner.routing_replay import unrouted
 
@@ -167,7 +169,7 @@ def test_dynamic_sampling_keeps_the_routing_records():
 
 
 def test_a_prompts_samples_share_its_first_samples_prompt_routing():
-    from megarlhf.rollout.routing import share_prompt_routing
+    from megarlhf.rollout.engines.routing import share_prompt_routing
     from megarlhf.learner.routing_replay import unrouted
 
     records = [unrouted(5, 1, 2).fill_(k) for k in range(3)]  # prompt 0 (3 tokens) twice, prompt 1 once

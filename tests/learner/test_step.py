@@ -63,7 +63,7 @@ def test_shared_prefixes_off_against_the_config_are_announced(monkeypatch):
     nothing is shared (the metric then stays 0), instead of silently comparing whole with whole."""
     from types import SimpleNamespace
 
-    from megarlhf.config.schema import TrainConfig
+    from megarlhf.config.train import TrainConfig
     from megarlhf.learner import step
 
     def runtime(cp):

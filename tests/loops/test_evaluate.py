@@ -10,9 +10,11 @@ from math import comb
 import pytest
 import torch
 
-from megarlhf.config.schema import EvalConfig, ModelConfig, RunConfig
+from megarlhf.config.train import EvalConfig
+from megarlhf.config.model import ModelConfig
+from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.evaluate import evaluate, pass_at_k
 from parallel.runtime import LaunchEnv, ParallelGroup, Runtime
 

@@ -11,8 +11,8 @@ from megarlhf.config import RunConfig, from_dict
 from megarlhf.data.preference import load_preference_dataset
 from megarlhf.data.prompts import build_prompt_dataset
 from megarlhf.data.sft import load_sft_dataset
-from megarlhf.data.source import DataConfig
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.config.data import DataConfig
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.collect import Collected
 from megarlhf.loops.iterative import _odpo_round, _rs_round
 from model_providers.tiny_models import make_tiny_model

@@ -67,7 +67,7 @@ def test_rejection_sampling_run_keeps_the_best_and_writes_sft_rows(tmp_path, rl_
     from transformers import AutoTokenizer
 
     from megarlhf.data.sft import load_sft_dataset
-    from megarlhf.data.source import DataConfig
+    from megarlhf.config.data import DataConfig
 
     back = load_sft_dataset(str(run_dir / "rs_kept.jsonl"), AutoTokenizer.from_pretrained(rl_assets[0]),
                             DataConfig(train_path="-", chat_template="never"))

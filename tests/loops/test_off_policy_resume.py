@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from megarlhf.config import RunConfig, load_config
 from megarlhf.data.sampler import PromptSampler
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops import pipeline
 from megarlhf.loops.pipeline import OffPolicyBatches
 

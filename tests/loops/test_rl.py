@@ -7,7 +7,7 @@ leaves TensorBoard events, curves and an HF export that transformers loads.
 """
 import pytest
 
-from megarlhf.rollout.gates import FLOORS
+from megarlhf.rollout.sync.gates import FLOORS
 from megarlhf.records.metrics import read_metrics
 from megarlhf.testing.launch import run_torchrun
 

@@ -7,7 +7,7 @@ import pytest
 from megarlhf.config import RunConfig, load_config
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.rewarding import score_rewards
 from model_providers.tiny_models import train_tiny_tokenizer
 

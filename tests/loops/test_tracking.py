@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import megarlhf
-from megarlhf.config.schema import LoggingConfig
+from megarlhf.config.train import LoggingConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.records.metrics import MetricsRecorder, read_metrics
 from megarlhf.testing.launch import run_torchrun
@@ -225,8 +225,11 @@ def test_a_run_that_crashes_marks_its_tracker_runs_failed(tmp_path, monkeypatch,
 
 
 def test_backends_are_checked_and_only_named_ones_imported(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"unknown tracking backend\(s\) \['comet'\]; known: mlflow, tensorboard"):
-        LoggingConfig(backends=["comet"])
+    from megarlhf.config.schema import ModelConfig, RunConfig
+    from megarlhf.run.checks import check_config
+
+    with pytest.raises(ConfigError, match=r"unknown tracking backend\(s\) \['comet'\]; known: mlflow, tensorboard"):
+        check_config(RunConfig(model=ModelConfig(path="m"), logging=LoggingConfig(backends=["comet"])))
     with pytest.raises(ValueError, match="names a backend twice"):
         LoggingConfig(backends=["wandb", "wandb"])
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed

@@ -16,7 +16,7 @@ import torch
 from _worker_parity import check_export, forward, gather_logits, inputs, round_trip
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -40,7 +40,7 @@ def bad_inputs(models: Path, scratch: Path) -> dict:
     from model_providers import get_provider
     from model_providers.hf_checkpoint import load_hf_weights
     from model_providers.tiny_models import tiny_config
-    from parallel.config import ParallelConfig as Layout
+    from megarlhf.config.parallel import ParallelConfig as Layout
 
     messages = {}
     src = models / "qwen3_moe"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 # and iter_hf_weights round trip work unchanged on the real model.
 from _worker_parity import forward, gather_logits, round_trip
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 SEQ = 256

@@ -8,7 +8,7 @@ from transformers import GPT2Config
 from model_providers import PROVIDERS, UnsupportedModelError, get_provider
 from model_providers.base import build_layer_spec
 from model_providers.tiny_models import QWEN2_0_5B_SHAPE, tiny_config
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 
 
 def test_registry_keys_are_hf_model_types():

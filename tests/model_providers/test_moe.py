@@ -6,7 +6,7 @@ import pytest
 
 from model_providers import get_provider
 from model_providers.tiny_models import tiny_config
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 LOGIT_TOL = 1e-5
@@ -63,7 +63,7 @@ def test_moe_config_translation():
 
 
 def test_moe_layout_validation():
-    from parallel.config import LayoutError
+    from megarlhf.config.parallel import LayoutError
 
     with pytest.raises(LayoutError, match="expert_model_parallel_size \\(4\\)"):
         ParallelConfig(expert_model_parallel_size=4).validate(2)

@@ -4,7 +4,7 @@ from _parity_checks import assert_parity
 
 from model_providers import get_provider
 from model_providers.tiny_models import tiny_config
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 
 
 @pytest.mark.parametrize("layout,tp", [("tp1", 1), ("tp2", 2), pytest.param("pp2", 1, marks=pytest.mark.slow)])

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megarlhf.testing.launch import write_rank_result
 from parallel import cpu_compat
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.context_parallel import (make_shard_plan, packed_seq_params_for, shard, unshard,
                                        with_cp_attention)
 from parallel.runtime import init_parallel, shutdown

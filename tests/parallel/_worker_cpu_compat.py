@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.cpu_compat import transformer_config_overrides
 from parallel.runtime import init_parallel
 

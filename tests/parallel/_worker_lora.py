@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from parallel.config import ParallelConfig
-from parallel.lora import LoRAConfig, adapters_disabled, adapters_of
+from megarlhf.config.parallel import ParallelConfig
+from megarlhf.config.model import LoRAConfig
+from parallel.lora import adapters_disabled, adapters_of
 from parallel.runtime import init_parallel
 
 LORA = LoRAConfig(rank=4, alpha=8.0)

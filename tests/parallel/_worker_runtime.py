@@ -3,7 +3,7 @@ import sys
 import time
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel, shutdown
 
 

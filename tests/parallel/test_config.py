@@ -1,7 +1,7 @@
 """ParallelConfig: data-parallel size is derived, and layouts that don't divide the world are refused."""
 import pytest
 
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 
 
 def test_data_parallel_size_is_what_is_left():
@@ -43,7 +43,7 @@ def test_stage_layers_follow_the_first_and_last_stage_counts(layout, layers, spl
     (ParallelConfig(1, 3, 1, 7), 8, r"would share 1 layers unequally or hold none"),
 ])
 def test_a_split_that_cannot_be_made_is_refused_naming_the_fields(layout, layers, message):
-    from parallel.config import LayoutError
+    from megarlhf.config.parallel import LayoutError
 
     with pytest.raises(LayoutError, match=message):
         layout.stage_layers(layers)

@@ -55,7 +55,7 @@ def test_single_process_init_and_reproducible_seeding():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "10.255.255.1", str(taken.getsockname()[1])
-        from parallel.config import ParallelConfig
+        from megarlhf.config.parallel import ParallelConfig
         from parallel.runtime import init_parallel, seed_everything, shutdown
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import get_cuda_rng_tracker

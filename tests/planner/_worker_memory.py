@@ -24,6 +24,7 @@ from megarlhf.testing.launch import write_rank_result
 from megarlhf.loops.experience import compute_advantages, score
 from megarlhf.learner import ExperienceBatch, actor_update, build_actor, build_critic, build_frozen, critic_update
 from parallel.runtime import init_parallel
+from megarlhf.algorithms.advantages import estimator_needs
 
 PROMPT_LEN, RESPONSE_LEN, SEQUENCES = 32, 96, 16
 
@@ -73,7 +74,7 @@ def trainer_phase(config: RunConfig, runtime, count_saved: bool = False) -> dict
     actor = build_actor(config, runtime)
     uses_ref = config.algorithm.uses_reference
     reference = build_frozen(config, runtime, "reference") if uses_ref else None
-    critic = build_critic(config, runtime) if config.algorithm.uses_critic else None
+    critic = build_critic(config, runtime) if estimator_needs(config.algorithm.estimator).critic else None
     batch, rewards = _fake_batch(actor.vocab_size, config.seed)
     batch, _ = score(batch, config, actor, reference, critic)
     batch, _ = compute_advantages(batch, rewards, config, runtime)

@@ -6,7 +6,7 @@ from megatron.core import parallel_state as ps
 
 from megarlhf.testing.launch import write_rank_result
 from model_providers.hf_checkpoint import load_hf_model
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 

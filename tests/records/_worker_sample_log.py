@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.records.sample_log import SampleLog
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel, shutdown
 
 

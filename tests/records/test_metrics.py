@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megarlhf.config.schema import LoggingConfig
+from megarlhf.config.train import LoggingConfig
 from megarlhf.records.metrics import MetricsRecorder, plot_curves, read_metrics
 from megarlhf.records.tracking import open_trackers
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.testing.launch import run_torchrun
 

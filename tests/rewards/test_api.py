@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from megarlhf.rewards import REWARDS, RewardConfig, RewardInput, RewardSpec, load_function, resolve_reward
+from megarlhf.rewards import REWARDS, RewardInput, load_function, resolve_reward
+from megarlhf.config.reward import RewardConfig, RewardSpec
 
 
 @pytest.fixture
@@ -42,8 +43,10 @@ def test_dotted_path_errors_name_the_path(user_module):
 
 
 def test_unknown_reward_name_lists_known():
-    with pytest.raises(ValueError, match=r"unknown reward function 'math_verfy'; known: .*exact_match.*math_verify"):
-        RewardSpec("math_verfy")
+    with pytest.raises(ValueError, match=r"^reward.functions.0: unknown reward function 'math_verfy'; known: "
+                                         r".*exact_match.*math_verify.*, or a dotted path 'pkg.module:name'$"):
+        REWARDS.check_name("math_verfy", "reward.functions.0", dotted_path=True)
+    REWARDS.check_name("my_pkg.rewards:score", "reward.functions.0", dotted_path=True)  # user code by path
     with pytest.raises(ValueError, match="known: "):
         resolve_reward("nonsense")
     assert {"exact_match", "numeric", "math_verify"} <= set(REWARDS.names())

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from megarlhf.rewards import CombinedReward, RewardConfig, RewardInput, RewardSpec
+from megarlhf.rewards import CombinedReward, RewardInput
+from megarlhf.config.reward import RewardConfig, RewardSpec
 from megarlhf.rewards.api import in_process
 from megarlhf.testing.hostile import alive, live_children
 

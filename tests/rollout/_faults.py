@@ -19,8 +19,8 @@ def converter_fault(sync, megatron_suffix: str) -> str | None:
     The parameter is restored afterwards."""
     import torch.distributed as dist
 
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     param = next(p for n, p in sync.actor.model.named_parameters() if n.endswith(megatron_suffix))
     first = not dist.is_initialized() or dist.get_rank() == 0

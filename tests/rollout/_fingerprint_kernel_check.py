@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from megarlhf.rollout import fingerprint as fp_module
-from megarlhf.rollout.fingerprint import fingerprint, fingerprint_many
+from megarlhf.rollout.engines import fingerprint as fp_module
+from megarlhf.rollout.engines.fingerprint import fingerprint, fingerprint_many
 
 cases, mismatches, pairs = 0, [], []
 gen = torch.Generator().manual_seed(0)

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from megarlhf.rollout.config import RolloutConfig, SamplingConfig
-from megarlhf.rollout.engine import EngineConfig, make_engine
-from megarlhf.rollout.weight_sync import ExpectedFingerprints, compare_fingerprints
+from megarlhf.config.rollout import RolloutConfig
+from megarlhf.rollout.engines.sampling import SamplingConfig
+from megarlhf.rollout.engines import EngineConfig, build_engine
+from megarlhf.rollout.sync.weights import ExpectedFingerprints, compare_fingerprints
 from model_providers import get_provider
 
 PROMPTS = [[(7 * i + 13 * j) % 380 + 3 for j in range(9 + 3 * i)] for i in range(3)]
@@ -36,7 +37,7 @@ def hf_logprobs(model, sequences):
 def check(backend: str, source: Path, scratch: Path) -> dict:
     config = EngineConfig.from_rollout(RolloutConfig(kv_cache_mb=64, max_new_tokens=12, backend=backend),
                                        model_dtype="float32", seed=0, max_prompt_length=96)
-    engine = make_engine(str(source), config, torch.device("cpu"))
+    engine = build_engine(str(source), config, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     greedy = engine.generate(PROMPTS, SamplingConfig(n=1, temperature=0.0, max_new_tokens=10, seed=1, ignore_eos=True))
     reference = [hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):].tolist()

@@ -22,7 +22,7 @@ import torch
 
 from _faults import converter_fault
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 TARGET = "model.layers.1.mlp.down_proj.weight"
@@ -39,9 +39,10 @@ def bf16_ulps(tensor: torch.Tensor, ulps: int, seed: int = 0) -> torch.Tensor:
 
 
 def config_for(model_dir: str, backend: str):
-    from megarlhf.config.schema import ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.config import RolloutConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.config.rollout import RolloutConfig
 
     return RunConfig(model=ModelConfig(path=model_dir, dtype="bfloat16"),
                      data=DataConfig(train_path="unused.jsonl", max_prompt_length=64),
@@ -56,7 +57,7 @@ def random_prompts(vocab_size: int, seed: int, count: int = 16) -> list[list[int
 
 def step0_gap(engine, actor, config) -> tuple[float, float, int]:
     """(max, mean, tokens) of |trainer - engine| over the response tokens of a sampled rollout."""
-    from megarlhf.rollout.config import rollout_sampling
+    from megarlhf.rollout.engines.sampling import rollout_sampling
     from megarlhf.learner import ExperienceBatch, compute_logprobs
 
     rollout = engine.generate(random_prompts(actor.vocab_size, seed=5), dataclasses.replace(rollout_sampling(config.rollout, ()), seed=3))
@@ -69,7 +70,7 @@ def step0_gap(engine, actor, config) -> tuple[float, float, int]:
 def corrupted_probe(sync, engine) -> dict:
     """A sync whose engine holds TARGET perturbed by ULPS bf16 ulps while reporting the fingerprints of
     the unperturbed weights: the fingerprints agree, so only the probe can catch it."""
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     real_load = engine.load_weights
 
@@ -91,7 +92,7 @@ def corrupted_probe(sync, engine) -> dict:
 
 def bitwise_faults(sync, engine) -> dict:
     """Messages of a one-ulp sync and of a stale layer (module docstring); None where the sync passed."""
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     real_load = engine.load_weights
 
@@ -124,16 +125,16 @@ def bitwise_faults(sync, engine) -> dict:
 
 
 def run_backend(model_dir: str, backend: str, runtime) -> dict:
-    from megarlhf.rollout.engine import EngineConfig, make_engine
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.rollout.engines import EngineConfig, build_engine
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.rollout.sync.weights import WeightSync
     from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
     config = config_for(model_dir, backend)
     provider, model = load_hf_model(model_dir, torch.bfloat16, packed_sequences=True)
     actor = TrainModel("actor", model, provider, runtime)
-    engine = make_engine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="bfloat16", seed=0,
+    engine = build_engine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="bfloat16", seed=0,
                                                               max_prompt_length=64), runtime.device)
     sync = WeightSync(engine, actor, config)
     result = {"converter_fault": converter_fault(sync, "layers.1.mlp.linear_fc2.weight")}  # before any sync

@@ -16,10 +16,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megarlhf.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
-from megarlhf.data.source import DataConfig
+from megarlhf.config.model import ModelConfig
+from megarlhf.config.train import OptimConfig, TrainConfig
+from megarlhf.config.schema import RunConfig
+from megarlhf.config.data import DataConfig
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 CASES = [(True, "float32"), (True, "bfloat16"), (False, "float32"), (False, "bfloat16")]

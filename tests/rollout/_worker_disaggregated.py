@@ -20,21 +20,25 @@ import torch.distributed as dist
 
 from _worker_rollout import NEW_TOKENS, prompts, run_config, train_with, trainer_greedy, trainer_logprobs
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_disaggregated
 
 TARGET = "model.layers.1.mlp.down_proj.weight"
 
 
+def generate(rollout, prompt_list, sampling):
+    return rollout.receive(rollout.launch(prompt_list, sampling))[0]
+
+
 def compare(rollout, actor, config, prompt_list, seed: int) -> dict:
     """Engine rollouts of this replica's prompts vs the trainer's greedy decoding and teacher forcing."""
-    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
 
     model, vocab = actor.model, actor.provider.hf_config.vocab_size
-    greedy = rollout.generate(prompt_list, SamplingConfig(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS,
+    greedy = generate(rollout, prompt_list, SamplingConfig(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS,
                                                           ignore_eos=True))
     reference = trainer_greedy(model, prompt_list, vocab)
-    sampled = rollout.generate(prompt_list, SamplingConfig(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS,
+    sampled = generate(rollout, prompt_list, SamplingConfig(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS,
                                                            seed=seed))
     sequences = [p + r for p, r in zip(sampled.prompt_ids, sampled.response_ids)]
     trainer_lp = trainer_logprobs(actor, config, sequences)
@@ -46,8 +50,8 @@ def compare(rollout, actor, config, prompt_list, seed: int) -> dict:
 
 
 def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
-    from megarlhf.rollout.config import SamplingConfig
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     model, provider = actor.model, actor.provider
     everything = prompts(provider.hf_config.vocab_size)
@@ -58,7 +62,7 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
     result["sync1"] = rollout.sync()
     result["after"] = compare(rollout, actor, config, mine, seed=4)
     cfg = SamplingConfig(n=3, temperature=0.9, max_new_tokens=12, seed=77)
-    a, b = rollout.generate(mine[:8], cfg), rollout.generate(mine[:8], cfg)
+    a, b = generate(rollout, mine[:8], cfg), generate(rollout, mine[:8], cfg)
     result["seeded_equal"] = a.response_ids == b.response_ids and a.logprobs == b.logprobs
     result["seeded_prompt_index"] = a.prompt_index
     try:
@@ -69,34 +73,35 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
     return result
 
 
-def engine(rollout) -> dict:
+def engine(server) -> dict:
     """Serves; the third sync has one tensor perturbed by one ulp on its way into vLLM."""
     from megatron.core import parallel_state as ps
-    from megarlhf.rollout.shared_tensor import shared_buffer
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.engines import WeightBucket
+    from megarlhf.rollout.engines.shared_tensor import shared_buffer
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     result = {"megatron_initialized": ps.model_parallel_is_initialized()}
-    real_serve_sync, real_load, syncs = rollout._serve_sync, rollout._load_bucket, []
+    real_sync, real_load, syncs = server.handlers["sync"], server.engine.load_bucket, []
 
-    def perturbing_load(meta, payload):
-        offset = 0
-        for name, dtype, shape, nbytes in meta:
+    def perturbing_load(bucket):
+        offset, payload = 0, bucket.payload
+        for name, dtype, shape, nbytes in bucket.meta:
             if name == TARGET:  # a copy, in shared memory as the engine rank's buffers are
                 payload = shared_buffer(payload.numel(), payload.device).copy_(payload)
                 value = payload[offset:offset + nbytes].view(torch.float32)
                 value[7] = torch.nextafter(value[7], torch.tensor(float("inf")))
             offset += nbytes
-        return real_load(meta, payload)
+        return real_load(WeightBucket(bucket.meta, payload))
 
-    def counting_serve_sync():
+    def counting_sync():
         syncs.append(1)
         if len(syncs) == 3:
-            rollout._load_bucket = perturbing_load
-        real_serve_sync()
+            server.engine.load_bucket = perturbing_load
+        real_sync()
 
-    rollout._serve_sync = counting_serve_sync
+    server.handlers["sync"] = counting_sync
     try:
-        rollout.serve()
+        server.serve()
         result["serve_error"] = None
     except WeightSyncError as err:
         result["serve_error"] = str(err)
@@ -109,22 +114,25 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     runtime = init_disaggregated(ParallelConfig(), num_trainer_ranks=world - num_engines, seed=1234)
-    from megarlhf.rollout.config import RolloutPlacementConfig
-    from megarlhf.rollout.disaggregated import DisaggregatedRollout
+    from megarlhf.config.rollout import RolloutPlacementConfig
     from megarlhf.learner import TrainModel
+    from megarlhf.rollout.disaggregated.engine_side import EngineServer
+    from megarlhf.rollout.disaggregated.protocol import Channel
+    from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
+    from megarlhf.rollout.engines import build_engine
+    from megarlhf.rollout.phase import engine_config
     from model_providers.hf_checkpoint import load_hf_model
 
     config = run_config(model_dir, 1)
     config.rollout.placement = RolloutPlacementConfig(mode="disaggregated", num_engine_ranks=num_engines)
-    actor = None
-    if not runtime.is_engine_rank:
+    channel = Channel(runtime, world - num_engines)
+    if runtime.is_engine_rank:
+        engine_rank = build_engine(model_dir, engine_config(config, in_process=False), runtime.device)
+        result = engine(EngineServer(channel, engine_rank))
+    else:
         provider, model = load_hf_model(model_dir, packed_sequences=True)
         actor = TrainModel("actor", model, provider, runtime)
-    rollout = DisaggregatedRollout(config, runtime, actor)
-    if runtime.is_engine_rank:
-        result = engine(rollout)
-    else:
-        result = trainer(rollout, actor, config, runtime.dp.rank, runtime.dp.size)
+        result = trainer(RemoteEngines(config, channel, actor), actor, config, runtime.dp.rank, runtime.dp.size)
         result["tp_world"], result["dp_world"] = runtime.tp.size, runtime.dp.size
     write_rank_result(out_dir, dist.get_rank(), result)
 

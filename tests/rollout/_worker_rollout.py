@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from _faults import converter_fault
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel
 
 NUM_PROMPTS, NEW_TOKENS = 64, 16
@@ -82,7 +82,7 @@ def trainer_greedy(model, prompt_list: list[list[int]], vocab: int) -> list[list
 
 def rollout_vs_trainer(engine, actor, config, prompt_list, engine_tp: int, seed: int) -> dict:
     """Engine greedy + sampled rollouts for this rank's share vs the trainer (all ranks, all prompts)."""
-    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
 
     model, provider = actor.model, actor.provider
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -147,7 +147,7 @@ def logprobs_vs_naive(actor, config) -> dict:
 
 
 def seeded_repeat(engine, prompt_list) -> dict:
-    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
 
     cfg = SamplingConfig(n=3, temperature=0.9, max_new_tokens=12, seed=77)
     a, b = engine.generate(prompt_list[:8], cfg), engine.generate(prompt_list[:8], cfg)
@@ -166,7 +166,7 @@ def corrupted_syncs(sync) -> dict:
     from contextlib import nullcontext
     from unittest import mock
 
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     engine, real_load = sync.engine, sync.engine.load_weights
     target = "model.layers.1.mlp.down_proj.weight"
@@ -201,7 +201,7 @@ def corrupted_syncs(sync) -> dict:
         for param in sync.actor.model.parameters():
             param.mul_(1.01)
     messages["stale_layer"] = run(drop_bucket)
-    messages["tied_head_unprocessed"] = run(patch=mock.patch("megarlhf.rollout.engine.reprocess_tied"))
+    messages["tied_head_unprocessed"] = run(patch=mock.patch("megarlhf.rollout.engines.vllm_worker.reprocess_tied"))
     messages["clean_after"] = run()  # a clean sync repairs the engine
     return messages
 
@@ -234,7 +234,7 @@ def restore(model, opt, snap: dict) -> None:
 def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_list) -> dict:
     """Offload -> rollout -> onload: bit-identical state; the next steps match a run without the trip."""
     from megarlhf.rollout.colocate import ColocateScheduler, ColocateStateError, OffloadedModel
-    from megarlhf.rollout.config import SamplingConfig
+    from megarlhf.rollout.engines.sampling import SamplingConfig
     from model_providers.hf_checkpoint import load_hf_model
 
     _, reference = load_hf_model(model_dir)
@@ -271,9 +271,10 @@ def colocate_round_trip(engine, sync, model, provider, model_dir: str, prompt_li
 
 
 def run_config(model_dir: str, engine_tp: int):
-    from megarlhf.config.schema import ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.config.rollout import RolloutConfig, WeightSyncConfig
 
     return RunConfig(model=ModelConfig(path=model_dir, dtype="float32"),
                      data=DataConfig(train_path="unused.jsonl", max_prompt_length=192),
@@ -305,16 +306,17 @@ def main() -> None:
     trainer_tp, engine_tp, model_dir, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     runtime = init_parallel(ParallelConfig(tensor_model_parallel_size=trainer_tp), seed=1234)
-    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.weight_sync import WeightSync
+    from megarlhf.rollout.engines import EngineConfig
+    from megarlhf.rollout.engines.vllm import VLLMEngine
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.rollout.sync.weights import WeightSync
     from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
 
     config = run_config(model_dir, engine_tp)
     provider, model = load_hf_model(model_dir, packed_sequences=True)
     actor = TrainModel("actor", model, provider, runtime)
-    engine = RolloutEngine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
+    engine = VLLMEngine(model_dir, EngineConfig.from_rollout(config.rollout, model_dtype="float32", seed=0,
                                                                 max_prompt_length=192))
     sync = WeightSync(engine, actor, config)
     prompt_list = prompts(provider.hf_config.vocab_size)

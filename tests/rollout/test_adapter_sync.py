@@ -1,4 +1,4 @@
-"""Adapter-only sync of a LoRA policy into vLLM's LoRA engine (megarlhf.rollout.adapter_sync).
+"""Adapter-only sync of a LoRA policy into vLLM's LoRA engine (megarlhf.rollout.sync.adapters).
 
 The engine-level tests build a LoRA-enabled vLLM engine on a tiny Llama and the tiny Qwen2 (tied head,
 qkv bias, GQA) in one process (~10 s each: slow-marked). They check that a sync of trained adapters verifies bit for bit
@@ -14,9 +14,10 @@ import shutil
 import pytest
 import torch
 
-from megarlhf.config.schema import ModelConfig, RunConfig
+from megarlhf.config.model import ModelConfig
+from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
-from megarlhf.rollout.adapter_sync import engine_slot_name, slot_problems
+from megarlhf.rollout.sync.adapters import engine_slot_name, slot_problems
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -45,40 +46,43 @@ def test_slot_problems_name_every_kind_of_difference():
 
 @pytest.mark.parametrize("override, message", [
     ({}, "needs model.lora"),
-    ({"lora": True, "backend": "hf"}, "needs rollout.backend='vllm'"),
+    ({"lora": True, "backend": "hf"}, "needs an engine that loads adapters alone; rollout.backend='hf'"),
     ({"lora": True, "tensor_parallel_size": 2}, "rollout.tensor_parallel_size must be 1"),
     ({"lora": True, "rank": 600}, "rank at most 512"),
     ({"lora": True, "check_checkpoint": False}, "must be proven equal to the trainer's at start-up"),
     ({"lora": True, "engine_dtype": "float32", "model_dtype": "bfloat16"}, "no finer than model.dtype"),
 ])
 def test_adapter_sync_refuses_what_it_cannot_verify(override, message):
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
-    from parallel.lora import LoRAConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.config.rollout import RolloutConfig, WeightSyncConfig
+    from megarlhf.config.model import LoRAConfig
+    from megarlhf.run.checks import check_config
 
     rollout = dict(weight_sync=WeightSyncConfig(lora="adapter", check_checkpoint=override.get("check_checkpoint", True)),
                    backend=override.get("backend", "vllm"), tensor_parallel_size=override.get("tensor_parallel_size", 1),
                    dtype=override.get("engine_dtype"))
-    with pytest.raises((ValueError, ConfigError), match=message):
-        RunConfig(model=ModelConfig(path="m", dtype=override.get("model_dtype", "float32"),
-                                    lora=LoRAConfig(rank=override.get("rank", 8))
-                                                    if override.get("lora") else None),
-                  data=DataConfig(train_path="t.jsonl"), rollout=RolloutConfig(**rollout))
+    with pytest.raises((ValueError, ConfigError), match=message):  # as a run's start checks it
+        check_config(RunConfig(model=ModelConfig(path="m", dtype=override.get("model_dtype", "float32"),
+                                                 lora=LoRAConfig(rank=override.get("rank", 8))
+                                                 if override.get("lora") else None),
+                               data=DataConfig(train_path="t.jsonl"), rollout=RolloutConfig(**rollout)))
     with pytest.raises(ValueError, match="'merged' or 'adapter'"):
         WeightSyncConfig(lora="adapters")
 
 
 def _build(model_dir, dtype: str, rank: int, alpha: float):
     """A LoRA actor (random, trained-looking B) and a calibrated adapter sync into a LoRA vLLM engine."""
-    from megarlhf.data.source import DataConfig
-    from megarlhf.rollout.adapter_sync import AdapterSync, engine_lora
-    from megarlhf.rollout.calibration import calibrate_colocated
-    from megarlhf.rollout.config import RolloutConfig, WeightSyncConfig
-    from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+    from megarlhf.config.data import DataConfig
+    from megarlhf.rollout.sync.adapters import AdapterSync, engine_lora
+    from megarlhf.rollout.sync.calibration import calibrate_colocated
+    from megarlhf.config.rollout import RolloutConfig, WeightSyncConfig
+    from megarlhf.rollout.engines import EngineConfig
+    from megarlhf.rollout.engines.vllm import VLLMEngine
     from megarlhf.learner import TrainModel
     from model_providers.hf_checkpoint import load_hf_model
-    from parallel.config import ParallelConfig
-    from parallel.lora import LoRAConfig, attach_lora
+    from megarlhf.config.parallel import ParallelConfig
+    from megarlhf.config.model import LoRAConfig
+    from parallel.lora import attach_lora
     from parallel.runtime import init_parallel
 
     runtime = init_parallel(ParallelConfig())
@@ -91,7 +95,7 @@ def _build(model_dir, dtype: str, rank: int, alpha: float):
     provider, model = load_hf_model(model_dir, params_dtype=getattr(torch, dtype), packed_sequences=True)
     attach_lora(model, lora, seed=0)
     actor = TrainModel("actor", model, provider, runtime)
-    engine = RolloutEngine(str(model_dir), EngineConfig.from_rollout(config.rollout, model_dtype=dtype, seed=0,
+    engine = VLLMEngine(str(model_dir), EngineConfig.from_rollout(config.rollout, model_dtype=dtype, seed=0,
                                                                      max_prompt_length=32, **engine_lora(config)))
     sync = AdapterSync(engine, actor, config)
     calibration = calibrate_colocated(sync, [], ())  # the base, bit for bit, while B = 0
@@ -112,8 +116,8 @@ def _train(model, seed: int) -> None:
 def test_adapter_sync_verifies_and_the_engine_generates_with_the_adapters(tmp_path, monkeypatch):
     """On a Llama (vLLM gives its LM head a LoRA layer unless the engine names the adapted projections;
     that layer breaks the probe's prompt log-probs, as it did on SmolLM2)."""
-    from megarlhf.rollout import adapter_sync
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync import adapters as adapter_sync
+    from megarlhf.rollout.sync.weights import WeightSyncError
     from model_providers.tiny_models import make_tiny_model
 
     sync, model = _build(make_tiny_model("llama", tmp_path / "llama", seed=3), "float32", rank=4, alpha=8.0)
@@ -142,7 +146,7 @@ def test_adapter_sync_verifies_and_the_engine_generates_with_the_adapters(tmp_pa
 def test_adapter_sync_in_bf16_predicts_vllms_scaling_and_catches_it_missing(tiny_qwen2, monkeypatch):
     from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
-    from megarlhf.rollout.weight_sync import WeightSyncError
+    from megarlhf.rollout.sync.weights import WeightSyncError
 
     sync, model = _build(tiny_qwen2, "bfloat16", rank=3, alpha=5.0)  # scale 5/3 rounds in bf16; rank 3 -> 8
     _train(model, seed=1)

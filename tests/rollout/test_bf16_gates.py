@@ -4,13 +4,13 @@ ulp in one element and a stale layer stop the sync at the fingerprints; and an e
 weight tensor mangled by 100 bf16 ulps per element while its fingerprints say otherwise (so only the
 probe can see it) fails the probe.
 
-Measured here on the tiny Qwen2; megarlhf/rollout/gates.py's docstring has the demo's SFT model and
+Measured here on the tiny Qwen2; megarlhf/rollout/sync/gates.py's docstring has the demo's SFT model and
 SmolLM2-135M-Instruct, whose correct-sync noise is what the calibration scales the tolerances by."""
 from pathlib import Path
 
 import pytest
 
-from megarlhf.rollout.gates import FLOORS
+from megarlhf.rollout.sync.gates import FLOORS
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 
 WORKER = Path(__file__).with_name("_worker_bf16_gates.py")

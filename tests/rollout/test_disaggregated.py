@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from megarlhf.config.schema import ModelConfig, RunConfig
-from megarlhf.rollout.config import RolloutPlacementConfig
-from megarlhf.rollout.disaggregated import DisaggregatedRollout
+from megarlhf.config.model import ModelConfig
+from megarlhf.config.schema import RunConfig
+from megarlhf.config.rollout import RolloutPlacementConfig
 from megarlhf.testing.launch import read_rank_results, run_torchrun
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_disaggregated
 
 WORKER = Path(__file__).with_name("_worker_disaggregated.py")
@@ -115,8 +115,6 @@ def test_placement_config_errors_name_the_field():
             RolloutPlacementConfig("disaggregated", bad).validate(4)
     with pytest.raises(ValueError, match="mode='spread'"):
         RolloutPlacementConfig("spread").validate(4)
-    with pytest.raises(ValueError, match="needs rollout.placement.mode='disaggregated'"):
-        DisaggregatedRollout(RunConfig(model=ModelConfig(path="unused")), runtime=None)
 
 
 def test_init_disaggregated_rejects_a_layout_without_engines():
@@ -129,8 +127,8 @@ def test_each_replicas_prompts_keep_their_own_seeds_and_limit():
     """The request sent to the engines: replica 0's two running episodes and replica 1's three keep the
     seeds their replicas gave them (rank 0's sampling used to be applied to all five, an IndexError past
     its two seeds); the engines generate up to the largest max_new_tokens; anything else must agree."""
-    from megarlhf.rollout.config import SamplingConfig
-    from megarlhf.rollout.disaggregated import merged_sampling
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.disaggregated.protocol import merged_sampling
 
     samplings = {0: SamplingConfig(n=1, temperature=1.0, max_new_tokens=8, prompt_seeds=(11, 12)),
                  1: SamplingConfig(n=1, temperature=1.0, max_new_tokens=5, prompt_seeds=(21, 22, 23))}

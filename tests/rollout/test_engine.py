@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megarlhf.rollout.config import RolloutConfig, SamplingConfig
-from megarlhf.rollout.engine import EngineConfig, RolloutEngine
+from megarlhf.config.rollout import RolloutConfig
+from megarlhf.rollout.engines.sampling import SamplingConfig
+from megarlhf.rollout.engines import EngineConfig
+from megarlhf.rollout.engines.vllm import VLLMEngine, vllm_logprobs_mode
 
 
 def engine_config(**rollout) -> EngineConfig:
@@ -40,16 +42,16 @@ def test_sampling_config_errors_name_the_field(field, value):
 def test_engine_config_comes_from_the_rollout_config():
     config = engine_config(temperature=0.7, max_new_tokens=64, dtype="bfloat16", kv_cache_mb=32)
     assert (config.dtype, config.max_model_len, config.kv_cache_bytes) == ("bfloat16", 192, 32 * 2**20)
-    assert config.logprobs_mode == "processed_logprobs"  # the trainer scores at T = 0.7
-    assert engine_config(temperature=1.0).logprobs_mode == "raw_logprobs"
+    assert vllm_logprobs_mode(config.temperature) == "processed_logprobs"  # the trainer scores at T = 0.7
+    assert vllm_logprobs_mode(engine_config(temperature=1.0).temperature) == "raw_logprobs"
     assert engine_config().dtype == "float32"  # rollout.dtype None: the model's
 
 
 def test_engine_rejects_a_tp_size_that_is_neither_1_nor_the_world(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
-        RolloutEngine(str(tmp_path), engine_config(tensor_parallel_size=3))
+        VLLMEngine(str(tmp_path), engine_config(tensor_parallel_size=3))
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        RolloutEngine(str(tmp_path), engine_config())
+        VLLMEngine(str(tmp_path), engine_config())
 
 
 
@@ -63,11 +65,13 @@ def test_seeded_batch_larger_than_one_scheduler_step(tiny_qwen2, tmp_path):
 
     script = textwrap.dedent(f"""
         import json
-        from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-        from megarlhf.rollout.config import RolloutConfig, SamplingConfig
+        from megarlhf.rollout.engines import EngineConfig
+        from megarlhf.rollout.engines.vllm import VLLMEngine
+        from megarlhf.config.rollout import RolloutConfig
+        from megarlhf.rollout.engines import SamplingConfig
         config = EngineConfig.from_rollout(RolloutConfig(kv_cache_mb=64, max_new_tokens=128), model_dtype="float32",
                                            seed=0, max_prompt_length=128)
-        engine = RolloutEngine({str(tiny_qwen2)!r}, config)
+        engine = VLLMEngine({str(tiny_qwen2)!r}, config)
         prompts = [[(7 * i + j) % 300 + 3 for j in range(100)] for i in range(64)]  # 6400 prompt tokens
         sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=11)
         first, second = engine.generate(prompts, sampling), engine.generate(prompts, sampling)

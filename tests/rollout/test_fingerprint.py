@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarlhf.rollout import fingerprint as fp_module
-from megarlhf.rollout.fingerprint import MODULUS, combine, fingerprint, to_host
+from megarlhf.rollout.engines import fingerprint as fp_module
+from megarlhf.rollout.engines.fingerprint import MODULUS, combine, fingerprint, to_host
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn]
 
@@ -106,8 +106,8 @@ def test_a_lossless_float32_copy_is_fingerprinted_in_the_models_dtype():
     """vLLM's AMX path (CPUs with AMX tiles) keeps a float32 copy of a bf16 layer's bias; the kernel reads
     the bf16 values, so the copy must match the trainer's bf16 prediction, and a float32 value bf16 cannot
     hold (a bias reloaded unrounded from a float32 checkpoint) must not."""
-    from megarlhf.rollout.engine_weights import as_model_dtype
-    from megarlhf.rollout.fingerprint import fingerprint, to_host
+    from megarlhf.rollout.engines.weights import as_model_dtype
+    from megarlhf.rollout.engines.fingerprint import fingerprint, to_host
 
     bias = torch.randn(256, generator=torch.Generator().manual_seed(0))
     trainer = bias.to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""megarlhf.rollout.gates: the dtype rule (the coarser of trainer and engine dtypes picks the tolerances), the
+"""megarlhf.rollout.sync.gates: the dtype rule (the coarser of trainer and engine dtypes picks the tolerances), the
 calibration's floors (probe and natural samples) and when it checks the checkpoint bit for bit, config
 overrides, and the gap check's messages (max and mean, nan fails, keys named)."""
 import math
@@ -7,8 +7,9 @@ import pytest
 
 from megarlhf.config import ConfigError, RunConfig, load_config
 from megarlhf.core.dtypes import DTYPES
-from megarlhf.rollout.gates import (FLOORS, GateConfig, calibration_problems, coarser_dtype, gap_problems,
-                            resolve_tolerances, run_tolerances)
+from megarlhf.rollout.sync.gates import FLOORS, calibration_problems, gap_problems, resolve_tolerances, run_tolerances
+from megarlhf.config.train import GateConfig
+from megarlhf.core.dtypes import coarser_dtype
 
 
 def test_every_supported_dtype_has_tolerances_and_bf16_is_looser():
@@ -64,7 +65,7 @@ def test_the_natural_floor_sets_the_step0_tolerances():
 
 
 def test_calibration_checks_the_checkpoint_unless_the_engine_rounds_finer():
-    from megarlhf.rollout.calibration import checks_checkpoint, natural_sampling
+    from megarlhf.rollout.sync.calibration import checks_checkpoint, natural_sampling
 
     base = ["model.path=/m", "rollout.max_new_tokens=4096", "rollout.temperature=0.7"]
     assert checks_checkpoint(load_config(RunConfig, None, base + ["model.dtype=float32"]))

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.fingerprint import fingerprint, to_host
-from megarlhf.rollout.hf_engine import HFRolloutEngine
+from megarlhf.rollout.engines.sampling import RolloutBatch
+from megarlhf.rollout.engines.sampling import SamplingConfig
+from megarlhf.rollout.engines.fingerprint import fingerprint, to_host
+from megarlhf.rollout.engines.hf import HFEngine
 from model_providers.tiny_models import make_tiny_model, randomize_
 
 MAX_LEN = 64
@@ -41,12 +41,14 @@ def sampled(n: int, max_new_tokens: int, seed: int | None, temperature: float = 
 VLLM_PROMPTS = make_prompts(8, seed=21)
 VLLM_SCRIPT = """
 import json, sys
-from megarlhf.rollout.engine import EngineConfig, RolloutEngine
-from megarlhf.rollout.config import RolloutConfig, SamplingConfig
+from megarlhf.rollout.engines import EngineConfig
+from megarlhf.rollout.engines.vllm import VLLMEngine
+from megarlhf.config.rollout import RolloutConfig
+from megarlhf.rollout.engines import SamplingConfig
 model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
 config = EngineConfig.from_rollout(RolloutConfig(max_new_tokens=16, kv_cache_mb=32), model_dtype="float32", seed=0,
                                    max_prompt_length={max_len} - 16)
-engine = RolloutEngine(model_dir, config)
+engine = VLLMEngine(model_dir, config)
 greedy = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=16, ignore_eos=True))
 stop_ids = [greedy.response_ids[0][3], greedy.response_ids[1][9]]
 stopped = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=16, ignore_eos=True,
@@ -83,7 +85,7 @@ def vllm_run(tiny_qwen2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen2):
-    return HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+    return HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def test_prompts_near_max_model_len_stop_at_it(tiny_qwen2, hf_model):
     """Rows end at different steps (max_model_len - prompt length), so finished rows are cut out of the KV
     cache mid-run; log-probs still match the HF forward row by row, and every prompt's samples are the
     ones it gets alone (no rows cut)."""
-    short = HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=24)
+    short = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=24)
     prompts = make_prompts(6, seed=8, low=3, high=23)
     batch = short.generate(prompts, sampled(2, 32, seed=1, ignore_eos=True))
     assert [len(r) for r in batch.response_ids] == [24 - len(prompts[i]) for i in batch.prompt_index]
@@ -164,14 +166,14 @@ def test_seeded_samples_are_reproducible_and_batch_independent(engine, tiny_qwen
     alone = engine.generate([prompts[3]], sampled(n, 12, seed=40 + 3 * n))
     assert alone.response_ids == first.response_ids[3 * n:4 * n]
     # one prompt per decode batch
-    split = HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN,
+    split = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN,
                             max_batch_tokens=60)
     assert split.generate(prompts, sampling).response_ids == first.response_ids
 
 
 def test_unseeded_sampling_is_deterministic_per_engine_seed(tiny_qwen2):
     def two_calls(seed):
-        eng = HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=seed, max_model_len=MAX_LEN)
+        eng = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=seed, max_model_len=MAX_LEN)
         return [eng.generate([[5, 6, 7]], sampled(2, 8, seed=None)).response_ids for _ in range(2)]
 
     a, b = two_calls(0), two_calls(0)
@@ -197,7 +199,7 @@ def test_stop_tokens_truncate_the_same_samples(engine):
 def test_eos_from_the_model_config_stops_unless_ignored(tiny_qwen2, tmp_path):
     """A copy of the model whose config names a frequently generated token as EOS."""
     prompts = make_prompts(4, seed=14)
-    base = HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+    base = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
     free = base.generate(prompts, greedy(10, ignore_eos=True))
     eos = free.response_ids[0][2]
     model_dir = tmp_path / "eos_model"
@@ -205,7 +207,7 @@ def test_eos_from_the_model_config_stops_unless_ignored(tiny_qwen2, tmp_path):
     for name in ("config.json", "generation_config.json"):
         config = json.loads((model_dir / name).read_text())
         (model_dir / name).write_text(json.dumps({**config, "eos_token_id": eos}))
-    eng = HFRolloutEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+    eng = HFEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
     stopped = eng.generate(prompts, greedy(10))
     for full, cut, reason in zip(free.response_ids, stopped.response_ids, stopped.finish_reasons):
         assert cut == (full[:full.index(eos) + 1] if eos in full else full)
@@ -224,7 +226,7 @@ def random_model(model_dir, seed: int):
 
 
 def test_load_weights_tied_model_stays_tied(tiny_qwen2):
-    eng = HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+    eng = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
     prompts = make_prompts(3, seed=15)
     before = eng.generate(prompts, greedy(8, ignore_eos=True)).response_ids
     second = random_model(tiny_qwen2, seed=7)
@@ -243,7 +245,7 @@ def test_load_weights_tied_model_stays_tied(tiny_qwen2):
 
 def test_load_weights_untied_llama_and_bad_tensors(tmp_path):
     model_dir = make_tiny_model("llama", tmp_path / "llama", seed=1)
-    eng = HFRolloutEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+    eng = HFEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
     second = random_model(model_dir, seed=2)
     weights = dict(second.state_dict())
     assert "lm_head.weight" in weights
@@ -267,7 +269,7 @@ def test_bf16_greedy_logprobs_near_fp32(tiny_qwen2, hf_model):
     logits are rounded, which moves this model's log-probs by ~1e-2 (measured: max 0.018 over 8 x 16
     greedy tokens; vLLM in bf16: 0.016). Greedy tokens are not compared with the fp32 run: near-ties flip
     under bf16 rounding (vLLM's bf16 and this engine's bf16 greedy differ in 1 of those 128 tokens)."""
-    eng = HFRolloutEngine(str(tiny_qwen2), dtype=torch.bfloat16, device="cpu", seed=0, max_model_len=MAX_LEN)
+    eng = HFEngine(str(tiny_qwen2), dtype=torch.bfloat16, device="cpu", seed=0, max_model_len=MAX_LEN)
     assert next(eng.model.parameters()).dtype == torch.bfloat16
     batch = eng.generate(make_prompts(4, seed=17), greedy(8, ignore_eos=True))
     assert [len(r) for r in batch.response_ids] == [8] * 4
@@ -276,9 +278,9 @@ def test_bf16_greedy_logprobs_near_fp32(tiny_qwen2, hf_model):
 
 def test_bad_input_is_named(engine, tiny_qwen2, tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*no config.json"):
-        HFRolloutEngine(str(tmp_path), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
+        HFEngine(str(tmp_path), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN)
     with pytest.raises(ValueError, match="max_model_len=1000 must be in"):
-        HFRolloutEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=1000)
+        HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=1000)
     with pytest.raises(ValueError, match="rollout prompt 1 is empty"):
         engine.generate([[1], []], greedy(4))
     with pytest.raises(ValueError, match=r"rollout prompt 0 has token ids \[384\] outside \[0, 384\)"):

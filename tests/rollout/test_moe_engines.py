@@ -2,7 +2,7 @@
 greedy tokens equal transformers'; an in-place weight load (as the weight sync does it) leaves the engine's
 fused expert parameters bit-identical to the sync's prediction and its log-probs equal to transformers' on
 the new weights. vLLM's CPU experts were computing with stale prepacked weights after such a load (a 0.23
-log-prob gap) until megarlhf re-ran their preparation (megarlhf.rollout.engine_weights.repack_experts)."""
+log-prob gap) until megarlhf re-ran their preparation (megarlhf.rollout.engines.weights.repack_experts)."""
 from __future__ import annotations
 
 import json

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from megarlhf.data.prompts import PromptExample
-from megarlhf.envs.api import ENVIRONMENTS, EnvConfig, StepResult, ToolSpec
-from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.envs.api import ENVIRONMENTS, StepResult, ToolSpec
+from megarlhf.config.rollout import EnvConfig
+from megarlhf.rollout.engines.sampling import SamplingConfig
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.core.seeds import TURN_STRIDE as TURN_SEED_STRIDE
 from megarlhf.learner.routing_replay import UNROUTED
@@ -254,7 +255,8 @@ def test_tools_in_the_template_and_every_turn_rendered_with_them(tokenizer):
     the whole sample is exactly the template's rendering of the conversation with the same tools=."""
     import copy
 
-    from megarlhf.data import DataConfig, build_prompt_dataset
+    from megarlhf.config.data import DataConfig
+    from megarlhf.data import build_prompt_dataset
     from megarlhf.envs.prompting import tool_describer
     from model_providers.tiny_models import TOOLS_CHAT_TEMPLATE
 

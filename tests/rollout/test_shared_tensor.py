@@ -1,4 +1,4 @@
-"""megarlhf.rollout.shared_tensor: a bucket buffer handed to a spawned process (as vLLM's engine core is)
+"""megarlhf.rollout.engines.shared_tensor: a bucket buffer handed to a spawned process (as vLLM's engine core is)
 without copying: the receiver reads the sender's bytes and its writes are the sender's memory; a CPU
 buffer outside shared memory is refused. And the engine core's CUDA_VISIBLE_DEVICES."""
 import multiprocessing
@@ -6,8 +6,8 @@ import multiprocessing
 import pytest
 import torch
 
-from megarlhf.rollout.engine import child_visible_devices
-from megarlhf.rollout.shared_tensor import open_shared, share, shared_buffer
+from megarlhf.rollout.engines.vllm import child_visible_devices
+from megarlhf.rollout.engines.shared_tensor import open_shared, share, shared_buffer
 
 
 def _receiver(conn) -> None:

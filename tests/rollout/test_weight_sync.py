@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarlhf.rollout.config import WeightSyncConfig
-from megarlhf.rollout.weight_sync import compare_fingerprints, engine_placement, weight_buckets
+from megarlhf.config.rollout import WeightSyncConfig
+from megarlhf.rollout.engines.weights import fused_placement
+from megarlhf.rollout.sync.weights import compare_fingerprints, weight_buckets
 
 LAYOUTS = ("tp1", "tp2")
 
@@ -74,13 +75,13 @@ def test_corrupted_sync_names_the_tensor(rollout_run, layout):
 def test_engine_placement_of_fused_parameters():
     shapes = {"m.l.q_proj.weight": (4, 2), "m.l.k_proj.weight": (2, 2), "m.l.v_proj.weight": (2, 2),
               "m.l.q_proj.bias": (4,), "m.l.k_proj.bias": (2,), "m.l.v_proj.bias": (2,), "m.norm.weight": (2,)}
-    placement = engine_placement(shapes, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    placement = fused_placement(shapes, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
     assert placement == {"m.l.q_proj.weight": ("m.l.qkv_proj.weight", 0), "m.l.k_proj.weight": ("m.l.qkv_proj.weight", 8),
                          "m.l.v_proj.weight": ("m.l.qkv_proj.weight", 12), "m.l.q_proj.bias": ("m.l.qkv_proj.bias", 0),
                          "m.l.k_proj.bias": ("m.l.qkv_proj.bias", 4), "m.l.v_proj.bias": ("m.l.qkv_proj.bias", 6),
                          "m.norm.weight": ("m.norm.weight", 0)}
     with pytest.raises(ValueError, match=r"m.l.v_proj.weight without \['m.l.k_proj.weight'\]"):
-        engine_placement({"m.l.q_proj.weight": (4, 2), "m.l.v_proj.weight": (2, 2)},
+        fused_placement({"m.l.q_proj.weight": (4, 2), "m.l.v_proj.weight": (2, 2)},
                          {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
 
 
@@ -134,14 +135,14 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarlhf.rollout.gates import FLOORS
-    from megarlhf.rollout.hf_engine import HFRolloutEngine
-    from megarlhf.rollout.weight_sync import probe_problems, probe_sequences
+    from megarlhf.rollout.sync.gates import FLOORS
+    from megarlhf.rollout.engines.hf import HFEngine
+    from megarlhf.rollout.sync.weights import probe_problems, probe_sequences
     from model_providers.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("mistral", tmp_path / "mistral", seed=0)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # the trainer's stand-in
-    engine = HFRolloutEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=160)
+    engine = HFEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=160)
     engine.model.config.sliding_window = 100  # wrong from token 101 on
 
     def verdict(config):
@@ -165,7 +166,7 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
 def test_the_reload_logger_is_the_one_vllm_warns_on():
     from _worker_rollout import ReloadWarnings
 
-    from megarlhf.rollout.engine_weights import RELOAD_LOGGER
+    from megarlhf.rollout.engines.weights import RELOAD_LOGGER
 
     assert ReloadWarnings.LOGGER == RELOAD_LOGGER
     import vllm.model_executor.model_loader.reload.layerwise as layerwise

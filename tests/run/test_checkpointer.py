@@ -1,4 +1,4 @@
-"""Run-state checkpoints (megarlhf/loops/run_checkpoint.py) and the training-state extension of
+"""Run-state checkpoints (megarlhf/run/checkpointer.py) and the training-state extension of
 megarlhf/checkpoint/distributed.py.
 
 Reference for resume equivalence: the same run never interrupted. 4 RL steps (actor_update +
@@ -207,9 +207,11 @@ def test_a_failed_background_write_is_reported_and_not_published(single):
 
 
 def test_should_save_and_constructor_errors(tmp_path):
-    from megarlhf.config.schema import CheckpointConfig, LoggingConfig, ModelConfig, RunConfig
-    from megarlhf.data.source import DataConfig
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.config.train import CheckpointConfig, LoggingConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
+    from megarlhf.run.checkpointer import RunCheckpointer
     from megarlhf.learner.models import TrainModel
 
     def config(**checkpoint):

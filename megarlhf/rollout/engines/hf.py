@@ -1,58 +1,39 @@
-"""A rollout engine on plain HF transformers + torch, with the contract of :class:`RolloutEngine`.
+"""The transformers backend: a rollout engine on plain HF transformers + torch, no vLLM needed.
 
-:class:`HFRolloutEngine` is the second, independent rollout backend: the RL loop can run where vLLM is
-not installed, and vLLM's samples and log-probs can be cross-checked against it. It has the same
-surface as the vLLM engine (``generate``, ``prompt_logprobs``, ``load_weights``, ``sleep``, ``wake_up``,
-``sleep_supported``, ``vocab_size``) and returns the same :class:`RolloutBatch`:
+It keeps the contract of :mod:`megarlhf.rollout.engines.api` with its own batched decode loop: prompts are
+prefilled once and their KV cache repeated for the ``n`` samples, every step feeds all live rows together,
+and finished rows are dropped from the cache once enough of them have accumulated. ``model.generate`` is
+not used because the RL contract needs one seeded generator per sample (sample ``j`` of prompt ``i`` draws
+from ``torch.Generator(seed + i * n + j)``, so it does not depend on its batch neighbours) and the exact
+full-softmax log-prob of every sampled token at the sampling temperature (HF's scores come after its
+logits processors). Temperature 0 is greedy. A row stops at a stop or EOS token (kept, like vLLM keeps it)
+or after ``min(max_new_tokens, max_model_len - len(prompt))`` tokens.
 
-* ``generate``: ``sampling.n`` samples per prompt, prompt-major, samples of a prompt in order. Sample
-  ``j`` of prompt ``i`` draws its noise from its own ``torch.Generator`` seeded ``sampling.seed + i * n +
-  j`` (``seed=None``: a base seed drawn from the engine's seed, one per call, so an engine instance is
-  still deterministic), so a sample does not depend on what else is in the batch. Temperature 0 is
-  greedy (argmax); otherwise a draw from ``softmax(logits / T)`` (no top-k / top-p: megarlhf refuses
-  filtering, see :mod:`megarlhf.rollout.config`). A row stops at a stop
-  token or an EOS token (config and generation-config ``eos_token_id``; not with ``ignore_eos``), which
-  is kept in ``response_ids`` like vLLM keeps it ("stop"), or after ``min(max_new_tokens,
-  max_model_len - len(prompt))`` tokens ("length"). A prompt must be shorter than ``max_model_len``.
-* Reported log-probs are ``log_softmax(logits / T)[token]`` in fp32 over the whole vocabulary, T the
-  sampling temperature (1 when greedy): what the trainer computes when it scores the response.
-* ``prompt_logprobs``: teacher-forced ``log p(x_t | x_<t)``, t = 1..L-1, temperature 1, fp32.
-* ``load_weights``: in-place copies of ``(hf_name, full tensor)`` pairs, named as the HF checkpoint names
-  them, into the parameters holding them (:func:`checkpoint_layout`: transformers keeps an MoE layer's
-  experts fused in one parameter); a tied LM head is not a parameter of its own and stays tied; returns
-  the fingerprints of the parameters afterwards (the weight sync compares them with the trainer's, bit for
-  bit, predicting each fused parameter from its parts with :meth:`HFRolloutEngine.placement`).
-* ``sleep`` / ``wake_up``: on CUDA the weights go to host memory and back; nothing to do on CPU.
-* With ``routing_layers`` (an MoE model's MoE layers, for routing replay) ``generate`` also returns each
-  sample's routing record (:mod:`megarlhf.rollout.routing`): the prompt's from the prefill, each generated
-  token's from the decode step that fed it.
-
-Hand-written rather than ``model.generate``: the RL contract needs one seeded generator per sample
-(HF's sampler draws from the global RNG for the whole batch, so a sample would depend on its batch
-neighbours) and the exact full-softmax log-prob of every sampled token at the sampling temperature
-(HF's scores come after its logits processors). The decode loop is batched: prompts are prefilled
-once, their KV cache is repeated for the n samples, every step feeds all live rows together, and
-finished rows are dropped from the cache once enough of them have accumulated.
+Weights load in place into the parameters holding each checkpoint tensor (:func:`checkpoint_layout`:
+transformers keeps an MoE layer's experts fused); a tied LM head stays tied. With ``routing_layers`` each
+sample's routing record comes along (:mod:`megarlhf.rollout.engines.routing`).
 """
 from __future__ import annotations
 
 import dataclasses
-
 import os
+import threading
 from typing import Iterable
 
 import torch
 
-from megarlhf.rollout.batch import RolloutBatch, check_prompt_ids
-from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.engine_weights import parameter_report
-from megarlhf.rollout.routing import GateRecorder, unrouted
+from megarlhf.core.dtypes import torch_dtype
+from megarlhf.rollout.engines.api import ENGINES, EngineConfig, EngineSpec, RolloutEngine, WeightBucket
+from megarlhf.rollout.engines.routing import GateRecorder, unrouted
+from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig, check_prompt_ids
+from megarlhf.rollout.engines.weights import parameter_report
 
 # logits of one prompt_logprobs chunk (rows x padded length x vocab) stay below this many elements
 _LOGIT_BUDGET = 2**27
 # finished rows are cut out of the KV cache once fewer than this share of the batch is still live:
 # cutting copies the whole cache, so it is worth it only when a good part of it is dead
 _COMPACT_BELOW = 0.75
+_REASONS = ("length", "stop", "abort")  # the decode loop's per-row codes
 
 
 def _ids(value) -> set[int]:
@@ -97,10 +78,8 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-class HFRolloutEngine:
-    """A rollout engine on an HF ``AutoModelForCausalLM``: same contract as the vLLM ``RolloutEngine``
-    (see the module docstring), with its own decode loop so that every sample has its own seeded
-    generator and every sampled token its exact log-prob at the sampling temperature.
+class HFEngine(RolloutEngine):
+    """A rollout engine on an HF ``AutoModelForCausalLM`` (module docstring).
 
     ``max_batch_tokens`` bounds how many rows decode together (rows x (prompt + response) length); larger
     requests are split by prompts, which changes no sample since samples are batch-independent.
@@ -131,6 +110,18 @@ class HFRolloutEngine:
         self._asleep = False
         self._seed_source = torch.Generator().manual_seed(seed)
         self.recorder = GateRecorder(self.model, tuple(routing_layers)) if routing_layers else None
+        self._abort = threading.Event()
+        self._params = dict(self.model.named_parameters())
+
+    @classmethod
+    def from_config(cls, hf_dir: str, config: EngineConfig, device: torch.device) -> "HFEngine":
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"rollout.backend={config.backend!r} runs one engine per rank: "
+                             f"rollout.tensor_parallel_size must be 1, got {config.tensor_parallel_size}")
+        engine = cls(hf_dir, dtype=torch_dtype(config.dtype), device=device, seed=config.seed,
+                     max_model_len=config.max_model_len, routing_layers=config.routing_layers)
+        engine.config = config
+        return engine
 
     # ---- generation ---------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]]) -> None:
@@ -143,6 +134,7 @@ class HFRolloutEngine:
         """Samples ``sampling.n`` responses for each prompt (token ids)."""
         sampling.validate(len(prompts))
         self._check_prompts(prompts)
+        self._abort.clear()
         if sampling.seed is None and sampling.prompt_seeds is None:
             base = int(torch.randint(0, 2**62, (), generator=self._seed_source))  # host: the engine's CPU generator
             sampling = dataclasses.replace(sampling, seed=base)
@@ -195,26 +187,30 @@ class HFRolloutEngine:
         finally:
             self.recorder.active = False
 
-    def _decode_rows(self, prompts, seeds, sampling, stop_ids):
+    def _prefill(self, prompts: list[list[int]], n: int, steps: int):
+        """Left-padded prompts run once; their logits and KV cache repeated for the ``n`` samples of each.
+        Returns (last logits, attention mask with room for ``steps`` tokens, cache, prompt routing)."""
         from transformers import DynamicCache
 
-        dev, n = self.device, sampling.n
-        lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(n)
-        limits = (self.max_model_len - lens).clamp(max=sampling.max_new_tokens)
-        width, steps, rows = int(lens.max()), int(limits.max()), len(seeds)
+        width = max(len(p) for p in prompts)
         # host: built on the host, then moved to the device in one copy each
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # host: as above
         mask = torch.zeros((len(prompts), width + steps), dtype=torch.long)  # host: as above
         for i, p in enumerate(prompts):  # left padding: every row's next token goes to column width + t
             ids[i, width - len(p):] = torch.tensor(list(map(int, p)))  # host: as above
             mask[i, width - len(p):width] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        # each prompt is prefilled once; its n samples share that prefix
         logits, prompt_routing = self._forward(ids, mask[:, :width], _positions(mask[:, :width]), cache)
-        logits = logits.repeat_interleave(n, 0)
         cache.batch_repeat_interleave(n)
-        mask = mask.repeat_interleave(n, 0)
+        return logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), cache, prompt_routing
+
+    def _decode_rows(self, prompts, seeds, sampling, stop_ids):
+        dev, n = self.device, sampling.n
+        lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(n)
+        limits = (self.max_model_len - lens).clamp(max=sampling.max_new_tokens)
+        width, steps, rows = int(lens.max()), int(limits.max()), len(seeds)
+        logits, mask, cache, prompt_routing = self._prefill(prompts, n, steps)
         gens = None
         if sampling.temperature > 0:
             gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
@@ -222,7 +218,7 @@ class HFRolloutEngine:
         tokens = torch.full((rows, steps), self.pad_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=dev)
         length = torch.zeros(rows, dtype=torch.long, device=dev)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
+        reason = torch.zeros(rows, dtype=torch.long, device=dev)  # index into _REASONS
         live = torch.arange(rows, device=dev)  # the original row of each batch row
         routing = None if prompt_routing is None else torch.full((rows, steps, *prompt_routing.shape[2:]), -1,
                                                                   dtype=prompt_routing.dtype, device=dev)
@@ -233,7 +229,10 @@ class HFRolloutEngine:
             going = (length[live] == 0) & ~hit & (t + 1 < limits[live])
             ended = (length[live] == 0) & ~going
             length[live[ended]] = t + 1
-            stopped[live[ended]] = hit[ended]
+            reason[live[ended]] = hit[ended].long()  # 1: stop, 0: length
+            if self._abort.is_set():  # the rows still going keep their tokens so far
+                length[live[going]], reason[live[going]] = t + 1, 2
+                break
             alive = int(going.sum())
             if alive == 0:
                 break
@@ -249,9 +248,8 @@ class HFRolloutEngine:
             if routing is not None:  # the routing of the token fed: response token t
                 routing[live, t] = step_routing[:, 0]
         tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
-        length, stopped = length.cpu().tolist(), stopped.cpu().tolist()
-        results = [(tokens[r][:length[r]], logprobs[r][:length[r]], "stop" if stopped[r] else "length")
-                   for r in range(rows)]
+        length, reason = length.cpu().tolist(), reason.cpu().tolist()
+        results = [(tokens[r][:length[r]], logprobs[r][:length[r]], _REASONS[reason[r]]) for r in range(rows)]
         if routing is None:
             return results, []
         return results, self._records(prompts, prompt_routing.cpu(), routing.cpu(), length, n)
@@ -285,10 +283,15 @@ class HFRolloutEngine:
         tok = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
 
-    @torch.inference_mode()
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens 1..L-1 of each sequence given its prefix (teacher forcing, temperature 1)."""
         self._check_prompts(sequences)
+        return self.teacher_forced(sequences, 1.0)
+
+    @torch.inference_mode()
+    def teacher_forced(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        """``log_softmax(logits / temperature)`` of tokens 1..L-1 of each sequence given its prefix, fp32,
+        in chunks whose logits stay within a fixed number of elements."""
         result: list[list[float]] = []
         start = 0
         while start < len(sequences):
@@ -298,11 +301,11 @@ class HFRolloutEngine:
                 if end > start and (end + 1 - start) * longest_with * self.vocab_size > _LOGIT_BUDGET:
                     break
                 end, longest = end + 1, longest_with
-            result += self._teacher_forced(sequences[start:end], longest)
+            result += self._teacher_forced(sequences[start:end], longest, temperature)
             start = end
         return result
 
-    def _teacher_forced(self, sequences: list[list[int]], width: int) -> list[list[float]]:
+    def _teacher_forced(self, sequences: list[list[int]], width: int, temperature: float) -> list[list[float]]:
         # right padding: causal attention keeps every real token from seeing the pads after it
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)  # host: moved in one copy below
         mask = torch.zeros((len(sequences), width), dtype=torch.long)  # host: as above
@@ -311,15 +314,16 @@ class HFRolloutEngine:
             mask[i, :len(s)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
-        lps = logits[:, :-1].float().log_softmax(dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().tolist()
+        logits = logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lps = logits.log_softmax(dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().tolist()
         return [row[:len(s) - 1] for row, s in zip(lps, sequences)]
 
-    # ---- weights and memory -------------------------------------------------------------------------
-    def fused_parameters(self) -> dict[str, list[str]]:
-        """No module fuses differently named HF tensors (vLLM's ``qkv_proj``); fused experts are in
-        :meth:`placement`."""
-        return {}
+    def abort(self) -> None:
+        self._abort.set()
 
+    # ---- weights and memory -------------------------------------------------------------------------
     def placement(self, hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
         """Each HF tensor's place in the engine, ``hf_name -> (parameter, element offset)``
         (:func:`checkpoint_layout`); for the trainer's prediction of the engine's fingerprints."""
@@ -327,25 +331,34 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Copies ``(hf_name, full tensor)`` pairs into the parameters holding those checkpoint tensors;
-        returns the fingerprints of the parameters afterwards
-        (:func:`~megarlhf.rollout.engine_weights.parameter_report`).
-
-        A tied LM head has no parameter of its own (it is the embedding), so ``lm_head.weight`` is an
-        unknown name there. Tensors are copied (converted to the engine's dtype and device), never kept.
-        """
-        params = dict(self.model.named_parameters())
+        """Copies each tensor into place as it arrives (nothing is kept); the report of the parameters after."""
         for name, tensor in weights:
-            if name not in self.layout:
-                tied = " (the model ties its LM head to the embedding)" if name == "lm_head.weight" else ""
-                raise ValueError(f"HF rollout engine: load_weights got {name!r}, which is not a tensor of the "
-                                 f"model's checkpoint{tied}")
-            param_name, offset, shape = self.layout[name]
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"HF rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
-                                 f"the model's is {shape}")
-            params[param_name].view(-1)[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+            self._copy_in(name, tensor)
+        return self.finish_load()
+
+    def begin_load(self) -> None:
+        """Nothing to prepare: tensors are copied in place as they arrive."""
+
+    @torch.no_grad()
+    def load_bucket(self, bucket: WeightBucket) -> None:
+        for name, tensor in bucket.tensors():
+            self._copy_in(name, tensor)
+
+    def finish_load(self) -> dict:
         return parameter_report(self.model, None, self.model.dtype)
+
+    def _copy_in(self, name: str, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor into the parameter holding it (converted to its dtype and device). A tied LM
+        head has no parameter of its own (it is the embedding), so ``lm_head.weight`` is unknown there."""
+        if name not in self.layout:
+            tied = " (the model ties its LM head to the embedding)" if name == "lm_head.weight" else ""
+            raise ValueError(f"HF rollout engine: load_weights got {name!r}, which is not a tensor of the "
+                             f"model's checkpoint{tied}")
+        param_name, offset, shape = self.layout[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"HF rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
+                             f"the model's is {shape}")
+        self._params[param_name].view(-1)[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
 
     def checkpoint_report(self) -> dict:
         """The fingerprints of the parameters as loaded from the checkpoint (by transformers' own loader,
@@ -360,10 +373,11 @@ class HFRolloutEngine:
             self._asleep = True
 
     def wake_up(self, tags: list[str]) -> None:
-        """Re-allocates ``tags`` ("weights", "kv_cache"); the KV cache lives only inside ``generate``."""
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"HFRolloutEngine.wake_up: unknown tags {sorted(unknown)}")
+        """Re-allocates the weights; the KV cache lives only inside ``generate``."""
+        super().wake_up(tags)
         if self.sleep_supported and "weights" in tags:
             self.model.to(self.device)
             self._asleep = False
+
+
+ENGINES.register("hf")(EngineSpec(build=HFEngine.from_config))

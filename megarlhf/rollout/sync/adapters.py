@@ -2,7 +2,7 @@
 the adapters, verified bit for bit where its LoRA kernels read them.
 
 Chosen by ``rollout.weight_sync.lora: adapter`` (the default, ``merged``, sends ``W + s B A`` into a
-plain engine through :mod:`megarlhf.rollout.weight_sync`). The trade-off, measured in
+plain engine through :mod:`megarlhf.rollout.sync.weights`). The trade-off, measured in
 ``bench/bench_lora_sync.py``: a sync moves ~1-3% of the bytes, but every generated token then runs vLLM's
 LoRA kernels on top of the base GEMMs.
 
@@ -13,14 +13,14 @@ One sync (collective over the trainer ranks):
    vLLM loads adapters from a directory, and written as a PEFT adapter directory of this rank's own in
    memory-backed storage (``/dev/shm`` where it exists; the host copy is of the adapters only);
 2. the engine loads it under a new adapter id, drops the previous one and its prefix cache
-   (:meth:`~megarlhf.rollout.engine.RolloutEngine.load_adapter`), and fingerprints the adapter slot its
-   LoRA kernels read in every LoRA layer (:func:`~megarlhf.rollout.engine_weights.adapter_report`);
+   (:meth:`~megarlhf.rollout.engines.api.RolloutEngine.load_adapter`), and fingerprints the adapter slot its
+   LoRA kernels read in every LoRA layer (:func:`~megarlhf.rollout.engines.weights.adapter_report`);
 3. the trainer predicts those fingerprints (:func:`expected_slots`) from the host tensors it wrote, doing
    what vLLM does to them: cast to the engine's dtype, fold the scale ``alpha / rank`` into B (one
-   rounding in that dtype), pad both factors to the engine's ``max_lora_rank`` with zeros, and keep one
+   rounding in that dtype), pad both factors to the rank of the engine's adapter slot with zeros, and keep one
    slice per HF projection of a fused layer (``qkv_proj``: q, k, v). Compared exactly: a missing, stale,
    rescaled or misplaced adapter, or one the trainer did not send, stops the run with a
-   :class:`~megarlhf.rollout.weight_sync.WeightSyncError` naming it;
+   :class:`~megarlhf.rollout.sync.weights.WeightSyncError` naming it;
 4. the probe forward, as after a merged sync: the engine scores the probe through its LoRA kernels.
 
 The disaggregated placement (:mod:`megarlhf.rollout.disaggregated`) sends the same tensors from the
@@ -29,7 +29,7 @@ trainers' device as one bucket to every engine rank, which writes and loads them
 
 The base weights are never sent: they are frozen, and the gates' calibration proves before the first sync
 that the engine's own load of ``model.path`` equals the trainer's conversion of it bit for bit (with the
-adapters off: :func:`megarlhf.rollout.calibration.trainer_fingerprints`).
+adapters off: :func:`megarlhf.rollout.sync.calibration.trainer_fingerprints`).
 """
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megarlhf.rollout.fingerprint import fingerprint, to_host
-from megarlhf.rollout.weight_sync import WeightSync, hex_fingerprint, sync_metrics
+from megarlhf.rollout.engines.api import ENGINES
+from megarlhf.rollout.engines.fingerprint import fingerprint, to_host
+from megarlhf.rollout.sync.weights import WeightSync, hex_fingerprint, sync_metrics
 from model_providers import get_provider
 from model_providers.peft_adapter import PEFT_PREFIX, peft_config, peft_tensors, target_modules, write_peft_adapter
 
@@ -52,7 +53,7 @@ SLOTS_CHECK = "fingerprints of the engine's LoRA adapter slots"
 
 
 def engine_slot_name(peft_name: str, fused: dict[str, list[str]]) -> str:
-    """The name :func:`~megarlhf.rollout.engine_weights.adapter_report` gives the slot that holds the PEFT
+    """The name :func:`~megarlhf.rollout.engines.weights.adapter_report` gives the slot that holds the PEFT
     tensor ``peft_name``: ``base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight`` ->
     ``model.layers.0.self_attn.qkv_proj.lora_b.1`` (``fused``: the engine's fused modules and their parts)."""
     module, factor, leaf = peft_name.removeprefix(PEFT_PREFIX).rsplit(".", 2)
@@ -98,6 +99,14 @@ def slot_problems(expected: dict[str, tuple[int, int]], report: dict) -> list[st
 def adapter_only(config) -> bool:
     """Whether a run's engines receive LoRA adapters rather than merged weights (``rollout.weight_sync.lora``)."""
     return config.model.lora is not None and config.rollout.weight_sync.lora == "adapter"
+
+
+def adapter_slot_rank(config) -> int:
+    """The rank of the adapter slot the run's engines keep for ``model.lora`` (their kernels pad with zeros)."""
+    spec = ENGINES.get(config.rollout.backend)
+    if spec.adapter_rank is None:
+        raise ValueError(f"adapter sync: rollout.backend={config.rollout.backend!r} does not load adapters alone")
+    return spec.adapter_rank(config.model.lora.rank)
 
 
 def engine_lora(config) -> dict:
@@ -160,15 +169,13 @@ def adapter_metrics(host: dict[str, torch.Tensor], seconds: float) -> dict[str, 
 
 
 class AdapterSync(WeightSync):
-    """Sends the actor's LoRA adapters to a LoRA-enabled colocated vLLM engine and proves they arrived
-    (module docstring); the engine must have been built with ``max_lora_rank`` > 0."""
+    """Sends the actor's LoRA adapters to a LoRA-enabled colocated engine and proves they arrived (module
+    docstring); the engine must have been built with ``lora_rank`` > 0 (:func:`engine_lora`)."""
 
     def __init__(self, engine, actor, config):
         super().__init__(engine, actor, config)
         self.lora = config.model.lora
-        self.max_rank = engine.config.max_lora_rank
-        if not self.max_rank:
-            raise ValueError("adapter sync: the rollout engine was built without LoRA (max_lora_rank=0)")
+        self.max_rank = adapter_slot_rank(config)
         self.directory = AdapterDirectory()
         self.adapter_config = peft_config(actor.provider, self.lora, config.model.path)
 

@@ -1,4 +1,4 @@
-"""Rank script of tests/loops/test_run_checkpoint.py.
+"""Rank script of tests/run/test_checkpointer.py.
 
 Usage: _worker_run_checkpoint.py MODE OUT_DIR MODEL_DIR CRITIC_DIR WORK_DIR [DP2_WORK_DIR KILL_DIR]
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.testing.launch import write_rank_result
-from parallel.config import ParallelConfig
+from megarlhf.config.parallel import ParallelConfig
 from parallel.runtime import init_parallel, seed_everything
 
 PROMPT_LENGTHS = (5, 3, 7, 4, 2, 6, 3, 5)
@@ -44,9 +44,10 @@ HOLD = None  # set by main: while this file exists, background checkpoint writes
 
 
 def make_config(model_dir: str, critic_dir: str, ckpt_dir: Path, distributed: bool = True, **checkpoint):
-    from megarlhf.config.schema import (CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig,
-                                        TrainConfig)
-    from megarlhf.data.source import DataConfig
+    from megarlhf.config.train import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+    from megarlhf.config.model import ModelConfig
+    from megarlhf.config.schema import RunConfig
+    from megarlhf.config.data import DataConfig
 
     config = RunConfig(
         model=ModelConfig(path=model_dir, dtype="float32", critic_path=critic_dir),
@@ -63,7 +64,8 @@ def make_config(model_dir: str, critic_dir: str, ckpt_dir: Path, distributed: bo
 
 def global_batch(step: int):
     """The step's global experience batch (GRPO advantages from the registry) and fixed noise [B, L]."""
-    from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs
+    from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+    from megarlhf.config.algorithm import AdvantageConfig
     from megarlhf.learner import ExperienceBatch
 
     g = torch.Generator().manual_seed(step)
@@ -149,7 +151,7 @@ def equivalence(config_fn, label: str) -> dict:
     """Uninterrupted 4 steps vs 2 + save + rebuild + resume + 2 (see the module docstring). With
     ``checkpoint.async_save`` the interrupted run also takes steps 3 and 4 while its save is written."""
     from megarlhf.checkpoint.distributed import is_complete_checkpoint
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     seed_everything(1234)
     perturb_rng_per_rank()
@@ -218,7 +220,7 @@ def hold_background_writes(hold: Path) -> None:
 def publish_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
     """Rank 0 cannot write the completion marker (a full disk): every rank gets an error, none waits."""
     import megarlhf.checkpoint.distributed as distributed
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, work / "publish_failure")
     models = actor_only(config)
@@ -248,12 +250,12 @@ def dp2_mode(model_dir: str, critic_dir: str, work: Path) -> dict:
 def reshard_check(model_dir: str, critic_dir: str, dp2_work: Path, work: Path) -> dict:
     """Resume the DP=2 checkpoint (step 2) at DP=1 and take steps 3 and 4 on the same global batches."""
     from megarlhf.checkpoint.distributed import CheckpointError, load_rank_state
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("megarlhf.loops.run_checkpoint").addHandler(handler)
+    logging.getLogger("megarlhf.run.checkpointer").addHandler(handler)
     config = make_config(model_dir, critic_dir, work / "reshard", resume=str(dp2_work / "checkpoints" / "step_2"))
     models = build(config)
     extra = RunCheckpointer(config, models).resume()
@@ -308,7 +310,7 @@ def error_of(fn) -> str | None:
 
 def selection_checks(model_dir: str, critic_dir: str, work: Path, with_critic_ckpt: str) -> dict:
     """Never-stepped optimizer round trip, keep_last pruning, resume selection and its errors."""
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     out = {}
     ckpt = work / "select"
@@ -350,7 +352,7 @@ def selection_checks(model_dir: str, critic_dir: str, work: Path, with_critic_ck
 
 def after_kill(model_dir: str, critic_dir: str, kill_dir: Path) -> dict:
     """The killed save left step_1 loadable; saving step_2 again clears the partial one."""
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, kill_dir / "checkpoints", every=1, keep_last=3)
     models = actor_only(config)
@@ -366,7 +368,7 @@ def after_kill(model_dir: str, critic_dir: str, kill_dir: Path) -> dict:
 def async_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
     """checkpoint.async_save: the next save publishes the one in flight first; a background write that
     fails (its directory removed under the writer) is reported and not published."""
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, work / "async_failure", every=1, async_save=True)
     models = actor_only(config)
@@ -386,7 +388,7 @@ def async_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
 
 def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
     import megarlhf.checkpoint.distributed as distributed
-    from megarlhf.loops.run_checkpoint import RunCheckpointer
+    from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, work / "checkpoints", every=1, keep_last=3)
     models = actor_only(config)

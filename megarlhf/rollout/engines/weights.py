@@ -1,6 +1,6 @@
 """The engine side of the verified weight sync: fingerprints of the parameters a vLLM model computes with.
 
-After a reload, :func:`parameter_report` fingerprints (:mod:`megarlhf.rollout.fingerprint`) every
+After a reload, :func:`parameter_report` fingerprints (:mod:`megarlhf.rollout.engines.fingerprint`) every
 parameter of the engine's model as its kernels read it, in the engine's own layout (vLLM fuses
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; :func:`fused_parameters`
 tells the trainer how, so it can predict those fingerprints from the HF tensors it sends).
@@ -15,7 +15,7 @@ reads the same values), else as it is (:func:`as_model_dtype`). A layer with suc
 processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that never
 arrived) is reported as a problem: its kernels may still use the previous weights.
 
-With LoRA enabled (adapter-only sync, :mod:`megarlhf.rollout.adapter_sync`) vLLM wraps each linear layer
+With LoRA enabled (adapter-only sync, :mod:`megarlhf.rollout.sync.adapters`) vLLM wraps each linear layer
 as ``<layer>.base_layer``; reports name parameters without that segment, as the HF checkpoint does, and
 :func:`adapter_report` fingerprints the adapter slot the engine's LoRA kernels read.
 
@@ -25,11 +25,12 @@ vLLM's process boundary (disaggregated placement) as it is.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
-from megarlhf.rollout.fingerprint import fingerprint, fingerprint_many, to_host
+from megarlhf.rollout.engines.fingerprint import fingerprint, fingerprint_many, to_host
 
 
 LORA_WRAPPER = ".base_layer."  # vLLM's LoRA layer keeps the layer it wraps under this name
@@ -256,3 +257,26 @@ def adapter_report(lora_manager, lora_id: int) -> dict:
                 prints[f"{module_name}.{part}.{index}"] = fingerprint(buffer[slot])
     return {"adapters": {n: list(v) for n, v in to_host(prints).items()}, "problems": [],
             "seconds": time.perf_counter() - start}
+
+
+def fused_placement(hf_shapes: dict[str, tuple[int, ...]], fused: dict[str, list[str]]
+                     ) -> dict[str, tuple[str, int]]:
+    """Each HF tensor's place in the engine: ``hf_name -> (engine parameter, element offset)``. A part of
+    a fused module (``fused``: e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``) sits after its
+    preceding parts, concatenated along the first dimension; every other tensor is its own parameter."""
+    part_of = {part: (name, index) for name, parts in fused.items() for index, part in enumerate(parts)}
+    placement = {}
+    for name in hf_shapes:
+        path = name.split(".")
+        if len(path) < 2 or path[-2] not in part_of:
+            placement[name] = (name, 0)
+            continue
+        fused_name, index = part_of[path[-2]]
+        before = [".".join(path[:-2] + [part, path[-1]]) for part in fused[fused_name][:index]]
+        missing = [b for b in before if b not in hf_shapes]
+        if missing:
+            raise ValueError(f"weight sync: the engine fuses {fused[fused_name]} into {fused_name}, but the "
+                             f"checkpoint has {name} without {missing}")
+        offset = sum(math.prod(hf_shapes[b]) for b in before)
+        placement[name] = (".".join(path[:-2] + [fused_name, path[-1]]), offset)
+    return placement

@@ -16,7 +16,7 @@ and each prompt's position in the global batch: the same for any parallel layout
 Every trainer rank calls ``generate`` together, with or without prompts of its own (the weight sync
 inside is collective): a rank with nothing to generate still takes part.
 
-Building a phase calibrates the verification gates (:mod:`megarlhf.rollout.gates`) while the engines hold the
+Building a phase calibrates the verification gates (:mod:`megarlhf.rollout.sync.gates`) while the engines hold the
 checkpoint they loaded and the actor the same one: build it before a resume loads other weights. Its
 ``tolerances`` are then the run's; ``calibration`` holds the calibration's metrics.
 """
@@ -28,22 +28,23 @@ import torch
 
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample, uses_chat_template
-from megarlhf.rollout.adapter_sync import AdapterSync, adapter_only, engine_lora
-from megarlhf.rollout.routing import engine_routing
-from megarlhf.rollout.calibration import calibrate_colocated
-from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
-from megarlhf.rollout.config import SamplingConfig
-from megarlhf.rollout.disaggregated import DisaggregatedRollout
-from megarlhf.rollout.batch import RolloutBatch
-from megarlhf.rollout.engine import EngineConfig, make_engine
-from megarlhf.rollout.multi_turn import MultiTurnRollout
-from megarlhf.rollout.weight_sync import WeightSync
 from megarlhf.learner import TrainModel
+from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
+from megarlhf.rollout.disaggregated.engine_side import EngineServer
+from megarlhf.rollout.disaggregated.protocol import Channel
+from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
+from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig, build_engine
+from megarlhf.rollout.engines.routing import engine_routing
+from megarlhf.rollout.multi_turn import MultiTurnRollout
+from megarlhf.rollout.sync.adapters import AdapterSync, adapter_only, engine_lora
+from megarlhf.rollout.sync.calibration import calibrate_colocated
+from megarlhf.rollout.sync.weights import WeightSync
 from parallel.runtime import Runtime
+
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.calibration`):
+    """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.sync.calibration`):
     the run's first prompts (token ids; none: the probe's floor sets the step-0 tolerances) and the
     rollout's stop tokens."""
 
@@ -68,7 +69,7 @@ class RolloutPhase:
     def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel],
                  multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
         self.runtime, self.multi_turn = actor.runtime, multi_turn
-        self.engine = make_engine(config.model.path, engine_config(config), self.runtime.device)
+        self.engine = build_engine(config.model.path, engine_config(config), self.runtime.device)
         self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
         self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
@@ -130,7 +131,8 @@ class DisaggregatedPhase:
     evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
 
     def __init__(self, config: RunConfig, actor: TrainModel, calibration: Calibration = Calibration()):
-        self.rollout = DisaggregatedRollout(config, actor.runtime, actor)
+        channel = Channel(actor.runtime, config.rollout.placement.num_trainer_ranks(actor.runtime.launch.world_size))
+        self.rollout = RemoteEngines(config, channel, actor, adapter_only=adapter_only(config))
         self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
         self.runtime = actor.runtime
         self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
@@ -189,7 +191,19 @@ class DisaggregatedPhase:
 
 def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     """An engine rank of the disaggregated placement: serves the trainers until they stop it."""
-    DisaggregatedRollout(config, runtime).serve()
+    channel = Channel(runtime, config.rollout.placement.num_trainer_ranks(runtime.launch.world_size))
+    engine = build_engine(config.model.path, engine_config(config, in_process=False), runtime.device)
+    multi_turn = None
+    if config.rollout.env is not None:  # the trainers loaded the same tokenizer already
+        from transformers import AutoTokenizer
+
+        multi_turn = _multi_turn(config, AutoTokenizer.from_pretrained(config.model.path))
+    EngineServer(channel, engine, multi_turn, adapter_only=adapter_only(config)).serve()
+
+
+def _multi_turn(config: RunConfig, tokenizer) -> MultiTurnRollout:
+    return MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
+                            config.rollout.max_new_tokens, config.rollout.response_budget)
 
 
 def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[TrainModel], tokenizer=None,
@@ -203,6 +217,5 @@ def build_rollout_phase(config: RunConfig, actor: TrainModel, others: list[Train
     if config.rollout.env is not None:
         if tokenizer is None:
             raise ValueError("build_rollout_phase: rollout.env (multi-turn rollouts) needs the tokenizer")
-        multi_turn = MultiTurnRollout(config.rollout.env, tokenizer, uses_chat_template(tokenizer, config.data),
-                                      config.rollout.max_new_tokens, config.rollout.response_budget)
+        multi_turn = _multi_turn(config, tokenizer)
     return RolloutPhase(config, actor, others, multi_turn, calibration)

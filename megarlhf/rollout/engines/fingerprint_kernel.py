@@ -1,4 +1,4 @@
-"""The fingerprint of :mod:`megarlhf.rollout.fingerprint` as Triton kernels (the GPU path): one launch per
+"""The fingerprint of :mod:`megarlhf.rollout.engines.fingerprint` as Triton kernels (the GPU path): one launch per
 tensor, or one launch for many staged tensors.
 
 The torch formulation launches about a dozen small kernels per tensor and per chunk (product, row sum,
@@ -13,7 +13,7 @@ Triton's CPU interpreter and on a GPU). Measured by the GPU check on an H200 ove
 against the torch path's 85.5 ms (a device copy of the same tensors: 1.8 ms); what is left is mostly
 the host's per-launch work, one launch per tensor. So :func:`fingerprint_staged` fingerprints many
 small tensors with one copy into a staging buffer and one launch (what a weight sync calls, through
-:func:`megarlhf.rollout.fingerprint.fingerprint_many`).
+:func:`megarlhf.rollout.engines.fingerprint.fingerprint_many`).
 
 Imported only where Triton is importable (CUDA tensors, or ``TRITON_INTERPRET=1`` in tests), because
 Triton decides at import time whether kernels are interpreted.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megarlhf.config import save_config, to_dict
 from megarlhf.config.schema import RunConfig
+from megarlhf.run.checks import check_config
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
@@ -140,6 +141,7 @@ def start_run(config: RunConfig) -> RunContext:
     With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
     ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
     """
+    check_config(config)
     tokenizer = load_tokenizer(config.model.path)
     placement, world = config.rollout.placement, read_launch_env().world_size
     if placement.mode == "disaggregated":

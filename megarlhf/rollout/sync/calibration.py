@@ -1,4 +1,4 @@
-"""The verification gates' calibration at start-up (:mod:`megarlhf.rollout.gates`), for both placements.
+"""The verification gates' calibration at start-up (:mod:`megarlhf.rollout.sync.gates`), for both placements.
 
 Before the first sync the engine holds the checkpoint at ``model.path`` as its own loader read it, and
 the actor the same checkpoint through megarlhf's converter. Calibration then:
@@ -17,7 +17,7 @@ the actor the same checkpoint through megarlhf's converter. Calibration then:
    seeds; at most ``probe_max_length`` new tokens) and the trainer scores the samples: the step-0 gate's
    own measure, on the same kind of tokens.
 
-The floors set the run's tolerances (:func:`megarlhf.rollout.gates.run_tolerances`); a floor mean above the
+The floors set the run's tolerances (:func:`megarlhf.rollout.sync.gates.run_tolerances`); a floor mean above the
 dtype's cap stops the run. Everything here is collective over the trainer ranks, which raise together.
 
 Hand-written because what calibration proves, and in what order, is megarlhf's verification policy.
@@ -28,11 +28,12 @@ import dataclasses
 
 import torch
 
-from megarlhf.rollout.gates import Tolerances, calibration_problems, coarser_dtype, run_tolerances
-from megarlhf.rollout.config import SamplingConfig, rollout_sampling
-from megarlhf.rollout.batch import RolloutBatch
+from megarlhf.rollout.sync.gates import Tolerances, calibration_problems, run_tolerances
+from megarlhf.core.dtypes import coarser_dtype
+from megarlhf.rollout.engines.sampling import SamplingConfig, rollout_sampling
+from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.core.seeds import CALIBRATION_SEED
-from megarlhf.rollout.weight_sync import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
+from megarlhf.rollout.sync.weights import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import adapters_disabled

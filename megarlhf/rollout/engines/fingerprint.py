@@ -1,6 +1,6 @@
 """Bitwise fingerprints of weight tensors, computed with tensor ops on the tensor's own device.
 
-The weight sync (:mod:`megarlhf.rollout.weight_sync`) compares what the trainer sent with the parameters
+The weight sync (:mod:`megarlhf.rollout.sync.weights`) compares what the trainer sent with the parameters
 the engine computes with, bit for bit, without a host copy of the model. A fingerprint is two integers
 modulo ``2**32`` over the tensor's raw bytes:
 
@@ -24,7 +24,7 @@ nothing: zero padding at the end of a parameter (vLLM pads vocabularies) does no
 
 Two implementations give the same bits: tensor ops (two passes over the tensor in int32, a product
 and a row sum, in chunks of ``CHUNK_LANES``: a bounded temporary), and on CUDA one Triton kernel per
-tensor (:mod:`megarlhf.rollout.fingerprint_kernel`: 9.3 ms instead of 85.5 ms for the 0.92 GiB of the
+tensor (:mod:`megarlhf.rollout.engines.fingerprint_kernel`: 9.3 ms instead of 85.5 ms for the 0.92 GiB of the
 Qwen2-0.5B shape in bf16 on an H200, where the tensor ops' time is their launches).
 :func:`fingerprint_many` fingerprints a list of tensors; on the Triton path it copies the small ones into
 one buffer and hashes them with one launch. Neither path synchronises with the host: callers stack the
@@ -90,12 +90,12 @@ def fingerprint(tensor: torch.Tensor, offset: int = 0, backend: str = "auto") ->
     """The fingerprint (int32 [2], on ``tensor.device``; read it with :func:`to_host`) of ``tensor`` placed
     at element ``offset`` of a flat parameter of its dtype (0: the tensor is the whole parameter).
     ``backend``: "torch" (tensor ops, any device), "triton" (one kernel per tensor:
-    :mod:`megarlhf.rollout.fingerprint_kernel`; CUDA, or Triton's interpreter) or "auto" (Triton for CUDA
+    :mod:`megarlhf.rollout.engines.fingerprint_kernel`; CUDA, or Triton's interpreter) or "auto" (Triton for CUDA
     tensors where it is importable). Both give the same bits."""
     _check_backend(backend)
     words, start = _words(tensor, offset)
     if _on_triton(words, backend):
-        from megarlhf.rollout.fingerprint_kernel import fingerprint_words
+        from megarlhf.rollout.engines.fingerprint_kernel import fingerprint_words
 
         return fingerprint_words(words, start, _constants(words.device)[0], _kernel_row_weights(words.device), ROW)
     acc = _Accumulator(words.device)
@@ -120,7 +120,7 @@ def fingerprint_many(pairs: list[tuple[torch.Tensor, int]], backend: str = "auto
     On the Triton path a model's hundreds of tensors cost launches, not bytes (module docstring), so
     tensors of one device are fingerprinted together: staged (copied once) into a buffer of at most
     ``STAGING_BYTES`` and hashed by one kernel launch per buffer
-    (:func:`~megarlhf.rollout.fingerprint_kernel.fingerprint_staged`). A tensor of more than half that size
+    (:func:`~megarlhf.rollout.engines.fingerprint_kernel.fingerprint_staged`). A tensor of more than half that size
     needs no batching and is fingerprinted alone, in place. On the torch path: one :func:`fingerprint`
     per tensor."""
     _check_backend(backend)
@@ -129,7 +129,7 @@ def fingerprint_many(pairs: list[tuple[torch.Tensor, int]], backend: str = "auto
     size = 0
 
     def flush():
-        from megarlhf.rollout.fingerprint_kernel import fingerprint_staged
+        from megarlhf.rollout.engines.fingerprint_kernel import fingerprint_staged
 
         words = [_words(*pairs[i]) for i in batch]
         device = words[0][0].device

@@ -2,7 +2,7 @@
 
 Three checks stop a run whose rollout engine does not run the model being trained:
 
-* **weight-sync probe** (every sync, :mod:`megarlhf.rollout.weight_sync`): engine vs trainer log-probs
+* **weight-sync probe** (every sync, :mod:`megarlhf.rollout.sync.weights`): engine vs trainer log-probs
   of fixed random sequences, teacher-forced;
 * **step-0 log-prob gap** (:func:`megarlhf.loops.experience.score`): the trainer's log-probs of the
   first rollout vs the engine's own, before any update;
@@ -18,7 +18,7 @@ picks a row of :data:`FLOORS`. In float32 the floors are the tolerances. In bflo
 engine grows with the model (depth, logit scale), so a fixed number cannot both pass a real model and
 catch a broken sync: the gates are *calibrated* once per run, before the first sync, while the engine
 holds the checkpoint it loaded itself (its own loader) and the trainer the same checkpoint
-(:mod:`megarlhf.rollout.calibration`). First the two sides' weights are compared bit for bit (a
+(:mod:`megarlhf.rollout.sync.calibration`). First the two sides' weights are compared bit for bit (a
 conversion error of one ulp stops the run there, so no weight fault can raise the floors below); then
 their log-prob gaps are the pair's rounding noise, measured twice:
 
@@ -50,10 +50,10 @@ Hand-written because the gates and their tolerances are megarlhf's own verificat
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from megarlhf.config.train import GateConfig
+from megarlhf.core.dtypes import coarser_dtype
 
 MEAN_FACTOR, MAX_FACTOR = 3.0, 5.0
-# The coarser dtype first: a pair of dtypes is judged by the coarser one.
-_COARSENESS = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -73,28 +73,6 @@ FLOORS: dict[str, Tolerances] = {
 }
 # The largest mean gap between a trainer and an engine that both loaded the checkpoint themselves
 CALIBRATION_CAPS = {"float32": 1e-3, "bfloat16": 0.5}
-
-
-@dataclass
-class GateConfig:
-    """Tolerances set by hand (``null``: the rule's value; see the module docstring)."""
-
-    probe_max: float | None = None
-    probe_mean: float | None = None
-    step0_max: float | None = None
-    step0_mean: float | None = None
-    step0_ppo_kl: float | None = None
-
-    def __post_init__(self):
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value is not None and not value > 0:
-                raise ValueError(f"GateConfig.{field.name} must be > 0 or null, got {value}")
-
-
-def coarser_dtype(*names: str) -> str:
-    """The coarsest of the dtype names (the one whose rounding dominates a comparison)."""
-    return next(name for name in _COARSENESS if name in names)
 
 
 def resolve_tolerances(model_dtype: str, rollout_dtype: str, overrides: GateConfig,

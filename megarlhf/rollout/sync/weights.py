@@ -8,11 +8,11 @@
    tensor larger than that travels alone), so at most one bucket of full tensors is alive at a time.
 2. The buckets are handed to the engine's in-place ``load_weights`` (one call for the whole stream).
 3. Bitwise verification at the engine's parameters: as each bucket leaves, the trainer fingerprints
-   its tensors (:mod:`megarlhf.rollout.fingerprint`, on their device; on a GPU one Triton launch for
+   its tensors (:mod:`megarlhf.rollout.engines.fingerprint`, on their device; on a GPU one Triton launch for
    many tensors) cast to the engine's dtype, each at its place in the engine's parameter
    (:class:`ExpectedFingerprints`: vLLM fuses ``q/k/v`` and ``gate/up``); after loading and
    processing, the engine fingerprints the parameters its kernels use
-   (:mod:`megarlhf.rollout.engine_weights`). Both sides are read to the host once, as one small
+   (:mod:`megarlhf.rollout.engines.weights`). Both sides are read to the host once, as one small
    array each, and compared exactly: no tolerance, any dtype. A missing, extra, altered or stale
    parameter (a dropped bucket, post-load processing that did not run) stops the run with a
    :class:`WeightSyncError` naming it.
@@ -21,9 +21,9 @@
    the positions the run uses are scored: past RoPE scaling boundaries and sliding windows) vs the
    trainer's, through
    the trainer's own scoring path (:func:`megarlhf.learner.compute_logprobs`, the packed forward that
-   training uses), gated by the tolerances of :mod:`megarlhf.rollout.gates` (max and mean gap); this catches
+   training uses), gated by the tolerances of :mod:`megarlhf.rollout.sync.gates` (max and mean gap); this catches
    what fingerprints cannot (a kernel that reads correct weights wrongly). The gates are
-   calibrated once, before the first sync (:mod:`megarlhf.rollout.calibration`), with the same probe
+   calibrated once, before the first sync (:mod:`megarlhf.rollout.sync.calibration`), with the same probe
    while the engine still holds the checkpoint it loaded itself.
 
 The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
@@ -35,52 +35,30 @@ the engines do the loading and Megatron the gathering.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Iterable, Iterator
 
 import torch
 
 from megarlhf.core.dtypes import torch_dtype
-from megarlhf.rollout.gates import Tolerances, gap_problems, run_tolerances
-from megarlhf.rollout.config import WeightSyncConfig
-from megarlhf.rollout.fingerprint import combine, fingerprint_many, to_host
+from megarlhf.rollout.sync.gates import Tolerances, gap_problems, run_tolerances
+from megarlhf.config.rollout import WeightSyncConfig
+from megarlhf.rollout.engines.fingerprint import combine, fingerprint_many, to_host
 from megarlhf.core.seeds import PROBE_SEED
 from model_providers.hf_checkpoint import iter_hf_weights
 from parallel.lora import merge_rounding
 
+
+SYNC_CHECK = "fingerprints of the engine's parameters"
 
 
 class WeightSyncError(RuntimeError):
     """The engine's weights are not the trainer's after a sync; the message names what differs."""
 
 
-def engine_placement(hf_shapes: dict[str, tuple[int, ...]], fused: dict[str, list[str]]
-                     ) -> dict[str, tuple[str, int]]:
-    """Each HF tensor's place in the engine: ``hf_name -> (engine parameter, element offset)``. A part of
-    a fused module (``fused``: e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``) sits after its
-    preceding parts, concatenated along the first dimension; every other tensor is its own parameter."""
-    part_of = {part: (name, index) for name, parts in fused.items() for index, part in enumerate(parts)}
-    placement = {}
-    for name in hf_shapes:
-        path = name.split(".")
-        if len(path) < 2 or path[-2] not in part_of:
-            placement[name] = (name, 0)
-            continue
-        fused_name, index = part_of[path[-2]]
-        before = [".".join(path[:-2] + [part, path[-1]]) for part in fused[fused_name][:index]]
-        missing = [b for b in before if b not in hf_shapes]
-        if missing:
-            raise ValueError(f"weight sync: the engine fuses {fused[fused_name]} into {fused_name}, but the "
-                             f"checkpoint has {name} without {missing}")
-        offset = sum(math.prod(hf_shapes[b]) for b in before)
-        placement[name] = (".".join(path[:-2] + [fused_name, path[-1]]), offset)
-    return placement
-
-
 class ExpectedFingerprints:
     """The trainer's prediction of the engine's parameter fingerprints, built as tensors are sent: each
-    HF tensor cast to the engine's ``dtype`` and fingerprinted at its place (:func:`engine_placement`)."""
+    HF tensor cast to the engine's ``dtype`` and fingerprinted at its place (:func:`~megarlhf.rollout.engines.weights.fused_placement`)."""
 
     def __init__(self, placement: dict[str, tuple[str, int]], dtype: torch.dtype):
         self.placement, self.dtype = placement, dtype
@@ -114,7 +92,7 @@ def hex_fingerprint(value) -> str:
 
 def compare_fingerprints(expected: dict[str, tuple[int, int]], report: dict) -> list[str]:
     """Human-readable differences between the trainer's expected fingerprints and an engine's
-    :func:`~megarlhf.rollout.engine_weights.parameter_report` (empty: bitwise identical)."""
+    :func:`~megarlhf.rollout.engines.weights.parameter_report` (empty: bitwise identical)."""
     problems, held = list(report["problems"]), set()
     for kind, how in (("parameters", "as the engine holds it"), ("processed", "as processed for its kernels")):
         for name, value in report[kind].items():
@@ -244,7 +222,7 @@ class WeightSync:
     """Pushes the actor's weights into a colocated ``engine`` and proves they arrived (module docstring).
 
     ``config`` is the run's ``RunConfig``. ``tolerances`` are the gates' (set by
-    :func:`megarlhf.rollout.calibration.calibrate_colocated`)."""
+    :func:`megarlhf.rollout.sync.calibration.calibrate_colocated`)."""
 
     def __init__(self, engine, actor, config):
         self.engine, self.actor, self.config = engine, actor, config
@@ -287,7 +265,7 @@ class WeightSync:
         report = self.engine.load_weights(outgoing())
         seconds = time.perf_counter() - start
         problems = compare_fingerprints(expected.result(), report) + layout_problems(sent, self.expected)
-        self.agree(problems, "fingerprints of the engine's parameters")
+        self.agree(problems, SYNC_CHECK)
         metrics = sync_metrics(stats, len(sent), seconds)
         metrics.update({"time/weight_sync_fingerprint_trainer_s": expected.seconds,
                         "time/weight_sync_fingerprint_engine_s": report["seconds"]})

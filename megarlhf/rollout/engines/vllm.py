@@ -1,0 +1,310 @@
+"""The vLLM backend: a vLLM ``LLM`` living inside a training rank (SPMD, no server).
+
+Layouts: ``tensor_parallel_size=1``, one engine per rank generating its own prompts, in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``); or ``tensor_parallel_size=world_size``, one engine over all ranks
+through vLLM's ``external_launcher`` (every rank passes the same prompts). Building an in-process engine
+is collective over the default process group; with ``EngineConfig.in_process=False`` (an engine rank of
+the disaggregated placement) vLLM's engine core runs in a spawned child with a world of its own, and
+weight buckets reach it as handles to shared memory. Construction reseeds the global RNGs inside vLLM;
+the caller's RNG states are restored.
+
+Generation adds one request per prompt to vLLM's engine and steps it, as ``LLM.generate`` does, with
+outputs delivered as deltas, so that :meth:`VLLMEngine.abort` can stop between steps and keep what each
+sample generated so far. Log-probs: vLLM reports ``raw_logprobs`` at temperature 0 or 1 and
+``processed_logprobs`` (after temperature) otherwise, the contract's quantity in both cases.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import random
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarlhf.core.dtypes import check_dtype_name
+from megarlhf.rollout.engines import vllm_worker
+from megarlhf.rollout.engines.api import ENGINES, EngineConfig, EngineHealth, EngineSpec, RolloutEngine, WeightBucket
+from megarlhf.rollout.engines.routing import record_from_vllm
+from megarlhf.rollout.engines.sampling import FINISH_REASONS, RolloutBatch, SamplingConfig, check_prompt_ids
+from megarlhf.rollout.engines.shared_tensor import share
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter (vLLM pads with zeros)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank at most {VLLM_LORA_RANKS[-1]}")
+
+
+def vllm_logprobs_mode(temperature: float) -> str:
+    """vLLM's ``logprobs_mode`` that reports the contract's log-probs at the sampling ``temperature``."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
+
+
+def child_visible_devices(visible: str | None, device_index: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child process that must see only this process's device
+    ``device_index`` (an index among this process's ``visible`` devices; None: all of them)."""
+    if not visible:
+        return str(device_index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if device_index >= len(ids):
+        raise ValueError(f"rollout engine: cuda:{device_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[device_index]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _cpu_thread_binding(tp_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a TP engine on CPU: this machine's cores split evenly per TP rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // tp_size)
+    chunks = [cores[(r * per_rank) % len(cores):(r * per_rank) % len(cores) + per_rank] for r in range(tp_size)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
+
+
+def _set_process_environment(config: EngineConfig, on_gpu: bool) -> None:
+    """vLLM reads these at start-up: where its engine core runs and how its CPU threads are bound."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
+    if not config.in_process:
+        # a forked child would inherit this process's torch.distributed state; functions run in the
+        # worker have to be pickled to reach the child
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if on_gpu:  # the engine core uses its first visible GPU: make it this rank's
+            os.environ["CUDA_VISIBLE_DEVICES"] = child_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                                       torch.cuda.current_device())
+    if config.tensor_parallel_size > 1 and not on_gpu:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(config.tensor_parallel_size))
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+
+
+def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
+    kwargs = dict(model=hf_dir, dtype=config.dtype, seed=config.seed, enforce_eager=config.enforce_eager,
+                  max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_bytes,
+                  enable_prefix_caching=True, logprobs_mode=vllm_logprobs_mode(config.temperature),
+                  tensor_parallel_size=config.tensor_parallel_size, enable_sleep_mode=on_gpu,
+                  # A prompt whose prefill is split over scheduler steps makes vLLM rewind the seeded
+                  # request's generator offset, which CPU generators cannot do: on CPU prompts go whole.
+                  enable_chunked_prefill=on_gpu)
+    if config.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if config.lora_rank:  # one adapter slot: the policy's current adapter (megarlhf.rollout.sync.adapters)
+        if not config.lora_modules:
+            raise ValueError("EngineConfig.lora_rank > 0 needs lora_modules (the projections adapted)")
+        # Only the adapted projections get LoRA layers: an LM head with LoRA breaks vLLM's prompt log-probs
+        # (per-sequence adapter indices applied to per-token rows: vLLM issues 29955 and 51594).
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(config.lora_rank), max_loras=1,
+                      max_cpu_loras=1, lora_target_modules=list(config.lora_modules))
+    if config.routing_layers:  # vLLM's V2 model runner (Triton, a GPU) returns them; its CPU runner cannot
+        if not on_gpu:
+            raise ValueError("routing replay r3 with rollout.backend='vllm' needs vLLM's routed-experts capture, "
+                             "which runs on a GPU only; on CPU use rollout.backend='hf', which records routing")
+        kwargs["enable_return_routed_experts"] = True
+    return kwargs
+
+
+class VLLMEngine(RolloutEngine):
+    """One vLLM engine for this rank (or, with TP > 1, this rank's part of a shared engine)."""
+
+    def __init__(self, hf_dir: str, config: EngineConfig, device: torch.device | None = None):
+        rank, world = _world()
+        tp = config.tensor_parallel_size
+        if tp not in (1, world):
+            raise ValueError(f"EngineConfig.tensor_parallel_size={tp}: must be 1 (one engine per rank) or the "
+                             f"world size {world} (one engine over all ranks)")
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise FileNotFoundError(f"rollout engine: {hf_dir} is not an HF model directory (no config.json)")
+        check_dtype_name(config.dtype, "EngineConfig.dtype")
+        self.config, self.rank = config, rank
+        self.on_gpu = self.sleep_supported = torch.cuda.is_available()
+        _set_process_environment(config, self.on_gpu)
+        kwargs = _llm_arguments(hf_dir, config, self.on_gpu)
+        self.lora_request = None  # the adapter every generation uses; None: the base weights
+        self._abort, self._requests = threading.Event(), itertools.count()
+        rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling.validate(len(prompts))
+        check_prompt_ids(prompts, self.vocab_size)
+        self._abort.clear()
+        engine, ids = self.llm.llm_engine, []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                    stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                                    seed=sampling.prompt_seed(i), logprobs=0, detokenize=False,
+                                    output_kind=RequestOutputKind.DELTA)
+            ids.append(f"megarlhf-{next(self._requests)}")
+            engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=list(map(int, prompt))), params,
+                               lora_request=self.lora_request)
+        samples = self._run(ids)
+        return self._batch(prompts, sampling.n, [samples[request] for request in ids])
+
+    def _run(self, ids: list[str]) -> dict[str, dict[int, list]]:
+        """Steps the engine until every request finished or :meth:`abort` was called; per request and
+        sample: [token ids, log-probs, finish reason, routed experts]."""
+        engine, samples = self.llm.llm_engine, {request: {} for request in ids}
+        while engine.has_unfinished_requests():
+            if self._abort.is_set():
+                engine.abort_request(ids)
+                break
+            for output in engine.step():
+                for sample in output.outputs:
+                    kept = samples[output.request_id].setdefault(sample.index, [[], [], "abort", None])
+                    kept[0] += sample.token_ids
+                    kept[1] += [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+                    if sample.finish_reason is not None:
+                        kept[2], kept[3] = sample.finish_reason, getattr(sample, "routed_experts", None)
+        return samples
+
+    def _batch(self, prompts: list[list[int]], n: int, samples: list[dict[int, list]]) -> RolloutBatch:
+        batch, model_config = RolloutBatch(), self.llm.llm_engine.model_config
+        for i, per_sample in enumerate(samples):
+            for j in range(n):
+                ids, logprobs, finish, routed = per_sample.get(j, [[], [], "abort", None])
+                if finish not in FINISH_REASONS:
+                    raise RuntimeError(f"rollout prompt {i}: vLLM finished a sample with {finish!r}")
+                batch.prompt_index.append(i)
+                batch.prompt_ids.append(list(map(int, prompts[i])))
+                batch.response_ids.append([int(t) for t in ids])
+                batch.logprobs.append(logprobs)
+                batch.finish_reasons.append(finish)
+                if self.config.routing_layers:
+                    batch.routed_experts.append(record_from_vllm(
+                        routed, self.config.routing_layers, len(prompts[i]) + len(ids),
+                        model_config.get_num_experts_per_tok(), model_config.get_num_experts()))
+        return batch
+
+    def abort(self) -> None:
+        """Stops :meth:`generate` before its next step (the engine steps in the generating thread, so the
+        requests are aborted there). A tensor-parallel engine's ranks step together: it cannot abort one."""
+        if self.config.tensor_parallel_size > 1:
+            raise RuntimeError("VLLMEngine.abort: a tensor-parallel engine's ranks step in lock-step; abort needs "
+                               "rollout.tensor_parallel_size=1")
+        self._abort.set()
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_prompt_ids(sequences, self.vocab_size)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
+                                    use_tqdm=False, lora_request=self.lora_request)
+        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def run_in_worker(self, fn: Callable):
+        """``fn(worker)`` on this rank's vLLM worker (this process, or the engine core's child process)."""
+        return self.llm.collective_rpc(fn)[0]
+
+    @property
+    def _sharded(self) -> bool:
+        """A TP > 1 engine holds shards: it reports what its loader received instead of its parameters."""
+        return self.config.tensor_parallel_size > 1
+
+    def fused_parameters(self) -> dict[str, list[str]]:
+        return {} if self._sharded else self.run_in_worker(vllm_worker.layout)[0]
+
+    def placement(self, hf_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
+        from megarlhf.rollout.engines.weights import fused_placement
+
+        if self._sharded:
+            return {}
+        fused, experts = self.run_in_worker(vllm_worker.layout)
+        return {**fused_placement(hf_shapes, fused), **experts}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """One ``reload_weights`` call streaming ``weights``, then the prefix cache is dropped."""
+        report = self.run_in_worker(functools.partial(vllm_worker.reload_and_report, weights=weights,
+                                                      sharded=self._sharded))
+        self.llm.reset_prefix_cache()
+        return report
+
+    def begin_load(self) -> None:
+        self.run_in_worker(vllm_worker.begin_session)
+
+    def load_bucket(self, bucket: WeightBucket) -> None:
+        if self.config.in_process:
+            self.run_in_worker(functools.partial(vllm_worker.load_tensors, tensors=bucket.tensors()))
+        else:
+            self.run_in_worker(functools.partial(vllm_worker.load_shared, meta=bucket.meta,
+                                                 handle=share(bucket.payload)))
+
+    def finish_load(self) -> dict:
+        report = self.run_in_worker(vllm_worker.finish_session)
+        self.llm.reset_prefix_cache()
+        return report
+
+    def load_adapter(self, directory: str) -> dict:
+        """Loads the adapter under a new id (no cached adapter or prefix-cache entry of the previous one is
+        reused; the previous one is evicted from the engine's one slot)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.lora_rank:
+            raise RuntimeError("rollout engine: load_adapter needs an engine built with lora_rank > 0")
+        number = self.lora_request.lora_int_id + 1 if self.lora_request is not None else 1
+        request = LoRARequest(f"policy-{number}", number, str(directory))
+        self.lora_request = None  # until the new one is in: a failed load leaves no adapter to generate with
+        self.llm.llm_engine.add_lora(request)
+        self.lora_request = request
+        self.llm.reset_prefix_cache()
+        report = self.run_in_worker(functools.partial(vllm_worker.lora_slot_report, lora_id=number))
+        held = self.llm.llm_engine.list_loras()
+        if held != {number}:
+            report["problems"].append(f"the engine holds LoRA adapters {sorted(held)}, not just the new {number}")
+        return report
+
+    def checkpoint_report(self) -> dict:
+        """Reloads the checkpoint from disk through vLLM's own loader and reports it (on CPU vLLM packs
+        linear weights away after loading: they can only be fingerprinted while a load processes them)."""
+        report = self.run_in_worker(functools.partial(vllm_worker.reload_checkpoint_and_report,
+                                                      sharded=self._sharded))
+        self.llm.reset_prefix_cache()
+        return report
+
+    # ---- memory and liveness ------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Level 1: weights offloaded to the host, KV cache discarded (GPU only; vLLM-cpu has no sleep mode)."""
+        if self.sleep_supported:
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str]) -> None:
+        super().wake_up(tags)
+        if self.sleep_supported:
+            self.llm.wake_up(tags=list(tags))
+
+    def health(self) -> EngineHealth:
+        """An engine core in a child process can die on its own; vLLM then marks it dead."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if resources is not None and resources.engine_dead:
+            return EngineHealth(False, "vLLM's engine core process died")
+        return EngineHealth(True)
+
+
+ENGINES.register("vllm")(EngineSpec(build=VLLMEngine, tensor_parallel=True, adapter_rank=vllm_lora_rank))
