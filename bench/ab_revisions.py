@@ -9,7 +9,7 @@ the same Python environment. From each run's ``metrics.jsonl`` it prints, side b
 * s/step, train s/step, rollout s/step and weight-sync s/step: means over steps 1..N-1 (step 0 carries
   the engines' warm-up and the step-0 gate), and the ratio after/before;
 * the learning numbers, which a change of the hot path must leave alone: every step's reward mean, the
-  step-0 log-prob gap (max and mean), actor loss and grad norm.
+  step-0 log-prob gap (max and mean), actor loss and grad norm, and whether they are equal to the last bit.
 
 Run it where nothing else loads the machine: the wall times are what is compared.
 
@@ -92,6 +92,19 @@ def report(names: list[str], results: list[tuple[list[dict], float]]) -> None:
                 continue
             print(f"{key + f' @{step}':<{width}}" + "".join(f"{c:>14.6g}" if c is not None else f"{'-':>14}"
                                                            for c in cells))
+    print(f"learning numbers equal to the last bit at every step: {_identical(results)}")
+
+
+def _identical(results: list[tuple[list[dict], float]]) -> str:
+    """"yes", or the first value of LEARNING that differs between the two runs (exact float comparison)."""
+    (before, _), (after, _) = results
+    if len(before) != len(after):
+        return f"no: {len(before)} against {len(after)} steps"
+    for step, (a, b) in enumerate(zip(before, after)):
+        for key in LEARNING:
+            if a.get(key) != b.get(key):
+                return f"no: {key} at step {step}: {a.get(key)!r} against {b.get(key)!r}"
+    return "yes"
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def child(variant: str, dtype_name: str, tokens: int, hidden: int, vocab: int, c
           threads: int, iters: int) -> dict:
     """Runs one variant in this (fresh) process and returns its measurements."""
     import torch
-    from megarlhf.ops import fused_logprob_entropy
+    from megarlhf.ops import LogprobOptions, fused_logprob_entropy
 
     torch.set_num_threads(threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -61,7 +61,7 @@ def child(variant: str, dtype_name: str, tokens: int, hidden: int, vocab: int, c
         return logp.gather(1, targets[:, None]).squeeze(1), entropy
 
     def fused():
-        return fused_logprob_entropy(x, w, targets, chunk_size=chunk)
+        return fused_logprob_entropy(x, w, targets, options=LogprobOptions(chunk_size=chunk))
 
     fn = {"naive": naive, "fused": fused}[variant]
     walls, cpus, checksum = [], [], 0.0

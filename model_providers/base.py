@@ -6,7 +6,7 @@ attention, so one translation covers them; an architecture file adds only its qu
 sliding-window checks) and its weight-mapping table. Anything the translation cannot represent exactly is
 refused up front with an error that names the feature, rather than producing a subtly different model.
 
-Why hand-written: the translation is megarlhf's contract with HF configs; Megatron-Bridge, which has one,
+Megatron-Bridge, which has such a translation,
 does not install here (Python 3.12 + Transformer Engine; see docs/PLATFORM.md).
 """
 from __future__ import annotations
@@ -301,12 +301,10 @@ class ModelProvider:
         ``packed_sequences=True`` builds attention that accepts packed (``cu_seqlens``) micro-batches;
         ``unfused_norms=True`` keeps norms out of the linear layers (LoRA; :func:`build_layer_spec`).
         """
-        from megatron.core import parallel_state as ps
-
         from model_providers.gpt_model import TokenPositionGPTModel
-        from parallel.runtime import current_layout
+        from parallel.runtime import current_layout, model_groups
 
-        parallel = current_layout()
+        parallel, pp = current_layout(), model_groups().pp
         config = self.transformer_config(parallel, params_dtype, **config_overrides)
         rope = rope_parameters(self.hf_config)
         model = TokenPositionGPTModel(  # GPTModel, plus per-token RoPE positions for shared-prefix rows
@@ -314,8 +312,8 @@ class ModelProvider:
             transformer_layer_spec=build_layer_spec(config, packed_sequences, unfused_norms),
             vocab_size=self.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=self.hf_config.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
+            pre_process=pp.rank == 0,
+            post_process=pp.rank == pp.size - 1,
             share_embeddings_and_output_weights=self.tied_embeddings if tie_embeddings is None else tie_embeddings,
             position_embedding_type="rope",
             rotary_base=rope["rope_theta"],

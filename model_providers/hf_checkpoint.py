@@ -9,7 +9,7 @@
 * :func:`export_hf_checkpoint` writes an HF directory (config, safetensors sharded with an index when
   large, tokenizer and generation config copied from the source) atomically from global rank 0.
 
-Why hand-written: the per-rank partial reads and the TP/PP gathers follow Megatron's sharding, which no
+The per-rank partial reads and the TP/PP gathers follow Megatron's sharding, which no
 HF-side library knows; safetensors does the actual file I/O.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megarlhf.core.errors import CheckpointError
 from model_providers.base import ModelProvider
 from model_providers.mapping import WeightMapping
+from parallel.runtime import model_groups
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -114,21 +115,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _expert_parallel() -> tuple[int, int]:
-    """(this rank's expert-parallel rank, the EP size); (0, 1) without Megatron state."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 0, 1
-    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
-
-
 def _bind(model: torch.nn.Module, mappings: list[WeightMapping], num_experts: int = 0) -> list[_Bound]:
     """The table applied to this rank's parameters; per-expert entries once per local expert."""
     params = dict(model.named_parameters())
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     global_layer = {local: layer.layer_number - 1 for local, layer in enumerate(layers)}
-    ep_rank, ep_size = _expert_parallel()
+    ep = model_groups().ep
+    ep_rank, ep_size = ep.rank, ep.size
     local_experts = num_experts // ep_size
     bound = []
     for idx, mapping in enumerate(mappings):
@@ -157,15 +150,13 @@ def _num_experts(provider: ModelProvider) -> int:
 
 
 def _tp_context(provider: ModelProvider):
-    from megatron.core import parallel_state as ps
-
-    return provider.shard_context(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    tp = model_groups().tp
+    return provider.shard_context(tp.rank, tp.size)
 
 
 def _expert_tp_context(provider: ModelProvider):
-    from megatron.core import parallel_state as ps
-
-    return provider.shard_context(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    etp = model_groups().etp
+    return provider.shard_context(etp.rank, etp.size)
 
 
 def _check_names_and_shapes(ckpt: HFCheckpoint, bound: list[_Bound], expected: dict) -> None:
@@ -222,19 +213,17 @@ def _stage_schedule(groups: dict[tuple, list[_Bound]], num_experts: int
                     ) -> list[tuple[tuple, tuple[str, ...], str, int]]:
     """The global export order as (order, hf names, dtype, owning pipeline stage), the same on every rank.
     A per-expert entry is one item whose names are every global expert's, expert after expert."""
-    from megatron.core import parallel_state as ps
-
     local = []
     for order, bound in groups.items():
         b = bound[0]
         names = b.hf_names if b.expert is None else tuple(
             n for e in range(num_experts) for n in b.mapping.hf_names(order[1], e))
         local.append((order, names, str(b.param.dtype).removeprefix("torch.")))
-    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp = model_groups().pp
     per_stage = [local]
-    if pp_size > 1:
-        per_stage = [None] * pp_size
-        dist.all_gather_object(per_stage, local, group=ps.get_pipeline_model_parallel_group())
+    if pp.size > 1:
+        per_stage = [None] * pp.size
+        dist.all_gather_object(per_stage, local, group=pp.group)
     return sorted((order, names, dtype, stage) for stage, entries in enumerate(per_stage)
                   for order, names, dtype in entries)
 
@@ -253,19 +242,17 @@ def _all_experts(bound: list[_Bound], ctx) -> list[torch.Tensor]:
     """The HF tensors of one per-expert entry for every global expert (expert after expert): each rank's
     local experts, gathered over the expert tensor-parallel group, then stacked and gathered over the
     expert-parallel group in one collective per HF tensor."""
-    from megatron.core import parallel_state as ps
-
-    etp_group = ps.get_expert_tensor_parallel_group() if ctx.tp_size > 1 else None
+    layout = model_groups()
+    etp_group = layout.etp.group if ctx.tp_size > 1 else None
     kind = bound[0].mapping.kind
     local = [kind.export(_gather_shards(b.param, ctx, etp_group) if kind.tp_sharded else [b.param], ctx)
              for b in sorted(bound, key=lambda b: b.expert)]
     per_position = [torch.stack([tensors[j] for tensors in local]) for j in range(kind.num_hf)]
-    ep_size = ps.get_expert_model_parallel_world_size()
-    if ep_size > 1:
+    if layout.ep.size > 1:
         gathered = []
         for stacked in per_position:
-            parts = [torch.empty_like(stacked) for _ in range(ep_size)]
-            dist.all_gather(parts, stacked.contiguous(), group=ps.get_expert_model_parallel_group())
+            parts = [torch.empty_like(stacked) for _ in range(layout.ep.size)]
+            dist.all_gather(parts, stacked.contiguous(), group=layout.ep.group)
             gathered.append(torch.cat(parts))
         per_position = gathered
     return [per_position[j][e] for e in range(per_position[0].shape[0]) for j in range(kind.num_hf)]
@@ -284,8 +271,6 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
     live parameter. A weight with a LoRA adapter is sent merged with it (:func:`parallel.lora.merged_weight`).
     ``table``: another ``(mappings, HF shapes)`` to read instead of the provider's (the PEFT adapter export).
     """
-    from megatron.core import parallel_state as ps
-
     from parallel.lora import merged_weight
 
     model = unwrap(model)
@@ -296,8 +281,9 @@ def iter_hf_weights(model: torch.nn.Module, provider: ModelProvider, *, head: st
             groups.setdefault(b.order, []).append(b)
     ctx = _tp_context(provider)
     device = next(model.parameters()).device
-    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    layout = model_groups()
+    tp_group, pp_group = layout.tp.group, layout.pp.group
+    pp_rank, pp_size = layout.pp.rank, layout.pp.size
     for order, hf_names, dtype_name, stage in _stage_schedule(groups, _num_experts(provider)):
         if stage == pp_rank and groups[order][0].expert is not None:
             tensors = _all_experts(groups[order], _expert_tp_context(provider))

@@ -9,7 +9,7 @@ both sides and converts both ways:
   ``get_slice`` objects and plain tensors both qualify).
 * ``export(shards, ctx)``: the shards of every TP rank, in rank order -> the full HF tensor(s).
 
-Why hand-written: the layouts are Megatron-Core's (fused QKV grouped per query group, the per-rank
+The layouts are Megatron-Core's (fused QKV grouped per query group, the per-rank
 [gate; up] fc1 block, padded vocab-parallel rows) and no installable library converts them for
 Megatron-Core 0.19.2 on Python 3.11 (Megatron-Bridge needs 3.12 and TE; see docs/PLATFORM.md).
 """

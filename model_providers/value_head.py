@@ -40,16 +40,16 @@ class ValueHead(MegatronModule):
 
 def build_value_model(provider: ModelProvider, params_dtype: torch.dtype = torch.float32, **config_overrides):
     """This rank's stage of the provider's GPTModel with a value head (never tied to the embedding)."""
-    from megatron.core import parallel_state as ps
+    from parallel.runtime import model_groups
 
     model = provider.build_model(params_dtype, tie_embeddings=False, **config_overrides)
     if model.post_process:
         model.output_layer = ValueHead(model.config).to(model.decoder.final_layernorm.weight.device)
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            # Replicated parameter: every TP rank must start from the same draw.
+        tp = model_groups().tp
+        if tp.size > 1:
+            # Replicated parameter: every TP rank must start from the same draw (TP rank 0's).
             with torch.no_grad():
-                dist.broadcast(model.output_layer.weight, src=ps.get_tensor_model_parallel_src_rank(),
-                               group=ps.get_tensor_model_parallel_group())
+                dist.broadcast(model.output_layer.weight, src=dist.get_global_rank(tp.group, 0), group=tp.group)
     return model
 
 

@@ -19,20 +19,16 @@ signature) that
 * supports grouped-query attention without repeating K/V (queries are viewed as
   ``[kv_groups, heads_per_group]``).
 
-Default exchange (measured with bench/bench_context_parallel.py, 2 ranks, gloo, CPU, one 16k-token
-sequence, hidden 64, head_dim 32): the all-gather of one rank's K (8k tokens x 32 x fp32 = 1 MiB)
-takes ~5 ms, against ~5 s of attention compute per layer, so the ring's only advantage, hiding the
-exchange behind compute, buys nothing measurable here; the ring measured 0.88-0.92x the all-gather's
-time, inside the 2-4x spread of repeated runs of the same operation on the shared 2-core machine.
-The all-gather is therefore the default: one collective per K and V per layer instead of
-``2 * (cp - 1) + cp`` point-to-point messages, and a plain backward. The ring (``"p2p"``) is there for
+The default exchange is an all-gather: one collective per K and V per layer instead of
+``2 * (cp - 1) + cp`` point-to-point messages, and a plain backward (on CPU the ring bought nothing
+measurable over it: docs/MEASUREMENTS.md). The ring (``"p2p"``) is there for
 layouts where K/V per rank are large against compute (GPUs, large cp) or the gathered K/V's memory
 matters.
 
 At cp=1 packed rows run one SDPA call per sequence (:func:`per_sequence_attention`); rows with shared
 prompt prefixes run one FlexAttention call per row on a GPU (:mod:`parallel.flex_packed_attention`).
 
-Why hand-written: no library here provides a CPU context-parallel attention with a causal, packed,
+No library here provides a CPU context-parallel attention with a causal, packed,
 load-balanced mask and a memory-bounded backward; torch's SDPA needs a materialised mask for this
 pattern, which it saves for backward (O(tokens^2)).
 """
@@ -41,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,13 +101,22 @@ def _blocks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def tiled_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_layout: TokenLayout, k_layout: TokenLayout,
-                            scale: float, block: int) -> tuple[Tensor, Tensor]:
+class Tiling(NamedTuple):
+    """The tiled kernels' settings: the score scale and the query/key tile size."""
+
+    scale: float
+    block: int
+
+
+def tiled_attention_forward(q: Tensor, k: Tensor, v: Tensor, layouts: tuple[TokenLayout, TokenLayout],
+                            tiling: Tiling) -> tuple[Tensor, Tensor]:
     """Masked softmax attention of ``q`` [B,G,R,Sq,D] over ``k``/``v`` [B,G,1,Sk,D], in fp32 tiles.
 
     Returns ``(out, lse)``: out [B,G,R,Sq,D] (fp32 or wider, zero for rows that see no key) and the row-wise
-    log-sum-exp of the scaled, masked scores [B,G,R,Sq] (-inf for rows that see no key).
+    log-sum-exp of the scaled, masked scores [B,G,R,Sq] (-inf for rows that see no key). ``layouts``: the
+    queries' and the keys' (which token each row is, for the causal mask).
     """
+    (q_layout, k_layout), (scale, block) = layouts, tiling
     acc_dtype = _acc_dtype(q)
     out = q.new_zeros(q.shape, dtype=acc_dtype)
     lse = q.new_full(q.shape[:-1], -math.inf, dtype=acc_dtype)
@@ -142,13 +147,13 @@ def tiled_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_layout: TokenLayo
 
 
 def tiled_attention_backward(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, grad_out: Tensor, delta: Tensor,
-                             q_layout: TokenLayout, k_layout: TokenLayout, scale: float, block: int,
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+                             layouts: tuple[TokenLayout, TokenLayout], tiling: Tiling) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (fp32) of the attention of ``q`` over ``k``/``v``, recomputing probabilities per tile.
 
     ``lse`` is the log-sum-exp over *all* keys the queries attend to (in a ring, more than ``k``), and
     ``delta = sum(grad_out * out, -1)`` with the final output; both make this chunk's share exact.
     """
+    (q_layout, k_layout), (scale, block) = layouts, tiling
     acc_dtype = _acc_dtype(q)
     dq = q.new_zeros(q.shape, dtype=acc_dtype)
     dk = k.new_zeros(k.shape, dtype=acc_dtype)
@@ -177,19 +182,18 @@ class _LocalTiledAttention(torch.autograd.Function):
     """Tiled attention over K/V already present on this rank (used after the all-gather)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_layout, k_layout, scale, block):
-        out, lse = tiled_attention_forward(q, k, v, q_layout, k_layout, scale, block)
+    def forward(ctx, q, k, v, layouts, tiling):
+        out, lse = tiled_attention_forward(q, k, v, layouts, tiling)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layouts, ctx.scale, ctx.block = (q_layout, k_layout), scale, block
+        ctx.layouts, ctx.tiling = layouts, tiling
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         delta = (grad_out.to(out.dtype) * out).sum(-1)
-        dq, dk, dv = tiled_attention_backward(q, k, v, lse, grad_out, delta, *ctx.layouts,
-                                              ctx.scale, ctx.block)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq, dk, dv = tiled_attention_backward(q, k, v, lse, grad_out, delta, ctx.layouts, ctx.tiling)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -230,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, layouts, scale, block, group):
+    def forward(ctx, q, k, v, layouts, tiling, group):
         size, rank = group.size(), group.rank()
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
@@ -238,14 +242,13 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 next_kv, works = _ring_exchange(kv, group)
             src = (rank - step) % size
-            part_out, part_lse = tiled_attention_forward(q, kv[0], kv[1], layouts[rank], layouts[src],
-                                                         scale, block)
+            part_out, part_lse = tiled_attention_forward(q, kv[0], kv[1], (layouts[rank], layouts[src]), tiling)
             out, lse = (part_out, part_lse) if out is None else _merge(out, lse, part_out, part_lse)
             if step < size - 1:
                 _wait(works)
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layouts, ctx.scale, ctx.block, ctx.group = layouts, scale, block, group
+        ctx.layouts, ctx.tiling, ctx.group = layouts, tiling, group
         return out.to(q.dtype)
 
     @staticmethod
@@ -262,7 +265,7 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, kv_works = _ring_exchange(kv, group)
             src = (rank - step) % size
             part_dq, part_dk, part_dv = tiled_attention_backward(
-                q, kv[0], kv[1], lse, grad_out, delta, layouts[rank], layouts[src], ctx.scale, ctx.block)
+                q, kv[0], kv[1], lse, grad_out, delta, (layouts[rank], layouts[src]), ctx.tiling)
             dq += part_dq
             dkv[0] += part_dk
             dkv[1] += part_dv
@@ -272,7 +275,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 _wait(kv_works)
                 kv = next_kv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], scale: float,
@@ -284,9 +287,8 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, .
     ``prefix_of[i]`` (optional; -1 for none) names an earlier segment that segment i also sees whole, in
     front of its own causal keys: a shared-prefix branch (:mod:`parallel.shared_prefix`).
 
-    Used at cp=1 because the tiled kernel's plain-torch online softmax took ~45% of a tiny packed SFT
-    step on CPU (cProfile, 40 steps: 11.6 s of attention against 0.6 s with SDPA); SDPA's flash kernels
-    keep long sequences O(s) in memory."""
+    Used at cp=1: SDPA's fused kernels are much faster than the tiled kernel's plain-torch online softmax
+    (docs/MEASUREMENTS.md) and keep long sequences O(s) in memory."""
     b, groups, per_group, s, d = q.shape
     q4, k4, v4 = q.reshape(b, groups * per_group, s, d), k.squeeze(2), v.squeeze(2)
     segments = list(zip(bounds[:-1], bounds[1:]))
@@ -320,11 +322,12 @@ class ContextParallelAttention(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 attention_type: str, softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, block_size: int = 256):
+        """Megatron's core-attention arguments (its attention module passes them by name), and ``block_size``:
+        the query/key tile of the tiled kernels."""
         super().__init__(config=config)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        dropout = config.attention_dropout
         problems = []
         if attn_mask_type != AttnMaskType.causal:
             problems.append(f"attn_mask_type={attn_mask_type.name} (only causal is supported)")
@@ -405,15 +408,15 @@ class ContextParallelAttention(MegatronModule):
         rank = self.cp_group.rank()
         layouts = [TokenLayout.of_rank(bounds, cp_size, r) for r in range(cp_size)]
         if self.cp_comm_type == "p2p":
-            return _RingAttention.apply(q, k.contiguous(), v.contiguous(), layouts, self.softmax_scale,
-                                        self.block_size, self.cp_group)
+            return _RingAttention.apply(q, k.contiguous(), v.contiguous(), layouts,
+                                        Tiling(self.softmax_scale, self.block_size), self.cp_group)
         # Autograd-aware: backward sums each rank's K/V gradients back to the owner (a reduce-scatter).
         k_all = all_gather_along(k, 3, self.cp_group)
         v_all = all_gather_along(v, 3, self.cp_group)
         k_layout = TokenLayout(torch.cat([lay.index for lay in layouts]),
                                torch.cat([lay.start for lay in layouts]))
-        return _LocalTiledAttention.apply(q, k_all, v_all, layouts[rank], k_layout, self.softmax_scale,
-                                          self.block_size)
+        return _LocalTiledAttention.apply(q, k_all, v_all, (layouts[rank], k_layout),
+                                          Tiling(self.softmax_scale, self.block_size))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """No parameters (vanilla softmax only), so nothing to checkpoint."""

@@ -14,7 +14,7 @@ time. A sequence whose length is not a multiple of ``2 * cp`` is padded at its e
 multiple; padding tokens sit after every real token of their sequence, so the causal mask keeps them
 out of every real token's attention, and their loss mask is 0.
 
-Why hand-written: Megatron's per-document split (``megatron.core.utils.get_batch_on_this_cp_rank``)
+Megatron's own per-document split (``megatron.core.utils.get_batch_on_this_cp_rank``)
 calls Transformer Engine's ``thd_get_partitioned_indices``, which does not exist on CPU, and neither it
 nor Megatron offers the inverse (CP-sharded per-token outputs back to the original order), which the
 RL losses and the scoring step need.
@@ -175,7 +175,7 @@ class _GatherAlongDim(torch.autograd.Function):
     sum over ranks of the gradient of its slice: right when each rank's use of the gathered tensor is
     its own, like K/V in CP attention). ``reduce_grads=False``: each rank keeps the gradient of its
     own slice (right when every rank computes the same function of the gathered tensor).
-    Hand-written because ``torch.distributed.nn.functional.all_gather`` is deprecated in torch 2.13,
+    Not ``torch.distributed.nn.functional.all_gather``: it is deprecated in torch 2.13,
     its replacement lives in a private module, and neither offers the second mode."""
 
     @staticmethod

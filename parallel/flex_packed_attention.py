@@ -12,13 +12,9 @@ is built a few hundred query rows at a time, so building it never holds a token 
 
 Why FlexAttention rather than the per-segment loop of :func:`parallel.cp_attention.per_sequence_attention`:
 the loop makes one SDPA call per segment per layer, and for a branch also concatenates the prefix's K/V
-(kept for backward). Measured by the GPU check (2026-11-26, one actor update of 16 prompts x 8 samples,
-prompt 512 tokens, responses 64-512, 248M Llama bf16, GQA 16/4, 8192-token micro-batches): sharing the
-prompts skips 57% of the tokens, yet with the loop the update took 1.04x (H100), 1.27x and 1.16x (H200)
-the time of packing whole; with FlexAttention it took 0.60x and 0.62x (H200), at 5.4 instead of 5.8 GiB
-peak. Plain packed rows keep the loop (flash kernels, one call per sequence): FlexAttention on them took
-1.02x and 1.17x the loop's time. FlexAttention has no backward on CPU and needs Triton to compile, so CPU
-keeps the loop for every row (:func:`flex_usable` says which runs).
+(kept for backward); on a GPU FlexAttention made sharing the prompt worth it where the loop did not, and
+plain packed rows keep the loop (docs/MEASUREMENTS.md). FlexAttention has no backward on CPU and needs
+Triton to compile, so CPU keeps the loop for every row (:func:`flex_usable` says which runs).
 """
 from __future__ import annotations
 

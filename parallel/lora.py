@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,14 @@ _COLUMN_CLASSES = ("ColumnParallelLinear", "TEColumnParallelLinear")
 _ROW_CLASSES = ("RowParallelLinear", "TERowParallelLinear")
 
 
+class TPGroup(NamedTuple):
+    """This rank's tensor-parallel group (Megatron's, a group object even at size 1)."""
+
+    rank: int
+    size: int
+    group: object
+
+
 class LoRAError(ValueError):
     """A LoRA setting that cannot apply to this model (named)."""
 
@@ -61,13 +70,16 @@ class LoRAError(ValueError):
 class LoRAAdapter(torch.nn.Module):
     """The A and B factors of one layer's adapter on this TP rank, and the hook that applies them."""
 
-    def __init__(self, name: str, kind: str, in_features: int, out_features: int, config: LoRAConfig, *,
-                 tp_rank: int, tp_size: int, tp_group, dtype: torch.dtype, device: torch.device, seed: int,
-                 gated: bool = False):
+    def __init__(self, name: str, kind: str, shape: tuple[int, int], config: LoRAConfig, *, tp: TPGroup,
+                 like: torch.Tensor, seed: int, gated: bool = False):
+        """``shape``: the layer's full (out, in) features; ``tp``: this rank's tensor-parallel group; the
+        factors take ``like``'s dtype and device (the layer's weight)."""
         super().__init__()
+        out_features, in_features = shape
+        tp_rank, tp_size, dtype, device = tp.rank, tp.size, like.dtype, like.device
         self.name, self.kind, self.gated = name, kind, gated
         self.scale, self.rank = config.scale, config.rank
-        self.tp_group, self.tp_size = tp_group, tp_size
+        self.tp_group, self.tp_size = tp.group, tp_size
         self.dropout = config.dropout
         self.enabled = True
         bound = 1.0 / math.sqrt(in_features)  # PEFT's kaiming_uniform_(a=sqrt(5)) on [rank, in]
@@ -179,7 +191,9 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
         raise LoRAError("LoRA with sequence parallelism is not supported (the adapters read the layers' "
                         "un-gathered inputs)")
     layers = getattr(getattr(model, "decoder", None), "layers", [])
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp = TPGroup(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                 ps.get_tensor_model_parallel_group())
+    tp_size = tp.size
     found = {t: 0 for t in config.targets}
     new = []
     for layer in layers:
@@ -195,10 +209,8 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
                 raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} "
                                 f"({out_features} x {in_features}): a low-rank update needs rank <= "
                                 f"{min(in_features, out_features)}")
-            adapter = LoRAAdapter(name, kind, in_features, out_features, config, tp_rank=tp_rank,
-                                  tp_size=tp_size, tp_group=ps.get_tensor_model_parallel_group(),
-                                  dtype=linear.weight.dtype, device=linear.weight.device, seed=seed,
-                                  gated=target == "linear_fc1" and model.config.gated_linear_unit)
+            adapter = LoRAAdapter(name, kind, (out_features, in_features), config, tp=tp, like=linear.weight,
+                                  seed=seed, gated=target == "linear_fc1" and model.config.gated_linear_unit)
             new.append((block, target, linear, adapter))
             found[target] += 1
     # every stage holds layers, so a target that matches nothing here matches nothing anywhere

@@ -241,44 +241,73 @@ def _replica_group(dp_rank: int | None) -> ParallelGroup:
     return mine
 
 
-def build_runtime(launch: LaunchEnv, trainers: ParallelGroup | None = None, is_engine_rank: bool = False) -> Runtime:
-    """The :class:`Runtime` of this rank, read once from Megatron's parallel state (all model groups
-    ``alone`` where Megatron has none: a single process, or an engine rank of the disaggregated
-    placement). ``trainers``: the trainer ranks' group (None: the whole world)."""
+@dataclass(frozen=True)
+class ModelGroups:
+    """This rank's model-parallel groups as Megatron's parallel state holds them: the one place outside
+    start-up that reads that global state (model converters and checkpoints, which run without a Runtime,
+    ask here)."""
+
+    tp: ParallelGroup
+    pp: ParallelGroup
+    cp: ParallelGroup
+    dp: ParallelGroup
+    dp_cp: ParallelGroup
+    ep: ParallelGroup
+    etp: ParallelGroup
+    edp: ParallelGroup
+
+    @property
+    def initialized(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.model_parallel_is_initialized()
+
+
+def model_groups() -> ModelGroups:
+    """Megatron's groups of this rank (every group ``alone`` before they are initialised)."""
     from megatron.core import parallel_state as ps
 
-    world = ParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD) \
-        if dist.is_initialized() and dist.get_world_size() > 1 else ParallelGroup.alone()
-    trainers = world if trainers is None else trainers
-    device = _device(launch)
-    if is_engine_rank or not ps.model_parallel_is_initialized():
+    if not ps.model_parallel_is_initialized():
         alone = ParallelGroup.alone()
-        _replica_group(None)  # the trainers create their replica groups collectively
-        return Runtime(launch, device, world, trainers, alone, alone, alone, alone, alone, alone, launch.rank,
-                       is_engine_rank)
-    pp = _megatron_group(ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-                         ps.get_pipeline_model_parallel_group)
-    last = dist.get_global_rank(pp.group, pp.size - 1) if pp.group is not None else launch.rank
-    return Runtime(
-        launch=launch, device=device, world=world, trainers=trainers,
+        return ModelGroups(alone, alone, alone, alone, alone, alone, alone, alone)
+    return ModelGroups(
         tp=_megatron_group(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                            ps.get_tensor_model_parallel_group),
-        pp=pp,
+        pp=_megatron_group(ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                           ps.get_pipeline_model_parallel_group),
         cp=_megatron_group(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
                            ps.get_context_parallel_group),
-        dp=_megatron_group(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                           ps.get_data_parallel_group),
+        dp=_megatron_group(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group),
         dp_cp=_megatron_group(ps.get_data_parallel_world_size(with_context_parallel=True),
                               ps.get_data_parallel_rank(with_context_parallel=True),
                               lambda: ps.get_data_parallel_group(with_context_parallel=True)),
-        replica=_replica_group(ps.get_data_parallel_rank()),
-        pp_last_global_rank=last,
         ep=_megatron_group(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
                            ps.get_expert_model_parallel_group),
         etp=_megatron_group(ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
                             ps.get_expert_tensor_parallel_group),
         edp=_megatron_group(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank(),
                             ps.get_expert_data_parallel_group))
+
+
+def build_runtime(launch: LaunchEnv, trainers: ParallelGroup | None = None, is_engine_rank: bool = False) -> Runtime:
+    """The :class:`Runtime` of this rank, read once from Megatron's parallel state (all model groups
+    ``alone`` where Megatron has none: a single process, or an engine rank of the disaggregated
+    placement). ``trainers``: the trainer ranks' group (None: the whole world)."""
+    world = ParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD) \
+        if dist.is_initialized() and dist.get_world_size() > 1 else ParallelGroup.alone()
+    trainers = world if trainers is None else trainers
+    device = _device(launch)
+    groups = model_groups()
+    if is_engine_rank or not groups.initialized:
+        alone = ParallelGroup.alone()
+        _replica_group(None)  # the trainers create their replica groups collectively
+        return Runtime(launch, device, world, trainers, alone, alone, alone, alone, alone, alone, launch.rank,
+                       is_engine_rank)
+    pp = groups.pp
+    last = dist.get_global_rank(pp.group, pp.size - 1) if pp.group is not None else launch.rank
+    return Runtime(launch=launch, device=device, world=world, trainers=trainers, tp=groups.tp, pp=pp, cp=groups.cp,
+                   dp=groups.dp, dp_cp=groups.dp_cp, replica=_replica_group(groups.dp.rank), pp_last_global_rank=last,
+                   ep=groups.ep, etp=groups.etp, edp=groups.edp)
 
 
 def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None = None) -> Runtime:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from megarlhf.config import RunConfig, load_config
-from megarlhf.launch import megarlhf_task, run_experiment, slurm_executor
+from megarlhf.launch import SlurmJob, megarlhf_task, run_experiment, slurm_executor
 from megarlhf.launch import sbatch_script
 from megarlhf.planner import Launch, plan_memory, resolve_shape
 
@@ -41,9 +41,10 @@ def main() -> int:
         return 1
     job_dir = Path(args.job_dir).absolute()
     task = megarlhf_task(config, job_dir / "job")
-    executor = slurm_executor(nodes=args.nodes, tasks_per_node=args.gpus_per_node, gpus_per_node=args.gpus_per_node,
-                              job_dir=job_dir / "slurm", partition=args.partition, account=args.account,
-                              time=args.time, host=args.host)
+    executor = slurm_executor(SlurmJob(nodes=args.nodes, tasks_per_node=args.gpus_per_node,
+                                       gpus_per_node=args.gpus_per_node, job_dir=job_dir / "slurm",
+                                       partition=args.partition, account=args.account, time=args.time,
+                                       host=args.host))
     if args.dry_run:
         print(sbatch_script(task, executor, name=Path(args.recipe).stem, home=job_dir / "home"))
         return 0

@@ -17,7 +17,7 @@ from megarlhf.config.algorithm import KLConfig
 from megarlhf.config import (AlgorithmConfig, CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig,
                              RolloutConfig, RunConfig, TrainConfig)
 from megarlhf.config.data import DataConfig
-from megarlhf.launch import local_executor, megarlhf_task, run_experiment, slurm_executor
+from megarlhf.launch import SlurmJob, local_executor, megarlhf_task, run_experiment, slurm_executor
 from megarlhf.config.reward import RewardConfig, RewardSpec
 
 
@@ -51,8 +51,8 @@ def main() -> None:
     config = experiment_config(args.model, args.train_data, str(out / "run"))
     task = megarlhf_task(config, out / "job")
     executor = (local_executor(args.nproc) if args.executor == "local" else
-                slurm_executor(nodes=args.nodes, tasks_per_node=args.nproc, job_dir=out / "slurm",
-                               partition=args.partition, account=args.account, time="00:30:00"))
+                slurm_executor(SlurmJob(nodes=args.nodes, tasks_per_node=args.nproc, job_dir=out / "slurm",
+                                        partition=args.partition, account=args.account, time="00:30:00")))
     state = run_experiment("tiny-ppo", task, executor, home=out / "home")
     print(f"tiny-ppo: {state}; metrics in {out / 'run' / 'metrics.jsonl'}")
 

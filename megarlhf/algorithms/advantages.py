@@ -9,8 +9,8 @@ two samples per prompt, a greedy baseline response per prompt). The config valid
 and the memory planner read that declaration (``ADVANTAGE_ESTIMATORS.get(name).needs``) and nothing
 else: adding an estimator touches this file only.
 
-Hand-written because these few lines are the project's own numerics: the frameworks that have them
-(verl, OpenRLHF) give each estimator its own signature, group samples by position, and read padding.
+One signature for every estimator, groups by prompt id, padding masked: unlike verl's and OpenRLHF's, which
+give each estimator its own signature and group samples by position.
 
 Conventions shared by all estimators (B samples, T response positions):
 

@@ -23,8 +23,6 @@ size): the shares of all micro-batches of all ranks then sum to ``dp_size * glob
 average brings the gradient back to that of the global loss. To log the global loss, all-reduce-sum the
 shares and divide by ``grad_average_factor``. (Megatron's ``forward_backward_func`` also divides a
 loss returned as a 2-tuple by ``num_microbatches``; a trainer handing it these shares must undo that.)
-
-Hand-written because it is the project's own bookkeeping between micro-batches, DP ranks and DDP.
 """
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Both follow Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning Sys
 (sec. 3.2 dynamic sampling, sec. 3.4 overlong reward shaping). Dynamic sampling keeps generating
 until the step's batch holds ``train.global_batch_size`` prompts whose samples' rewards differ; the
 rounds themselves are the RL driver's (:mod:`megarlhf.loops.collect`), the group test is
-:func:`dynamic_sampling_filter`. Hand-written because each is a few lines of the project's own
-reward/batch bookkeeping.
+:func:`dynamic_sampling_filter`.
 """
 from __future__ import annotations
 

@@ -24,8 +24,6 @@ and ``mismatch/logprob_abs_diff_*`` show how far the samples are.
   ``mismatch/exp_abs_diff_mean`` (mean of ``exp(|delta_t|)``), ``mismatch/masked_fraction`` (share of
   response tokens removed by gap masking) and ``mismatch/is_weight_mean`` (mean TIS weight, 1 without
   TIS). They are local to the tensors given.
-
-Hand-written because it is a few lines of the project's own numerics between its rollout and trainer.
 """
 from __future__ import annotations
 

@@ -15,9 +15,6 @@ Notation: ``log_ratio = logprobs - old_logprobs``, ``ratio = exp(log_ratio)``, `
 Old log-probs, advantages and rollout IS weights are treated as constants (detached). If
 ``rollout_is_weights`` is given (truncated importance sampling, see ``mismatch.py``) the per-token loss
 is multiplied by it.
-
-Hand-written because these are the project's own numerics on one signature; the formulas are short and
-each docstring states the one it computes.
 """
 from __future__ import annotations
 

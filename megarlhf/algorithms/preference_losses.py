@@ -29,8 +29,8 @@ desirable rows, ...), and :attr:`PreferenceLossOutput.counts` says over how many
 weights them right when it averages over micro-batches and ranks. Computations run in the inputs'
 promoted floating dtype, at least float32.
 
-Hand-written because these are the project's own numerics on one signature (TRL's live inside its
-trainer's forward); the formulas are short and each docstring states the one it computes.
+Each function's docstring states its formula (TRL's losses live inside its trainers' forward, so they are
+not reused).
 """
 from __future__ import annotations
 

@@ -17,8 +17,6 @@ chosen; it may still be a pair's rejected side.
   ``rule="best_worst"``: one pair per prompt, the first best allowed sample against the first worst
   sample whose response differs from it. ``rule="all"``: every such pair of the group, in (chosen,
   rejected) sample order, each pair of distinct responses once.
-
-Hand-written because the rules are the project's own; each function's docstring states its rule.
 """
 from __future__ import annotations
 

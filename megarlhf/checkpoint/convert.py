@@ -12,9 +12,6 @@
 The TP/PP of a conversion only decides how the work and memory are spread over the ranks: checkpoints are
 resharded on load, so one written at TP=1 loads at TP=2 and vice versa. The dtype is kept: the checkpoint
 holds the HF dtype (``config.dtype``) unless told otherwise, so HF -> Megatron -> HF is bit-identical.
-
-Why hand-written: this is glue between two libraries (Megatron's dist_checkpointing, the project's
-weight mappings); the mappings themselves live only in :mod:`model_providers`.
 """
 from __future__ import annotations
 

@@ -24,10 +24,6 @@ a crash between those two renames (microseconds) leaves the old checkpoint compl
 the "missing checkpoint" error points at it. Leftover ``.tmp-``/``.old-`` siblings of a later save's target
 are removed by that save (an ``.old-`` one only once the final directory is complete).
 
-Why hand-written: ``dist_checkpointing`` writes and reshards the tensors, but writes straight into the
-target directory (a crash leaves it half-written) and has no notion of "complete"; the publish protocol,
-the marker and the clear errors are megarlhf's.
-
 ``extra_state``: plain picklable objects (step counters, sampler state, ...) that are the same on every
 rank; they go into ``common.pt`` (rank 0's copy) and come back from :func:`load_checkpoint`.
 
@@ -42,18 +38,7 @@ optimizer, the HF export) also reads the main model of a training checkpoint. ``
 per-rank object (RNG states) written to ``rank_state/rank<r>.pt`` inside the temporary directory, so it
 is published atomically with the rest; :func:`load_rank_state` reads this rank's copy back.
 
-The DistributedOptimizer with torch's own Adam (always the case without Transformer Engine or apex) has
-four loading bugs in megatron-core 0.19.2, each worked around here: (1) a never-stepped optimizer cannot
-build its loading state dict (``len(steps) == 1`` assertion): its state is primed first by one step at
-lr 0 (parameters unchanged); (2) ``fully_reshardable`` loading raises ``KeyError: 'step'``: the
-per-parameter setter is told that 'step' is not in the loaded tensors; (3) with fp32 parameters the main
-parameter is a view of a leaf that requires grad, so its in-place copy raises outside ``no_grad``: the
-``dp_reshardable`` loader has that bug, the ``fully_reshardable`` one used here runs under ``no_grad``
-itself (checked by disabling ours), and megarlhf loads under ``torch.no_grad()`` as well; (4) after
-loading, every parameter's 'step' is the same tensor, which Adam then advances once per parameter per
-step (wrong bias correction): each parameter gets its own copy. A never-stepped optimizer is saved
-primed and marked ``fresh``; loading such a checkpoint empties the state again, so the next step is a
-first step as in an uninterrupted run.
+Optimizer state goes through :mod:`megarlhf.checkpoint.optimizer_state` (Megatron's loading bugs).
 """
 from __future__ import annotations
 
@@ -62,9 +47,7 @@ import json
 import logging
 import os
 import shutil
-import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -72,7 +55,9 @@ import torch
 import torch.distributed as dist
 
 from megarlhf import __version__ as megarlhf_version
+from megarlhf.checkpoint import publish
 from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
+from megarlhf.checkpoint.optimizer_state import clear_state, is_fresh, load_optimizer, optimizer_kind, prime
 from megarlhf.core.errors import CheckpointError
 
 MARKER_FILE = "megarlhf_checkpoint.json"
@@ -111,78 +96,31 @@ class Companion:
     scheduler: Any = None
 
 
+@dataclass
+class TrainingState:
+    """What a run saves beside a model to resume it: the model's Megatron optimizer and lr scheduler,
+    further models with theirs (``companions``, keyed by identifier names), and ``rank_state``, a per-rank
+    object (RNG states: tensors, numbers, strings, tuples, lists and dicts only)."""
+
+    optimizer: Any = None
+    scheduler: Any = None
+    companions: Mapping[str, Companion] = field(default_factory=dict)
+    rank_state: Any = None
+
+
 def _require_distributed(action: str) -> None:
     if not dist.is_initialized():
         raise CheckpointError(f"{action} needs torch.distributed and Megatron's parallel state: call "
                               "parallel.runtime.init_parallel(...) first (it works in a single process too)")
 
 
-def _rank() -> int:
-    return dist.get_rank()
-
-
-def _barrier() -> None:
-    if dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (collective; also a barrier)."""
-    box = [value if _rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _shared_token() -> str:
-    """A name suffix chosen by rank 0 and known to every rank."""
-    return _from_rank0(f"{os.getpid()}-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_durably(path: Path, payload: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(path.parent)
-
-
-def _siblings(final: Path, kind: str) -> list[Path]:
-    """Directories named ``<final>.<kind>-*`` next to ``final`` (kind: "tmp" or "old")."""
-    if not final.parent.is_dir():
-        return []
-    prefix = f"{final.name}.{kind}-"
-    return sorted(p for p in final.parent.iterdir() if p.name.startswith(prefix) and p.is_dir())
-
-
 def _remove_leftovers(final: Path) -> None:
     """Deletes partial saves of ``final`` and old copies that a complete ``final`` has replaced."""
-    for partial in _siblings(final, "tmp"):
+    for partial in publish.siblings(final, "tmp"):
         shutil.rmtree(partial)
     if is_complete_checkpoint(final):
-        for old in _siblings(final, "old"):
+        for old in publish.siblings(final, "old"):
             shutil.rmtree(old)
-
-
-def _publish(tmp: Path, final: Path, token: str) -> None:
-    """Gives the finished ``tmp`` directory its final name (rank 0 only)."""
-    if final.exists():
-        aside = final.with_name(f"{final.name}.old-{token}")
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(aside)
-    else:
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
 
 
 def _model_summary(model: torch.nn.Module) -> dict:
@@ -194,57 +132,13 @@ def _model_summary(model: torch.nn.Module) -> dict:
 
 
 def _layout() -> dict:
-    from megatron.core import parallel_state as ps
+    from parallel.runtime import model_groups
 
-    layout = {"world_size": dist.get_world_size()}
-    if ps.model_parallel_is_initialized():
-        layout.update(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                      pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                      data_parallel_size=ps.get_data_parallel_world_size(),
-                      expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
+    layout, groups = {"world_size": dist.get_world_size()}, model_groups()
+    if groups.initialized:
+        layout.update(tensor_model_parallel_size=groups.tp.size, pipeline_model_parallel_size=groups.pp.size,
+                      data_parallel_size=groups.dp.size, expert_model_parallel_size=groups.ep.size)
     return layout
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The Megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter group set)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _is_distributed(megatron_optimizer) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return isinstance(megatron_optimizer, DistributedOptimizer)
-
-
-def _is_fresh(optimizer) -> bool:
-    """True when no inner optimizer holds state yet (no step was taken)."""
-    return all(len(inner.optimizer.state) == 0 for inner in _inner_optimizers(optimizer))
-
-
-def _prime(optimizer) -> None:
-    """Gives a never-stepped DistributedOptimizer its state (bug 1): one step with zero gradients at lr 0
-    (Megatron's own initialiser), which leaves the parameters exactly as they are."""
-    for inner in _inner_optimizers(optimizer):
-        if not _is_distributed(inner) or len(inner.optimizer.state):
-            continue
-        groups = inner.optimizer.param_groups
-        saved_lr = [group["lr"] for group in groups]
-        for group in groups:
-            group["lr"] = 0.0
-        try:
-            inner._init_optimizer_states_with_dummy_values()
-        finally:
-            for group, lr in zip(groups, saved_lr):
-                group["lr"] = lr
-
-
-def _clear_state(optimizer) -> None:
-    for inner in _inner_optimizers(optimizer):
-        inner.optimizer.state.clear()
-
-
-def _optimizer_kind(optimizer) -> str:
-    return "distributed" if any(_is_distributed(inner) for inner in _inner_optimizers(optimizer)) else "plain"
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -272,13 +166,12 @@ def _part_sharded_state(model, optimizer, scheduler, prefix: str, is_loading: bo
 
 def _part_marker(model, optimizer, scheduler, fresh: bool) -> dict:
     return {"model": _model_summary(model), "scheduler": scheduler is not None,
-            "optimizer": None if optimizer is None else {"kind": _optimizer_kind(optimizer), "fresh": fresh}}
+            "optimizer": None if optimizer is None else {"kind": optimizer_kind(optimizer), "fresh": fresh}}
 
 
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_state: dict | None = None, *,
                     metadata: dict | None = None, files: Mapping[str, str | os.PathLike] | None = None,
-                    overwrite: bool = False, optimizer: Any = None, scheduler: Any = None,
-                    companions: Mapping[str, Companion] | None = None, rank_state: Any = None,
+                    overwrite: bool = False, training: TrainingState | None = None,
                     writer: AsyncCheckpointWriter | None = None) -> Path:
     """Saves this rank's shards of ``model`` as a distributed checkpoint at ``directory``, atomically.
 
@@ -286,18 +179,46 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     Megatron's ``sharded_state_dict()`` (a GPTModel, or Megatron DDP around one). ``metadata`` must be
     JSON-serialisable and lands in the marker file; ``extra_state`` see the module docstring. ``files`` maps
     relative paths inside the checkpoint to files that rank 0 copies in before publishing. An existing
-    checkpoint at ``directory`` is an error unless ``overwrite``. ``optimizer`` / ``scheduler`` (the model's
-    Megatron optimizer and OptimizerParamScheduler), ``companions`` and ``rank_state`` (tensors, numbers,
-    strings, tuples, lists and dicts only) see the module docstring. With ``writer`` the tensors are written
-    in the background and the checkpoint appears at the returned path only when ``writer`` publishes it
-    (:mod:`megarlhf.checkpoint.async_save`); ``model`` may change as soon as this returns. Returns the final path.
+    checkpoint at ``directory`` is an error unless ``overwrite``. ``training``: what resuming a run needs
+    besides the weights. With ``writer`` the tensors are written in the background and the checkpoint
+    appears at the returned path only when ``writer`` publishes it (:mod:`megarlhf.checkpoint.async_save`);
+    ``model`` may change as soon as this returns. Returns the final path.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
     torch_strategy.logger.addFilter(_SYNC_SAVE_NOTICE_FILTER)  # once: a Filterer keeps one of each
     _require_distributed("save_checkpoint")
-    final = Path(directory).absolute()
+    final, training = Path(directory).absolute(), training or TrainingState()
+    _check_save(final, metadata, files, overwrite, training)
+    token = publish.shared_token()
+    tmp = final.with_name(f"{final.name}.tmp-{token}")
+    if publish.rank() == 0:
+        _remove_leftovers(final)
+        tmp.mkdir(parents=True)
+    publish.barrier()
+    parts = {"": Companion(model, training.optimizer, training.scheduler), **training.companions}
+    fresh = {name: part.optimizer is not None and is_fresh(part.optimizer) for name, part in parts.items()}
+    markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name])
+               for name, part in parts.items()}
+    request = _write_state(tmp, parts, fresh, extra_state, writer)
+    _write_side_files(tmp, files, training.rank_state)
+    main = markers.pop("")
+    marker = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": megarlhf_version,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
+        "scheduler": main["scheduler"], "companions": markers, "rank_state": training.rank_state is not None,
+        "has_extra_state": extra_state is not None, "metadata": metadata or {},
+    }
+    if writer is None:
+        _publish_checkpoint(tmp, final, token, marker)
+    else:
+        writer.schedule(request, final, lambda: _publish_checkpoint(tmp, final, token, marker))
+    return final
+
+
+def _check_save(final: Path, metadata, files, overwrite: bool, training: TrainingState) -> None:
+    """What a save refuses before writing anything, each naming the problem."""
     try:
         json.dumps(metadata)
     except TypeError as err:
@@ -309,81 +230,68 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
         raise CheckpointError(f"files to add to checkpoint {final} do not exist: {missing}")
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"{final} exists and is not a directory")
-    companions = dict(companions or {})
-    bad = [name for name in companions if not name.isidentifier()]
+    bad = [name for name in training.companions if not name.isidentifier()]
     if bad:
         raise CheckpointError(f"companion model names must be identifiers, got {bad}")
-    token = _shared_token()
-    tmp = final.with_name(f"{final.name}.tmp-{token}")
-    if _rank() == 0:
-        _remove_leftovers(final)
-        tmp.mkdir(parents=True)
-    _barrier()
-    parts = {"": Companion(model, optimizer, scheduler), **companions}
-    fresh = {name: part.optimizer is not None and _is_fresh(part.optimizer) for name, part in parts.items()}
-    markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name])
-               for name, part in parts.items()}
+
+
+def _write_state(tmp: Path, parts: dict[str, Companion], fresh: dict[str, bool], extra_state: dict | None,
+                 writer: AsyncCheckpointWriter | None):
+    """Writes the tensors of every part into ``tmp`` (or, with ``writer``, starts writing them in the
+    background and returns Megatron's async request)."""
+    from megatron.core import dist_checkpointing
+
+    main, companions = parts[""], {name: part for name, part in parts.items() if name}
     try:
         for name, part in parts.items():
             if fresh[name]:
-                _prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its state dict (bug 1)
-        state = _part_sharded_state(model, optimizer, scheduler, "", is_loading=False)
+                prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its state dict (bug 1)
+        state = _part_sharded_state(main.model, main.optimizer, main.scheduler, "", is_loading=False)
         state["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
                                                          is_loading=False) for name, part in companions.items()}
         if extra_state is not None:
             state["extra_state"] = extra_state
         if writer is None:
-            dist_checkpointing.save(state, str(tmp))
-        else:
-            request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True,
-                                              async_strategy=writer.strategy)
+            return dist_checkpointing.save(state, str(tmp))
+        return dist_checkpointing.save(state, str(tmp), async_sharded_save=True, async_strategy=writer.strategy)
     finally:
         for name, part in parts.items():
             if fresh[name]:
-                _clear_state(part.optimizer)
+                clear_state(part.optimizer)
+
+
+def _write_side_files(tmp: Path, files: Mapping[str, str | os.PathLike] | None, rank_state: Any) -> None:
+    """This rank's ``rank_state``, and (rank 0) the side files as they are when the save is made."""
     if rank_state is not None:
         (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
-        torch.save(rank_state, tmp / RANK_STATE_DIR / f"rank{_rank()}.pt")
-    if _rank() == 0:  # now, not at publication: the files as they are when the save is made
+        torch.save(rank_state, tmp / RANK_STATE_DIR / f"rank{publish.rank()}.pt")
+    if publish.rank() == 0:
         for relative, source in (files or {}).items():
             (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, tmp / relative)
-    main = markers.pop("")
-    marker = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": megarlhf_version,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
-        "scheduler": main["scheduler"], "companions": markers, "rank_state": rank_state is not None,
-        "has_extra_state": extra_state is not None, "metadata": metadata or {},
-    }
 
-    def publish() -> None:
-        """After every rank's tensors are written: rank 0 writes the marker, then renames. A failure there is
-        raised on every rank (the others would otherwise wait at a barrier until rank 0's process is gone)."""
-        _barrier()
-        failure = None
-        if _rank() == 0:
-            try:
-                _write_json_durably(tmp / MARKER_FILE, marker)
-                _publish(tmp, final, token)
-            except Exception as err:
-                failure = err
-        message = _from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if message is not None:
-            raise CheckpointError(f"rank 0 could not publish checkpoint {final} ({message}); it was not published")
 
-    if writer is None:
-        publish()
-    else:
-        writer.schedule(request, final, publish)
-    return final
+def _publish_checkpoint(tmp: Path, final: Path, token: str, marker: dict) -> None:
+    """After every rank's tensors are written: rank 0 writes the marker, then renames. A failure there is
+    raised on every rank (the others would otherwise wait at a barrier until rank 0's process is gone)."""
+    publish.barrier()
+    failure = None
+    if publish.rank() == 0:
+        try:
+            publish.write_json_durably(tmp / MARKER_FILE, marker)
+            publish.publish_directory(tmp, final, token)
+        except Exception as err:
+            failure = err
+    message = publish.from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"rank 0 could not publish checkpoint {final} ({message}); it was not published")
 
 
 def _missing_message(path: Path) -> str:
     message = f"no checkpoint at {path}: the directory does not exist"
-    moved = [p for p in _siblings(path, "old") if is_complete_checkpoint(p)]
+    moved = [p for p in publish.siblings(path, "old") if is_complete_checkpoint(p)]
     if moved:
         message += (f"; an interrupted overwrite left the previous complete checkpoint at {moved[-1]} "
                     "(rename it back to use it)")
@@ -432,52 +340,6 @@ def _check_model_matches(info: dict, model: torch.nn.Module, path: Path) -> None
         raise CheckpointError(f"checkpoint at {path} does not fit this model ({'; '.join(diffs)})")
 
 
-@contextmanager
-def _step_not_in_loaded_tensors(inner):
-    """Bug 2: ``_set_main_param_and_optimizer_states`` copies every state tensor of the live optimizer,
-    'step' included, but the fully_reshardable loader leaves 'step' out of the loaded tensors (it travels in
-    the param groups). Marking it absent (None is skipped by the setter) lets the copy go through."""
-    original = inner._set_main_param_and_optimizer_states
-    inner._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
-    try:
-        yield
-    finally:
-        del inner._set_main_param_and_optimizer_states
-
-
-def _own_step_tensors(inner) -> None:
-    """Bug 4: Megatron gives every parameter the same 'step' tensor, which torch's Adam advances once per
-    parameter per step; each parameter gets its own copy."""
-    for state in inner.optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-
-
-def _load_optimizer(optimizer, loaded) -> None:
-    inners = _inner_optimizers(optimizer)
-    states = [loaded] if len(inners) == 1 else [state for _, state in sorted(loaded.items())]
-    for inner, state in zip(inners, states):
-        if not _is_distributed(inner):
-            inner.load_state_dict(state)
-            _own_step_tensors(inner)
-            continue
-        param_state = state.pop("param_state", None)
-        sharding = state.pop("param_state_sharding_type", None)
-        inner.load_state_dict(state)  # param groups (lr, betas, step) without the parameter state
-        _own_step_tensors(inner)
-        if param_state is None:
-            continue
-        if sharding != "fully_reshardable":
-            raise CheckpointError(f"optimizer state in sharding format {sharding!r}; megarlhf writes "
-                                  "'fully_reshardable'")
-        with torch.no_grad(), _step_not_in_loaded_tensors(inner):  # bug 3 (see the module docstring), bug 2
-            inner.load_parameter_state_from_fully_reshardable(param_state)
-    if len(inners) > 1:
-        optimizer._synchronize_steps()
-        for inner in inners:
-            _own_step_tensors(inner)
-
-
 def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions: dict) -> None:
     """Every optimizer, scheduler and companion asked for must be in the checkpoint (and the other way
     round for companions: a checkpoint of actor + critic does not resume an actor-only run)."""
@@ -512,9 +374,9 @@ def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions:
 def _apply_part(loaded: dict, part: Companion, marker: dict, strict: bool) -> None:
     _unwrapped(part.model).load_state_dict(loaded["model"], strict=strict)
     if part.optimizer is not None:
-        _load_optimizer(part.optimizer, loaded["optimizer"])
+        load_optimizer(part.optimizer, loaded["optimizer"])
         if (marker.get("optimizer") or {}).get("fresh"):
-            _clear_state(part.optimizer)  # saved before its first step: the next step is a first step again
+            clear_state(part.optimizer)  # saved before its first step: the next step is a first step again
     if part.scheduler is not None:
         part.scheduler.load_state_dict(loaded["scheduler"])
 
@@ -545,7 +407,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, str
     parts = {"": Companion(model, optimizer, scheduler), **companions}
     for part in parts.values():
         if part.optimizer is not None:
-            _prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its loading state dict (bug 1)
+            prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its loading state dict (bug 1)
     request = _part_sharded_state(model, optimizer, scheduler, "", is_loading=True)
     if companions:
         request["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
@@ -576,7 +438,7 @@ def load_rank_state(directory: str | os.PathLike) -> Any:
     if saved_world != world:
         raise CheckpointError(f"checkpoint at {path} holds per-rank state of {saved_world} ranks; this job has "
                               f"{world}: per-rank state (RNG streams) only loads at the same world size")
-    file = path / RANK_STATE_DIR / f"rank{_rank()}.pt"
+    file = path / RANK_STATE_DIR / f"rank{publish.rank()}.pt"
     if not file.is_file():
         raise CheckpointError(f"incomplete checkpoint at {path}: {file.name} is missing from {RANK_STATE_DIR}/")
     return torch.load(file, weights_only=True)

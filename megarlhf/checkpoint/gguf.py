@@ -20,7 +20,7 @@ What is supported, and why exactly that:
   (this project's tests write and check byte-level BPE files; the SentencePiece path is transformers').
   The saved tokenizer is reloaded and must split a probe text exactly as the file's tokenizer does.
 
-Why hand-written: transformers' GGUF loader is lenient in ways that silently give a different model, so
+transformers' GGUF loader alone is lenient in ways that silently give a different model, so
 the header is checked here and what the loader misses is supplied: it ignores ``attention.key_length``
 (a Qwen3 whose head_dim is not hidden/heads loads with the wrong shapes and no error), drops
 ``rope_freqs.weight`` (Llama-3.x rope scaling, which llama.cpp stores as per-frequency factors: it is

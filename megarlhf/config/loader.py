@@ -17,9 +17,8 @@ is reported with the dataclass's reason.
 :func:`save_config` writes the resolved config as YAML; loading that file gives an equal config.
 
 An int is accepted where a float is expected, and so is a string that parses as a float, because
-PyYAML reads ``1e-6`` (no dot) as a string. Hand-written because the candidate libraries (OmegaConf,
-Hydra, dacite) either keep a second copy of the defaults, lack Literal/registry checking with key
-paths, or pull in a framework; this is ~200 lines.
+PyYAML reads ``1e-6`` (no dot) as a string. OmegaConf, Hydra and dacite keep a second copy of the defaults,
+lack Literal checks with key paths, or bring a framework.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ class IterativeConfig:
 
     def __post_init__(self):
         check(self.rs_keep != "threshold" or self.rs_threshold is not None,
-               "IterativeConfig.rs_keep='threshold' needs rs_threshold (the reward a kept sample reaches)")
+              "IterativeConfig.rs_keep='threshold' needs rs_threshold (the reward a kept sample reaches)")
         check(self.rs_threshold is None or math.isfinite(self.rs_threshold),
-               f"IterativeConfig.rs_threshold must be finite or null, got {self.rs_threshold}")
+              f"IterativeConfig.rs_threshold must be finite or null, got {self.rs_threshold}")
         check(math.isfinite(self.min_margin) and self.min_margin >= 0,
-               f"IterativeConfig.min_margin must be a finite number >= 0, got {self.min_margin}")
+              f"IterativeConfig.min_margin must be a finite number >= 0, got {self.min_margin}")

@@ -98,20 +98,20 @@ class WeightSyncConfig:
 
     def __post_init__(self):
         check(self.lora in ("merged", "adapter"),
-               f"WeightSyncConfig.lora={self.lora!r}: must be 'merged' or 'adapter'")
+              f"WeightSyncConfig.lora={self.lora!r}: must be 'merged' or 'adapter'")
         check(isinstance(self.check_checkpoint, bool),
-               f"WeightSyncConfig.check_checkpoint must be true or false, got {self.check_checkpoint!r}")
+              f"WeightSyncConfig.check_checkpoint must be true or false, got {self.check_checkpoint!r}")
         check(isinstance(self.calibration_prompts, int) and not isinstance(self.calibration_prompts, bool)
-               and self.calibration_prompts >= 0,
-               f"WeightSyncConfig.calibration_prompts must be an int >= 0, got {self.calibration_prompts!r}")
+              and self.calibration_prompts >= 0,
+              f"WeightSyncConfig.calibration_prompts must be an int >= 0, got {self.calibration_prompts!r}")
         check(self.bucket_mb > 0, f"WeightSyncConfig.bucket_mb must be > 0, got {self.bucket_mb}")
         check(isinstance(self.probe_sequences, int) and self.probe_sequences >= 0,
-               f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")
+              f"WeightSyncConfig.probe_sequences must be an int >= 0, got {self.probe_sequences!r}")
         check(isinstance(self.probe_length, int) and self.probe_length >= 2,
-               f"WeightSyncConfig.probe_length must be an int >= 2, got {self.probe_length!r}")
+              f"WeightSyncConfig.probe_length must be an int >= 2, got {self.probe_length!r}")
         check(isinstance(self.probe_max_length, int) and not isinstance(self.probe_max_length, bool)
-               and self.probe_max_length >= 0,
-               f"WeightSyncConfig.probe_max_length must be an int >= 0, got {self.probe_max_length!r}")
+              and self.probe_max_length >= 0,
+              f"WeightSyncConfig.probe_max_length must be an int >= 0, got {self.probe_max_length!r}")
 
 
 @dataclass
@@ -158,22 +158,22 @@ class RolloutConfig:
         if self.dtype is not None:
             check_dtype_name(self.dtype, "RolloutConfig.dtype")
         check(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
-               and 0 <= self.max_staleness <= MAX_STALENESS,
-               f"RolloutConfig.max_staleness must be an int in [0, {MAX_STALENESS}] (0: synchronous; k: samples "
-               f"at most k updates old), got {self.max_staleness!r}")
+              and 0 <= self.max_staleness <= MAX_STALENESS,
+              f"RolloutConfig.max_staleness must be an int in [0, {MAX_STALENESS}] (0: synchronous; k: samples "
+              f"at most k updates old), got {self.max_staleness!r}")
         check(self.max_staleness == 0 or self.placement.mode == "disaggregated",
-               f"RolloutConfig.max_staleness={self.max_staleness} needs rollout.placement.mode='disaggregated': "
-               f"colocated engines share the devices with the trainers, so generation and training cannot overlap")
+              f"RolloutConfig.max_staleness={self.max_staleness} needs rollout.placement.mode='disaggregated': "
+              f"colocated engines share the devices with the trainers, so generation and training cannot overlap")
         check(self.placement.mode == "colocate" or self.tensor_parallel_size == 1,
               f"RolloutConfig.placement.mode='disaggregated' runs one engine per engine rank: tensor_parallel_size "
               f"must be 1, got {self.tensor_parallel_size}")
         check(self.env is None or self.tensor_parallel_size == 1,
-               f"RolloutConfig.env (multi-turn rollouts) runs one engine per rank or per engine rank: "
-               f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")
+              f"RolloutConfig.env (multi-turn rollouts) runs one engine per rank or per engine rank: "
+              f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")
         check(self.max_response_tokens is None or (isinstance(self.max_response_tokens, int)
                                                     and self.max_response_tokens >= self.max_new_tokens),
-               f"RolloutConfig.max_response_tokens must be null or an int >= max_new_tokens "
-               f"({self.max_new_tokens}), got {self.max_response_tokens!r}")
+              f"RolloutConfig.max_response_tokens must be null or an int >= max_new_tokens "
+              f"({self.max_new_tokens}), got {self.max_response_tokens!r}")
 
     def engine_dtype(self, model_dtype: str) -> str:
         return self.dtype or model_dtype

@@ -47,20 +47,20 @@ class RunConfig:
 
     def __post_init__(self):
         check(self.eval.every == 0 or self.eval_reward is not None,
-               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
-               "reward only), so set eval.reward_functions (e.g. [{name: math_verify}])")
+              "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
+              "reward only), so set eval.reward_functions (e.g. [{name: math_verify}])")
         overlong = self.algorithm.overlong
         check(overlong is None or overlong.buffer_length < self.rollout.response_budget,
-               f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
-               f"the response budget ({self.rollout.response_budget}: rollout.max_new_tokens, or "
-               f"rollout.max_response_tokens in multi-turn rollouts)")
+              f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
+              f"the response budget ({self.rollout.response_budget}: rollout.max_new_tokens, or "
+              f"rollout.max_response_tokens in multi-turn rollouts)")
         check(self.rollout.env is None or not self.algorithm.dynamic_sampling.enabled,
-               "rollout.env (multi-turn rollouts) with algorithm.dynamic_sampling is not supported: DAPO's rounds "
-               "regroup single-turn samples; turn dynamic sampling off for tool-calling runs")
+              "rollout.env (multi-turn rollouts) with algorithm.dynamic_sampling is not supported: DAPO's rounds "
+              "regroup single-turn samples; turn dynamic sampling off for tool-calling runs")
         check(self.rollout.max_staleness == 0 or self.algorithm.mismatch.tis_level is not None,
-               f"rollout.max_staleness={self.rollout.max_staleness} samples with weights up to that many updates "
-               "behind: algorithm.mismatch.tis_level "
-               "must be 'token' or 'sequence' so that the update corrects for it (it is null)")
+              f"rollout.max_staleness={self.rollout.max_staleness} samples with weights up to that many updates "
+              "behind: algorithm.mismatch.tis_level "
+              "must be 'token' or 'sequence' so that the update corrects for it (it is null)")
         self._check_adapter_sync()
 
     def _check_adapter_sync(self) -> None:
@@ -70,13 +70,14 @@ class RunConfig:
         where = "rollout.weight_sync.lora='adapter' (adapters sent to the engine's LoRA kernels)"
         check(self.model.lora is not None, f"{where} needs model.lora: the model has no adapters to send")
         check(self.rollout.tensor_parallel_size == 1,
-               f"{where} verifies the engine's adapter slots of a whole (TP=1) engine: rollout.tensor_parallel_size "
-               f"must be 1, got {self.rollout.tensor_parallel_size} (use weight_sync.lora='merged')")
+              f"{where} verifies the engine's adapter slots of a whole (TP=1) engine: rollout.tensor_parallel_size "
+              f"must be 1, got {self.rollout.tensor_parallel_size} (use weight_sync.lora='merged')")
         engine_dtype = self.rollout.engine_dtype(self.model.dtype)
-        check(self.rollout.weight_sync.check_checkpoint and coarser_dtype(self.model.dtype, engine_dtype) == engine_dtype,
-               f"{where} never sends the base weights, so the engine's own load of model.path must be proven equal "
-               f"to the trainer's at start-up: it needs rollout.weight_sync.check_checkpoint=true and an engine dtype "
-               f"({engine_dtype}) no finer than model.dtype ({self.model.dtype})")
+        coarse_engine = coarser_dtype(self.model.dtype, engine_dtype) == engine_dtype
+        check(self.rollout.weight_sync.check_checkpoint and coarse_engine,
+              f"{where} never sends the base weights, so the engine's own load of model.path must be proven equal "
+              f"to the trainer's at start-up: it needs rollout.weight_sync.check_checkpoint=true and an engine dtype "
+              f"({engine_dtype}) no finer than model.dtype ({self.model.dtype})")
 
     @property
     def eval_reward(self) -> RewardConfig | None:

@@ -27,11 +27,11 @@ class OptimConfig:
         check(self.lr > 0, f"OptimConfig.lr must be > 0, got {self.lr}")
         check(0 <= self.min_lr <= self.lr, f"OptimConfig.min_lr must be in [0, lr], got {self.min_lr}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-               f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+              f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         check(self.weight_decay >= 0 and self.clip_grad >= 0,
-               f"OptimConfig.weight_decay and clip_grad must be >= 0, got {self.weight_decay}, {self.clip_grad}")
+              f"OptimConfig.weight_decay and clip_grad must be >= 0, got {self.weight_decay}, {self.clip_grad}")
         check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
-               f"OptimConfig.adam_beta1/2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+              f"OptimConfig.adam_beta1/2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
 
 
 @dataclass
@@ -77,8 +77,8 @@ class TrainConfig:
     def __post_init__(self):
         positive_ints(self, "steps", "global_batch_size", "mini_batches", "epochs_per_step", "micro_batch_tokens")
         check(self.global_batch_size % self.mini_batches == 0,
-               f"TrainConfig.global_batch_size ({self.global_batch_size}) must be divisible by "
-               f"mini_batches ({self.mini_batches})")
+              f"TrainConfig.global_batch_size ({self.global_batch_size}) must be divisible by "
+              f"mini_batches ({self.mini_batches})")
 
     @property
     def updates_per_step(self) -> int:
@@ -98,11 +98,11 @@ class CheckpointConfig:
 
     def __post_init__(self):
         check(isinstance(self.async_save, bool), f"CheckpointConfig.async_save must be true or false, got "
-               f"{self.async_save!r}")
+              f"{self.async_save!r}")
         check(isinstance(self.every, int) and self.every >= 0,
-               f"CheckpointConfig.every must be an int >= 0, got {self.every!r}")
+              f"CheckpointConfig.every must be an int >= 0, got {self.every!r}")
         check(self.keep_last is None or self.keep_last >= 1,
-               f"CheckpointConfig.keep_last must be >= 1 or null, got {self.keep_last}")
+              f"CheckpointConfig.keep_last must be >= 1 or null, got {self.keep_last}")
         check(bool(self.resume), "CheckpointConfig.resume must be 'auto', 'none' or a checkpoint path")
 
 
@@ -140,14 +140,15 @@ class LoggingConfig:
     def __post_init__(self):
         positive_ints(self, "log_every")
         check(isinstance(self.samples_per_step, int) and self.samples_per_step >= 0,
-               f"LoggingConfig.samples_per_step must be an int >= 0, got {self.samples_per_step!r}")
+              f"LoggingConfig.samples_per_step must be an int >= 0, got {self.samples_per_step!r}")
         check(len(set(self.backends)) == len(self.backends),
-               f"LoggingConfig.backends names a backend twice: {self.backends}")
+              f"LoggingConfig.backends names a backend twice: {self.backends}")
 
 
 @dataclass
 class GateConfig:
-    """``gates``: verification tolerances set by hand (``null``: the rule's value, :mod:`megarlhf.rollout.sync.gates`)."""
+    """``gates``: verification tolerances set by hand (``null``: the rule's value,
+    :mod:`megarlhf.rollout.sync.gates`)."""
 
     probe_max: float | None = None
     probe_mean: float | None = None

@@ -38,9 +38,6 @@ shifts completions by one row; skipping rows of the same prompt keeps a pair spl
 an undesirable row side by side (the usual way pairs are unpaired) from pairing a prompt with its own
 other answer. Rows longer than the limit are dropped before the KL rows are formed; at least two rows
 with different prompts must remain.
-
-Hand-written because this is the project's own glue between its data settings, the tokenizer and the
-loss-mask rule of ``chat.py``.
 """
 from __future__ import annotations
 

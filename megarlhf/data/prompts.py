@@ -15,8 +15,6 @@ the description's text appended to the system message (one is added if the row h
 prompt gets that text and a blank line before the row's prompt (after ``data.system_prompt``). The
 schemas are kept on the example (``tools``), so that
 every later rendering of the conversation passes the same ``tools=``.
-
-Hand-written because this is the project's own glue between its data settings and the tokenizer.
 """
 from __future__ import annotations
 

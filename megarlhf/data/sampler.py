@@ -10,7 +10,7 @@ is therefore the same for every DP size.
 
 The whole state is the number of indices consumed (plus the seed and dataset size, checked on load),
 so a resumed run continues the exact sequence of an uninterrupted one, also with another DP size.
-Hand-written because torch's samplers have no mid-epoch resume and shard per index, not per batch.
+torch's samplers have no mid-epoch resume and shard per index, not per batch.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ rejected with a message.
 
 Plain mode: ``prompt`` (after the system prompt) tokenized with the tokenizer's special tokens, then the
 ``response`` plus EOS, which carry the loss. Examples longer than ``data.max_sequence_length`` tokens are
-dropped and counted. Hand-written because the mask rule is the project's own choice.
+dropped and counted.
 """
 from __future__ import annotations
 

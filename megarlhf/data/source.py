@@ -9,8 +9,8 @@
   ``DatasetDict`` directory needs ``split``).
 
 The Hugging Face hub is never contacted: a path that does not exist is an error, and one that looks
-like a hub name (``owner/name``) says so. The JSONL reader is hand-written (a few lines) so that a bad
-row is reported with its line number, which ``datasets``' JSON builder does not do.
+like a hub name (``owner/name``) says so. A bad JSONL row is reported
+with its line number, which ``datasets``' JSON builder does not do.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ correctly from it (right arithmetic on the wrong problem).
 
 Difficulty knobs: ``min_steps``/``max_steps`` (operations per problem), ``max_value`` (operand range), ``ops``;
 ``style="bare"`` asks the expression itself ("What is 59 + 63?") instead of a word problem.
-Hand-written: no offline package ships such data (docs/PLATFORM.md: GSM8K/MATH need the hub).
+No offline package ships such data (GSM8K and MATH need the hub; docs/PLATFORM.md).
 """
 from __future__ import annotations
 
@@ -143,35 +143,51 @@ def final_answer(answer: str, answer_format: str) -> str:
     return f"The answer is {answer}." if answer_format == "answer_is" else f"#### {answer}"
 
 
-def generate_split(n: int, heldout: bool, seed: int, max_steps: int = 3, max_value: int = 20,
-                   ops: tuple[str, ...] = ("add", "sub", "mul", "div"), heldout_fraction: float = 0.2,
-                   instruction: str | None = DEFAULT_INSTRUCTION, answer_format: str = "answer_is",
-                   min_steps: int = 1, style: str = "word") -> list[dict]:
+@dataclass(frozen=True)
+class TaskSettings:
+    """The synthetic task's difficulty and format: steps per problem, the largest operand, the operations,
+    the share of problems held out, the instruction, how the answer line reads and the prompt ``style``
+    (:func:`render`)."""
+
+    max_steps: int = 3
+    max_value: int = 20
+    ops: tuple[str, ...] = ("add", "sub", "mul", "div")
+    heldout_fraction: float = 0.2
+    instruction: str | None = DEFAULT_INSTRUCTION
+    answer_format: str = "answer_is"
+    min_steps: int = 1
+    style: str = "word"
+
+    def __post_init__(self):
+        if self.style not in ("word", "bare"):
+            raise DataError(f"style must be 'word' or 'bare', got {self.style!r}")
+        if self.answer_format not in ("answer_is", "hashes"):
+            raise DataError(f"answer_format must be 'answer_is' or 'hashes', got {self.answer_format!r}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise DataError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        unknown = set(self.ops) - set(SYMBOLS)
+        if unknown or not self.ops or not 1 <= self.min_steps <= self.max_steps or self.max_value < 2:
+            raise DataError(f"bad difficulty settings: ops={self.ops} (known {sorted(SYMBOLS)}), min_steps="
+                            f"{self.min_steps} and max_steps={self.max_steps} (1 <= min_steps <= max_steps), "
+                            f"max_value={self.max_value} (>= 2)")
+
+
+def generate_split(n: int, heldout: bool, seed: int, task: TaskSettings = TaskSettings()) -> list[dict]:
     """``n`` distinct problems of one split as rows: prompt, answer, expression, response (worked) and
-    work (the worked solution without its final-answer line); ``style``: see :func:`render`."""
-    if style not in ("word", "bare"):
-        raise DataError(f"style must be 'word' or 'bare', got {style!r}")
-    if answer_format not in ("answer_is", "hashes"):
-        raise DataError(f"answer_format must be 'answer_is' or 'hashes', got {answer_format!r}")
-    if not 0.0 < heldout_fraction < 1.0:
-        raise DataError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
-    unknown = set(ops) - set(SYMBOLS)
-    if unknown or not ops or not 1 <= min_steps <= max_steps or max_value < 2:
-        raise DataError(f"bad difficulty settings: ops={ops} (known {sorted(SYMBOLS)}), min_steps={min_steps} and "
-                        f"max_steps={max_steps} (1 <= min_steps <= max_steps), max_value={max_value} (>= 2)")
+    work (the worked solution without its final-answer line)."""
     rng = random.Random(f"{seed}-{'heldout' if heldout else 'train'}")
     rows, seen = [], set()
     for _ in range(200 * n + 1000):
         if len(rows) == n:
             break
-        problem = random_problem(rng, max_steps, max_value, ops, min_steps)
-        if problem.key in seen or in_heldout(problem, heldout_fraction) != heldout:
+        problem = random_problem(rng, task.max_steps, task.max_value, task.ops, task.min_steps)
+        if problem.key in seen or in_heldout(problem, task.heldout_fraction) != heldout:
             continue
         seen.add(problem.key)
-        prompt, work = render(problem, rng, instruction, style)
-        final = final_answer(str(problem.answer), answer_format)
+        prompt, work = render(problem, rng, task.instruction, task.style)
+        final = final_answer(str(problem.answer), task.answer_format)
         rows.append({"prompt": prompt, "answer": str(problem.answer), "expression": problem.expression,
-                     "response": f"{work} {final}" if answer_format == "answer_is" else f"{work}\n{final}",
+                     "response": f"{work} {final}" if task.answer_format == "answer_is" else f"{work}\n{final}",
                      "work": work})
     if len(rows) < n:
         raise DataError(f"could only make {len(rows)} distinct {'held-out' if heldout else 'train'} problems "
@@ -224,14 +240,14 @@ def write_arithmetic_task(out_dir: str | Path, n_train: int, n_heldout: int, see
                           sft_direct_fraction: float = 0.0, sft_answer_first_fraction: float = 0.0,
                           sft_tool_call_fraction: float = 0.0, **knobs) -> dict[str, Path]:
     """Writes ``train.jsonl`` and ``heldout.jsonl`` (prompt, answer, expression) and ``sft_train.jsonl``
-    (prompt, response) under ``out_dir``; ``knobs`` are :func:`generate_split`'s settings and the two
+    (prompt, response) under ``out_dir``; ``knobs`` are :class:`TaskSettings`' fields and the
     fractions the shares of SFT responses in the bare-answer and answer-first styles
     (:func:`mix_response_styles`)."""
-    out = Path(out_dir)
-    train = generate_split(n_train, heldout=False, seed=seed, **knobs)
-    heldout = generate_split(n_heldout, heldout=True, seed=seed, **knobs)
-    sft = mix_response_styles(train, seed, sft_direct_fraction, sft_answer_first_fraction,
-                              knobs.get("answer_format", "answer_is"), sft_tool_call_fraction)
+    out, task = Path(out_dir), TaskSettings(**knobs)
+    train = generate_split(n_train, heldout=False, seed=seed, task=task)
+    heldout = generate_split(n_heldout, heldout=True, seed=seed, task=task)
+    sft = mix_response_styles(train, seed, sft_direct_fraction, sft_answer_first_fraction, task.answer_format,
+                              sft_tool_call_fraction)
     return {"train": write_jsonl(train, out / "train.jsonl", ("prompt", "answer", "expression")),
             "heldout": write_jsonl(heldout, out / "heldout.jsonl", ("prompt", "answer", "expression")),
             "sft_train": write_jsonl(sft, out / "sft_train.jsonl", ("prompt", "response"))}
@@ -295,11 +311,11 @@ def write_preference_task(out_dir: str | Path, n_train: int, n_heldout: int, see
                           **knobs) -> dict[str, Path]:
     """Writes ``pairs_train.jsonl`` and ``pairs_heldout.jsonl`` (prompt, chosen, rejected, answer,
     rejected_kind) under ``out_dir``, from the same disjoint splits as :func:`write_arithmetic_task`."""
-    out = Path(out_dir)
-    fmt = knobs.get("answer_format", "answer_is")
+    out, task = Path(out_dir), TaskSettings(**knobs)
     keys = ("prompt", "chosen", "rejected", "answer", "rejected_kind")
-    train = preference_rows(generate_split(n_train, heldout=False, seed=seed, **knobs), seed, fmt)
-    heldout = preference_rows(generate_split(n_heldout, heldout=True, seed=seed, **knobs), seed + 1, fmt)
+    train = preference_rows(generate_split(n_train, heldout=False, seed=seed, task=task), seed, task.answer_format)
+    heldout = preference_rows(generate_split(n_heldout, heldout=True, seed=seed, task=task), seed + 1,
+                              task.answer_format)
     return {"pairs_train": write_jsonl(train, out / "pairs_train.jsonl", keys),
             "pairs_heldout": write_jsonl(heldout, out / "pairs_heldout.jsonl", keys)}
 

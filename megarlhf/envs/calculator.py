@@ -13,8 +13,7 @@ power's result size is estimated from ``exponent * log10(|base|)`` before ``**``
 and ``10**100000`` are refused in microseconds); ``round``'s digit count; and a wall-clock deadline
 checked at every node. Refusals raise :class:`~megarlhf.envs.api.ToolError`, whose message the model
 reads as ``"error: ..."``. Integers print exactly, floats with 12 significant digits (``0.1 + 0.2`` reads
-``0.3``). Hand-written because the libraries that evaluate expressions (asteval, simpleeval, numexpr)
-either offer a far wider language than arithmetic or are not in the lock.
+``0.3``). asteval, simpleeval and numexpr offer far more than arithmetic, or are not in the lock.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ or a JSON / JSONL file), matched case-insensitively; a missing key is an observa
 Files: ``.json`` holds one object ``{"key": value, ...}``; ``.jsonl`` holds one record per line,
 ``{"key": ..., "value": ...}`` (the field names are kwargs). Values that are not strings are shown as
 JSON. Keys that differ only in case collide and are refused when the table is built. A file is parsed once
-per (path, modification time) and shared by every episode. Hand-written: a dict with normalised keys.
+per (path, modification time) and shared by every episode.
 """
 from __future__ import annotations
 

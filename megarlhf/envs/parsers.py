@@ -24,9 +24,8 @@ Formats (``CallFormat``):
   *special* token there: decode with ``skip_special_tokens=False`` (see ``needs_special_tokens``).
 
 The ``tokenizer`` entry picks the format from the tokenizer: a format whose start marker is one of the
-tokenizer's added tokens, else one whose marker its chat template mentions, else ``hermes``. Hand-written
-because vLLM's tool parsers are tied to its OpenAI server request types and do not check calls against
-the episode's tools.
+tokenizer's added tokens, else one whose marker its chat template mentions, else ``hermes``. vLLM's tool
+parsers are tied to its OpenAI server's request types and do not check calls against the episode's tools.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ interpreter exit), a fresh worker replaces it so the pool keeps its size, and it
 call ever returns. ``abandoned`` counts those still stuck. A call's clock starts when a worker picks it
 up, so the wall time of one batch is at most about ``ceil(calls / num_workers) * timeout_s``.
 
-Hand-written because ``concurrent.futures.ThreadPoolExecutor`` cannot replace a stuck worker and joins
+Not ``concurrent.futures.ThreadPoolExecutor``: it cannot replace a stuck worker and joins
 all its threads at interpreter exit, so one hung call would stall the pool and the process.
 """
 from __future__ import annotations

@@ -13,13 +13,13 @@ Executors (NeMo-Run's own; see docs/PLATFORM.md for the pins and the two path go
   rank, world size and the rendezvous from Slurm's environment), requeue on preemption (the run resumes:
   ``checkpoint.resume=auto``), a local tunnel by default or an SSH tunnel to a login node.
 
-:func:`run_experiment` runs one task and returns its final state. Hand-written because it is the
-project's mapping of its config and launch conventions onto NeMo-Run's objects.
+:func:`run_experiment` runs one task and returns its final state.
 """
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarlhf.config import save_config
@@ -67,29 +67,43 @@ def local_executor(nproc: int, env: dict | None = None):
                              env_vars={**QUIET_ENV, "PYTHONPATH": _pythonpath(), "PATH": path, **(env or {})})
 
 
-def slurm_executor(*, nodes: int, tasks_per_node: int, job_dir: str | os.PathLike, account: str,
-                   partition: str | None = None, time: str = "04:00:00", gpus_per_node: int | None = None,
-                   host: str | None = None, user: str | None = None, env: dict | None = None,
-                   container_image: str | None = None, setup_lines: str | None = None):
-    """One srun task per GPU (``tasks_per_node``) on ``nodes`` nodes.
+@dataclass(frozen=True)
+class SlurmJob:
+    """A Slurm allocation: one srun task per GPU (``tasks_per_node``) on ``nodes`` nodes.
 
     ``account``: the Slurm account (NeMo-Run needs one; a cluster without accounting ignores it).
-    ``host``: submit through an SSH tunnel to that login node (``user`` there), job files under
-    ``job_dir`` there; None: this machine runs sbatch itself (a local tunnel; the job files then live
-    in NeMo-Run's home, see :func:`run_experiment`). ``gpus_per_node=None`` asks for no GPUs (CPU clusters, tests).
+    ``host``: submit through an SSH tunnel to that login node (``user`` there), job files under ``job_dir``
+    there; None: this machine runs sbatch itself (a local tunnel; the job files then live in NeMo-Run's
+    home, see :func:`run_experiment`). ``gpus_per_node=None`` asks for no GPUs (CPU clusters, tests).
     ``setup_lines``: shell lines run before srun (e.g. activating the environment); the rendezvous
     (MASTER_ADDR = the first node, MASTER_PORT derived from the job id) is exported before them.
     """
+
+    nodes: int
+    tasks_per_node: int
+    job_dir: str | os.PathLike
+    account: str
+    partition: str | None = None
+    time: str = "04:00:00"
+    gpus_per_node: int | None = None
+    host: str | None = None
+    user: str | None = None
+    container_image: str | None = None
+    setup_lines: str | None = None
+
+
+def slurm_executor(job: SlurmJob, env: dict | None = None):
+    """NeMo-Run's executor for ``job``, with ``env`` added to the tasks' environment."""
     import nemo_run as run
 
-    job_dir = str(Path(job_dir).absolute())
+    job_dir = str(Path(job.job_dir).absolute())
     _check_home(Path(job_dir))
-    tunnel = run.SSHTunnel(host=host, user=user or os.environ.get("USER", ""), job_dir=job_dir) if host \
+    tunnel = run.SSHTunnel(host=job.host, user=job.user or os.environ.get("USER", ""), job_dir=job_dir) if job.host \
         else run.LocalTunnel(job_dir=job_dir)
     return run.SlurmExecutor(
-        account=account, partition=partition, nodes=nodes, ntasks_per_node=tasks_per_node,
-        gpus_per_node=gpus_per_node, time=time, tunnel=tunnel, packager=run.Packager(),
-        container_image=container_image, setup_lines=RENDEZVOUS_LINES + (setup_lines or ""),
+        account=job.account, partition=job.partition, nodes=job.nodes, ntasks_per_node=job.tasks_per_node,
+        gpus_per_node=job.gpus_per_node, time=job.time, tunnel=tunnel, packager=run.Packager(),
+        container_image=job.container_image, setup_lines=RENDEZVOUS_LINES + (job.setup_lines or ""),
         env_vars={**QUIET_ENV, "PYTHONPATH": _pythonpath(), **(env or {})},
         # preempted or failed nodes: Slurm puts the job back in the queue, the run resumes from its
         # latest checkpoint (checkpoint.resume=auto)

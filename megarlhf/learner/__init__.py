@@ -1,4 +1,4 @@
-"""The training engine under the RL and SFT trainers.
+"""The learner: the step machinery under every loop (RL, SFT, preference, rounds).
 
 * :mod:`~megarlhf.learner.models`: actor / critic (Megatron DDP + optimizer + lr schedule) and the
   frozen reference, from a ``RunConfig``.
@@ -15,7 +15,7 @@ from megarlhf.learner.batch import ExperienceBatch
 from megarlhf.learner.models import (TrainModel, build_actor, build_critic, build_frozen, build_reference,
                                       build_reward_model, export_policy,
                                       params_dtype, rl_optimizer_steps)
-from megarlhf.learner.packing import MicroBatch, build_micro_batches, plan_micro_batches
+from megarlhf.learner.packing import MicroBatch, Packing, build_micro_batches, plan_micro_batches
 from megarlhf.learner.sft import sft_batch, sft_step
 from megarlhf.learner.step import NONFINITE_MODES, NonFiniteError, OptimizerStepResult, optimizer_step
 from megarlhf.learner.update import (actor_update, compute_logprobs, compute_values, critic_update,
@@ -24,7 +24,7 @@ from megarlhf.learner.update import (actor_update, compute_logprobs, compute_val
 __all__ = [
     "ExperienceBatch", "TrainModel", "build_actor", "build_critic", "build_frozen", "build_reference",
     "build_reward_model", "export_policy", "params_dtype",
-    "rl_optimizer_steps", "MicroBatch", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
+    "rl_optimizer_steps", "MicroBatch", "Packing", "build_micro_batches", "plan_micro_batches", "sft_batch", "sft_step",
     "NONFINITE_MODES", "NonFiniteError", "OptimizerStepResult", "optimizer_step", "actor_update", "compute_logprobs",
     "compute_values", "critic_update", "old_logprobs_from_update", "old_policy_logprobs",
 ]

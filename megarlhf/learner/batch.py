@@ -9,8 +9,6 @@ token (a prompt has at least one token), and padding may hold anything: it is ma
 
 Devices: a batch lives on one device (the runtime's); :meth:`ExperienceBatch.from_sequences` builds it
 there from token lists in one host-to-device copy per field, and every derived batch stays there.
-
-Hand-written because it is the project's own contract between the RL driver, the scorer and the trainer.
 """
 from __future__ import annotations
 
@@ -113,7 +111,8 @@ class ExperienceBatch:
         """Builds a batch on ``device`` from token lists; ``rollout_logprobs[i]`` (one per response token)
         land on the response positions. ``loss_masks[i]`` (one 0/1 per response token; None: all 1) keeps
         tokens the model did not generate (multi-turn observations) out of ``response_mask``.
-        ``routed_experts[i]``: sample i's routing record, one row per token (:mod:`megarlhf.rollout.engines.routing`)."""
+        ``routed_experts[i]``: sample i's routing record, one row per token
+        (:mod:`megarlhf.rollout.engines.routing`)."""
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"ExperienceBatch.from_sequences: {len(prompts)} prompts and {len(responses)} "
                              f"responses (need the same non-zero number)")

@@ -24,23 +24,32 @@ rank as many as its own sequences need. :func:`expert_parallel_padding` agrees o
 with fewer runs the difference as padding micro-batches (a copy of its first one, every token marked as
 padding for the routers, so the router losses and the routing metrics leave them out; their loss share is
 0 times their outputs, so backward runs and every gradient they add is zero). Their outputs are dropped.
-
-Hand-written because the hook, the padded-vocab handling and the token-aligned layout are the project's
-own plumbing around Megatron's schedule.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from megarlhf.ops import logprob_entropy
+from megarlhf.ops import LogprobOptions, logprob_entropy
 from megarlhf.learner.packing import MicroBatch
 from parallel.runtime import Runtime
 
 OUTPUT_KINDS = ("logprobs", "values", "scores")
 PADDED_LOGIT = -1.0e30
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What a pass computes at each wanted position: ``kind`` (one of :data:`OUTPUT_KINDS`); for log-probs,
+    over the model's first ``vocab_size`` vocabulary rows at ``temperature``, with their ``entropy``."""
+
+    kind: str
+    vocab_size: int
+    temperature: float = 1.0
+    entropy: bool = False
 
 
 def mask_padded_vocab(hidden: Tensor, weight: Tensor, vocab_size: int, tp_rank: int) -> tuple[Tensor, Tensor]:
@@ -68,10 +77,10 @@ def _whole_sequence(hidden_states: Tensor, config, tp) -> Tensor:
     return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False, group=tp.group)
 
 
-def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, temperature: float, entropy: bool):
+def _processor(outputs: Outputs, mb: MicroBatch, runtime: Runtime):
     """A GPTModel ``output_processor``: hidden [S, b, H] -> {name: [b, S] fp32} at the wanted positions."""
     mask = mb.label_mask.reshape(-1)
-    tp = runtime.tp
+    tp, vocab_size, entropy = runtime.tp, outputs.vocab_size, outputs.entropy
 
     def logprobs(*, hidden_states, output_layer, output_weight, config=None, **_):
         hidden_states = _whole_sequence(hidden_states, config, tp)
@@ -80,9 +89,10 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
         hidden = hidden_states.transpose(0, 1).reshape(b * s, h)
         if weight.shape[0] * tp.size > vocab_size:
             hidden, weight = mask_padded_vocab(hidden, weight, vocab_size, tp.rank)
-        lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, tp_group=tp.group,
-                                  temperature=temperature, compute_entropy=entropy,
-                                  check_targets=False)  # run_schedule checked every micro-batch at once
+        # check_targets=False: run_schedule checked every micro-batch at once
+        options = LogprobOptions(tp_group=tp.group, temperature=outputs.temperature, compute_entropy=entropy,
+                                 check_targets=False)
+        lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, options)
         out = {"logprobs": lp.view(b, s)}
         if entropy:
             out["entropy"] = ent.view(b, s)
@@ -97,7 +107,7 @@ def _processor(kind: str, mb: MicroBatch, runtime: Runtime, vocab_size: int, tem
         hidden_states = _whole_sequence(hidden_states, config, tp)
         return {"scores": output_layer(hidden_states)[0].squeeze(-1).transpose(0, 1).float()}  # [b, S]
 
-    return {"logprobs": logprobs, "values": values, "scores": scores}[kind]
+    return {"logprobs": logprobs, "values": values, "scores": scores}[outputs.kind]
 
 
 def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int) -> None:
@@ -175,8 +185,7 @@ class _RouterState:
             self.replay.end()
 
 
-def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, *, kind: str,
-                 vocab_size: int, temperature: float = 1.0, entropy: bool = False,
+def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtime: Runtime, outputs: Outputs, *,
                  loss_fn: LossFn | None = None, replay=None, record_routing: bool = False) -> list:
     """Runs ``micro_batches`` through Megatron's schedule; forward-only when ``loss_fn`` is None.
 
@@ -192,12 +201,12 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if kind not in OUTPUT_KINDS:
-        raise ValueError(f"run_schedule: kind must be one of {OUTPUT_KINDS}, got {kind!r}")
+    if outputs.kind not in OUTPUT_KINDS:
+        raise ValueError(f"run_schedule: kind must be one of {OUTPUT_KINDS}, got {outputs.kind!r}")
     if not micro_batches:
         raise ValueError("run_schedule: no micro-batches")
-    if kind == "logprobs":
-        check_token_ids(micro_batches, vocab_size)
+    if outputs.kind == "logprobs":
+        check_token_ids(micro_batches, outputs.vocab_size)
     real = len(micro_batches)
     config = getattr(model, "config", None)
     scheduled = [*micro_batches, *expert_parallel_padding(micro_batches, runtime, config)]
@@ -219,7 +228,7 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
             masked = {"padding_mask": masked["padding_mask"].chunk(runtime.tp.size, dim=1)[runtime.tp.rank]}
         routers.enter(index)
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       output_processor=_processor(kind, mb, runtime, vocab_size, temperature, entropy), **masked)
+                       output_processor=_processor(outputs, mb, runtime), **masked)
         if isinstance(output, Tensor):  # not the last pipeline stage: its backward starts at this output
             output = routers.at_backward(output, index)
 
@@ -250,8 +259,8 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
 
 @torch.no_grad()
 def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int],
-                 runtime: Runtime, *, kind: str, vocab_size: int, temperature: float = 1.0,
-                 entropy: bool = False, replay=None, record_routing: bool = False) -> dict[str, Tensor]:
+                 runtime: Runtime, outputs: Outputs, *, replay=None, record_routing: bool = False
+                 ) -> dict[str, Tensor]:
     """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``),
     identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
     the pass and restored after.
@@ -259,12 +268,11 @@ def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_
     was_training = model.training
     model.eval()
     try:
-        results = run_schedule(model, micro_batches, runtime, kind=kind, vocab_size=vocab_size,
-                               temperature=temperature, entropy=entropy, replay=replay,
-                               record_routing=record_routing)
+        results = run_schedule(model, micro_batches, runtime, outputs, replay=replay, record_routing=record_routing)
     finally:
         model.train(was_training)
-    names = [kind] if kind != "logprobs" else ["logprobs"] + (["entropy"] if entropy else [])
+    kind = outputs.kind
+    names = [kind] if kind != "logprobs" else ["logprobs"] + (["entropy"] if outputs.entropy else [])
     shape = batch_shape[:1] if kind == "scores" else batch_shape  # one score per sequence
     out = {name: torch.zeros(shape, dtype=torch.float32, device=runtime.device) for name in names}
     if runtime.is_last_stage:

@@ -22,13 +22,12 @@ Every model is built for packed sequences (``packed_sequences=True``) with ``var
 ``finalize_model_grads_func`` (DP all-reduce, PP embedding sync) and DDP's ``no_sync``. DDP averages
 gradients over the data-parallel x context-parallel group (``calculate_per_token_loss=False``): the
 loss shares of :mod:`megarlhf.learner.step` are scaled for exactly that.
-
-Hand-written because it is the project's assembly of Megatron parts from its own config.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,23 +97,20 @@ def _variable_lengths(model):
     return model
 
 
-def _distributed_optimizer_layout(model, ddp_config):
+def _distributed_optimizer_layout(model, ddp_config, runtime: Runtime):
     """The distributed optimizer's buffer layout, which Megatron-Core 0.19 asks DDP's callers to compute
     (DDP computes the same itself, with a warning, when not given one): the trainable parameters in
     DDP's order, one bucket (``overlap_grad_reduce`` is off), padded for the DP x CP group and, for
     expert parameters, the expert-DP group, as DDP's own fallback does. None without that optimizer."""
     if not ddp_config.use_distributed_optimizer:
         return None
-    from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     assert not ddp_config.overlap_grad_reduce, "overlapped reduction buckets the buffers: pass its bucket size"
-    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False,
-                                                   partial_data_parallel=True)
-    expert_dp = parallel_state.get_expert_data_parallel_group(with_gtp_remat=False, partial_expert_data_parallel=True)
+    # one distributed-optimizer instance: Megatron's partial DP groups are the whole DP x CP / expert-DP groups
     return DistributedOptimizer.compute_full_param_layout(
-        [p for p in model.parameters() if p.requires_grad], None, dp_cp.size(), ddp_config,
-        expert_data_parallel_world_size=expert_dp.size())
+        [p for p in model.parameters() if p.requires_grad], None, runtime.dp_cp.size, ddp_config,
+        expert_data_parallel_world_size=runtime.edp.size)
 
 
 def _refuse_untrainable_moe(role: str, provider, config: RunConfig, runtime: Runtime) -> None:
@@ -147,7 +143,7 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=optim.use_distributed_optimizer)
     ddp = DistributedDataParallel(tconfig, ddp_config, model,
-                                  full_param_layout=_distributed_optimizer_layout(model, ddp_config))
+                                  full_param_layout=_distributed_optimizer_layout(model, ddp_config, runtime))
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
     optimizer_config = OptimizerConfig(
@@ -264,15 +260,13 @@ def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_ste
     return TrainModel("reward_model", model, provider, runtime)
 
 
-def adapter_dir(out) -> "Path":
+def adapter_dir(out) -> Path:
     """Where the PEFT adapter of a LoRA run's HF export ``out`` goes: ``<out>-adapter`` beside it."""
-    from pathlib import Path
-
     out = Path(out)
     return out.parent / f"{out.name}-adapter"
 
 
-def export_policy(trained: TrainModel, config: RunConfig, out) -> "Path":
+def export_policy(trained: TrainModel, config: RunConfig, out) -> Path:
     """Exports a trained causal LM as an HF directory at ``out`` (with LoRA: adapters merged into the
     weights) and, with LoRA, its adapters as a PEFT directory at :func:`adapter_dir` ``(out)``.
     Collective over all ranks; returns ``out``."""

@@ -35,15 +35,12 @@ where needed and :attr:`MicroBatch.padding` marks it for the MoE routers; unpack
 
 Devices: the plan and each micro-batch's fields are computed from the batch's lengths, and every tensor
 a micro-batch holds (and :meth:`MicroBatch.to_rows` creates) is on the batch's device.
-
-Hand-written because the budgeted grouping and the token-aligned round trip are the project's own
-contract; the CP split itself is :mod:`parallel.cp_sharding`'s.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -302,21 +299,43 @@ class _Segments:
                 source, torch.cat(self.routing) if self.routing else None)
 
 
-def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budget: int, *, packed: bool = True,
-                        cp_size: int = 1, cp_rank: int = 0, cp_group=None,
-                        groups: Sequence[Sequence[int]] | None = None,
-                        share_prefixes: bool = False, routing: Tensor | None = None,
-                        sequence_multiple: int = 1) -> list[MicroBatch]:
-    """The micro-batches of a batch of sequences, for this CP rank.
+@dataclass(frozen=True)
+class Packing:
+    """How a batch is cut into micro-batches: at most ``budget`` tokens each, packed into one row (or
+    right-padded rows), for context-parallel rank ``cp_rank`` of ``cp_size`` (``cp_group``); with
+    ``share_prefixes`` (packed, CP = 1) rows that begin alike are packed as shared-prefix trees
+    (:mod:`parallel.shared_prefix`): the common tokens before the first wanted output are computed once;
+    every CP rank's part of a micro-batch is a multiple of ``sequence_multiple`` (the tensor-parallel size
+    of a sequence-parallel model; packed: a padding segment, unpacked: wider padding)."""
+
+    budget: int
+    packed: bool = True
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    share_prefixes: bool = False
+    sequence_multiple: int = 1
+
+
+class _Batch(NamedTuple):
+    """The batch a micro-batch takes its rows from (``host_lengths``: the lengths, read once)."""
+
+    input_ids: Tensor
+    lengths: Tensor
+    host_lengths: list[int]
+    wanted: Tensor
+    routing: Tensor | None
+
+
+def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, packing: Packing,
+                        groups: Sequence[Sequence[int]] | None = None, routing: Tensor | None = None
+                        ) -> list[MicroBatch]:
+    """The micro-batches of a batch of sequences, for this CP rank, as ``packing`` says.
 
     ``input_ids`` [B, L], ``lengths`` [B]; ``wanted`` [B, L] bool, token-aligned: the tokens whose
     output (log-prob, value) the caller needs (e.g. the response mask); column 0 is ignored. The
     micro-batches live on ``input_ids``' device; ``groups`` keep rows together (:func:`plan_micro_batches`).
-    ``share_prefixes`` (packed, CP = 1) packs rows that begin alike as shared-prefix trees
-    (:mod:`parallel.shared_prefix`): the common tokens before the first wanted output are computed once.
     ``routing`` ([B, L, moe_layers, top_k]): the record each micro-batch replays (module docstring).
-    ``sequence_multiple`` (the tensor-parallel size of a sequence-parallel model): every CP rank's part of a
-    micro-batch is a multiple of it (packed: a padding segment; unpacked: wider padding).
     """
     if wanted.shape != input_ids.shape:
         raise ValueError(f"build_micro_batches: wanted has shape {tuple(wanted.shape)}, input_ids "
@@ -324,29 +343,29 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, budg
     if routing is not None and tuple(routing.shape[:2]) != tuple(input_ids.shape):
         raise ValueError(f"build_micro_batches: routing has shape {tuple(routing.shape)}, input_ids "
                          f"{tuple(input_ids.shape)}")
-    if share_prefixes and (not packed or cp_size != 1):
+    share_prefixes = packing.share_prefixes
+    if share_prefixes and (not packing.packed or packing.cp_size != 1):
         raise ValueError(f"build_micro_batches: shared prefixes need packing and context parallel size 1 "
-                         f"(packed={packed}, cp_size={cp_size})")
+                         f"(packed={packing.packed}, cp_size={packing.cp_size})")
     device = input_ids.device
     wanted = wanted.bool() & (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None])
     host_lengths, token_lists, first = _host_rows(input_ids, lengths, wanted, share_prefixes)
     if share_prefixes:
-        trees = _trees(token_lists, host_lengths, first, budget, groups)
+        trees = _trees(token_lists, host_lengths, first, packing.budget, groups)
     else:
         trees = [_Tree(tuple(g)) for g in groups] if groups is not None else [
             _Tree((r,)) for r in range(len(host_lengths))]
     tree_of = {row: tree for tree in trees for row in tree.rows}
-    plan_rows = plan_micro_batches(host_lengths, budget, packed, [t.rows for t in trees],
-                                   [t.shared for t in trees] if packed else None)
+    plan_rows = plan_micro_batches(host_lengths, packing.budget, packing.packed, [t.rows for t in trees],
+                                   [t.shared for t in trees] if packing.packed else None)
+    batch = _Batch(input_ids, lengths, host_lengths, wanted, routing)
     result = []
     for bin_rows in plan_rows:
         bin_trees = list(dict.fromkeys(tree_of[r] for r in bin_rows))  # in order of first row
-        if packed:
-            result.append(_packed_micro_batch(input_ids, lengths, host_lengths, wanted, bin_trees, cp_size, cp_rank,
-                                              cp_group, routing, sequence_multiple))
+        if packing.packed:
+            result.append(_packed_micro_batch(batch, bin_trees, packing))
         else:
-            result.append(_padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows, cp_size, cp_rank,
-                                              cp_group, routing, sequence_multiple))
+            result.append(_padded_micro_batch(batch, bin_rows, packing))
     return result
 
 
@@ -360,9 +379,10 @@ def _host_rows(input_ids: Tensor, lengths: Tensor, wanted: Tensor, with_tokens: 
     return [r[0] for r in rows], [r[2:] for r in rows], [r[1] for r in rows]
 
 
-def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_Tree], cp_size, cp_rank,
-                        cp_group, routing=None, sequence_multiple: int = 1) -> MicroBatch:
+def _packed_micro_batch(batch: _Batch, trees: list[_Tree], packing: Packing) -> MicroBatch:
     """One packed row of ``trees`` (its rows in tree order), sharded for this CP rank."""
+    input_ids, lengths, host_lengths, wanted, routing = batch
+    cp_size, cp_rank, cp_group = packing.cp_size, packing.cp_rank, packing.cp_group
     device = input_ids.device
     order = [r for tree in trees for r in tree.rows]
     rows = torch.tensor(order, dtype=torch.long, device=device)
@@ -373,7 +393,7 @@ def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_T
         index = torch.tensor(tree.rows, dtype=torch.long, device=device)
         row.add_tree(input_ids[index], [host_lengths[r] for r in tree.rows], wanted[index], tree.shared, width,
                      None if routing is None else routing[index])
-    padded = row.pad_to(sequence_multiple, cp_size, routing)
+    padded = row.pad_to(packing.sequence_multiple, cp_size, routing)
     tokens, labels, masks, positions, source, row_routing = row.fields()
     plan = make_shard_plan(row.bounds, cp_size, cp_rank).to(device)
     fields = [shard(plan, t, 0).unsqueeze(0) for t in (tokens, labels, masks)]
@@ -395,16 +415,17 @@ def _packed_micro_batch(input_ids, lengths, host_lengths, wanted, trees: list[_T
                       source, local_routing, padding)
 
 
-def _padded_micro_batch(input_ids, lengths, host_lengths, wanted, bin_rows: list[int], cp_size, cp_rank,
-                        cp_group, routing=None, sequence_multiple: int = 1) -> MicroBatch:
+def _padded_micro_batch(batch: _Batch, bin_rows: list[int], packing: Packing) -> MicroBatch:
     """One right-padded [n, width] micro-batch, each row sharded for this CP rank."""
+    input_ids, lengths, host_lengths, wanted, routing = batch
+    cp_size, cp_rank, cp_group = packing.cp_size, packing.cp_rank, packing.cp_group
     device = input_ids.device
     rows = torch.tensor(bin_rows, dtype=torch.long, device=device)
     lens = tuple(host_lengths[r] for r in bin_rows)
     ids = input_ids[rows]
     labels, masks = _next_token_fields(ids, lens, wanted[rows])
     width = max(lens)
-    multiple = math.lcm(2 * cp_size if cp_size > 1 else 1, cp_size * sequence_multiple)
+    multiple = math.lcm(2 * cp_size if cp_size > 1 else 1, cp_size * packing.sequence_multiple)
     padded = -(-width // multiple) * multiple
     plan = make_shard_plan([0, padded], cp_size, cp_rank, allow_padding=False).to(device)
     full = [torch.zeros(len(bin_rows), padded, dtype=dtype, device=device)

@@ -26,8 +26,6 @@ An unpaired loss (KTO) reads the same layout: its rows are ``[example_0, kl_row_
   ``rm/accuracy``, ``rm/chosen_score``, ``rm/rejected_score``, ``rm/margin``, ``rm/grad_norm``, ...
 * both also report ``train/shared_prefix_tokens_saved``: the tokens the pairs' shared prompts spared.
 * :func:`compute_scores`: a value-head model's score of each sequence (its last token), forward only.
-
-Hand-written because it is the project's composition of the registered losses and Megatron's step.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ from megarlhf.algorithms.preference_losses import (PREFERENCE_LOSSES, Preference
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferencePair, UnpairedExample
 from megarlhf.learner.batch import ExperienceBatch
-from megarlhf.learner.forward import forward_only
+from megarlhf.learner.forward import Outputs, forward_only
 from megarlhf.learner.models import TrainModel
 from megarlhf.learner.moe_metrics import mean_moe_metrics
 from megarlhf.learner.step import PREFIX_TOKENS_SAVED, micro_batches_for, optimizer_step
@@ -76,8 +74,8 @@ def _pair_micro_batches(batch: ExperienceBatch, config: RunConfig, runtime):
 
 
 def _summed(model: TrainModel, batch: ExperienceBatch, mbs) -> Tensor:
-    lp = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
-                      vocab_size=model.vocab_size)["logprobs"]
+    lp = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime,
+                      Outputs("logprobs", model.vocab_size))["logprobs"]
     return torch.where(batch.response_mask, lp, lp.new_zeros(())).sum(dim=1)
 
 
@@ -89,8 +87,8 @@ def sequence_logprobs(model: TrainModel, batch: ExperienceBatch, config: RunConf
 def compute_scores(model: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
     """A value-head model's score of every row [B]: its output at the row's last token."""
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime)
-    return forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="scores",
-                        vocab_size=model.vocab_size)["scores"]
+    return forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime,
+                        Outputs("scores", model.vocab_size))["scores"]
 
 
 def _global_pairs(batch: ExperienceBatch, runtime) -> float:

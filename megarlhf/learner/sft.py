@@ -6,8 +6,6 @@ The examples (this data-parallel rank's share of the global batch) are packed in
 token mean over the whole global batch whatever the packing and the DP size. Log-probs come from the
 same fused forward as the RL trainer, at temperature 1. ``loss_mask`` is token-aligned (1 on the
 tokens to predict); the first token of an example has no prediction and must be 0.
-
-Hand-written because it is the project's SFT objective on its own trainer step.
 """
 from __future__ import annotations
 

@@ -21,8 +21,6 @@ full (CP-unsharded) token-aligned outputs. Under context parallelism every CP ra
 share; :func:`parallel.context_parallel.unshard` gives each rank the gradient of its own tokens only,
 so the CP ranks' parameter gradients sum to the share's gradient, and DDP's average over dp x cp
 leaves exactly the global loss's gradient.
-
-Hand-written because the gate and the step bookkeeping are the project's own policy around Megatron.
 """
 from __future__ import annotations
 
@@ -34,9 +32,9 @@ import torch
 from torch import Tensor
 
 from megarlhf.algorithms import LossNormaliser, compute_normaliser
-from megarlhf.learner.forward import LossFn, run_schedule
+from megarlhf.learner.forward import LossFn, Outputs, run_schedule
 from megarlhf.learner.models import TrainModel
-from megarlhf.learner.packing import MicroBatch, build_micro_batches
+from megarlhf.learner.packing import MicroBatch, Packing, build_micro_batches
 from model_providers.base import shared_prefix_supported
 from parallel.runtime import Runtime
 
@@ -151,9 +149,8 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     replay = trainable.routing_replay
     if replay is not None:
         replay.reset_counts()
-    per_mb = run_schedule(trainable.model, micro_batches, runtime, kind=trainable.kind,
-                          vocab_size=trainable.vocab_size, temperature=temperature, entropy=entropy, loss_fn=counted,
-                          replay=replay)
+    outputs = Outputs(trainable.kind, trainable.vocab_size, temperature, entropy)
+    per_mb = run_schedule(trainable.model, micro_batches, runtime, outputs, loss_fn=counted, replay=replay)
     metrics = reduce_metric_sums(per_mb, [*metric_names, PREFIX_TOKENS_SAVED], runtime)
     moe = {} if trainable.router_stats is None else trainable.router_stats.step_metrics(runtime, len(micro_batches))
     if replay is not None:  # the update's own routing against the routing it replays
@@ -227,7 +224,6 @@ def micro_batches_for(batch_ids: Tensor, lengths: Tensor, wanted: Tensor, config
     share = config.train.share_prompt_prefix and prefix_sharing_off_reason(config, runtime) is None
     # under TP every row is a multiple of TP tokens (per CP rank), which sequence parallelism (MoE models at
     # TP > 1) splits over the TP ranks; a dense model just computes those few padding tokens
-    return build_micro_batches(batch_ids, lengths, wanted, config.train.micro_batch_tokens,
-                               packed=config.train.packing, cp_size=runtime.cp.size, cp_rank=runtime.cp.rank,
-                               cp_group=runtime.cp.group, groups=groups, share_prefixes=share, routing=routing,
-                               sequence_multiple=runtime.tp.size)
+    packing = Packing(config.train.micro_batch_tokens, config.train.packing, runtime.cp.size, runtime.cp.rank,
+                      runtime.cp.group, share_prefixes=share, sequence_multiple=runtime.tp.size)
+    return build_micro_batches(batch_ids, lengths, wanted, packing, groups=groups, routing=routing)

@@ -29,8 +29,6 @@ the last step), ``actor/skipped_steps``, and the ``mismatch/*`` metrics; ``criti
 ``critic/value_clip_fraction``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped_steps``;
 ``train/shared_prefix_tokens_saved``: the tokens shared prompt prefixes spared the actor's training
 forwards of the call (all optimizer steps, all DP ranks; 0 when sharing is off).
-
-Hand-written because it is the project's composition of the registered numerics and Megatron's step.
 """
 from __future__ import annotations
 
@@ -45,7 +43,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.config.rollout import scoring_temperature
 from megarlhf.learner.batch import ExperienceBatch
-from megarlhf.learner.forward import forward_only
+from megarlhf.learner.forward import Outputs, forward_only
 from megarlhf.learner.models import TrainModel
 from megarlhf.learner.moe_metrics import mean_moe_metrics
 from megarlhf.learner.step import (PREFIX_TOKENS_SAVED, OptimizerStepResult, loss_normaliser, micro_batches_for,
@@ -74,8 +72,8 @@ def _logprob_pass(model: TrainModel, batch: ExperienceBatch, config: RunConfig, 
     replay = model.routing_replay
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime,
                             routing=batch.routed_experts if replay is not None else None)
-    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime, kind="logprobs",
-                       vocab_size=model.vocab_size, temperature=temperature, entropy=entropy, replay=replay,
+    out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime,
+                       Outputs("logprobs", model.vocab_size, temperature, entropy), replay=replay,
                        record_routing=record_routing)
     if record_routing:
         out["routing"] = replay.take_recorded(mbs, tuple(batch.input_ids.shape), model.provider.top_k)
@@ -105,8 +103,8 @@ def old_policy_logprobs(actor: TrainModel, batch: ExperienceBatch, config: RunCo
 def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig) -> Tensor:
     """Critic values [B, L] at ``batch``'s response tokens."""
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, critic.runtime)
-    return forward_only(critic.model, mbs, tuple(batch.input_ids.shape), critic.runtime, kind="values",
-                        vocab_size=critic.vocab_size)["values"]
+    return forward_only(critic.model, mbs, tuple(batch.input_ids.shape), critic.runtime,
+                        Outputs("values", critic.vocab_size))["values"]
 
 
 def old_logprobs_from_update(config: RunConfig) -> bool:

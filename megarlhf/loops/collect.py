@@ -19,7 +19,6 @@ Metrics: ``dapo/rounds`` (generation rounds made), ``dapo/informative_groups`` (
 ``dapo/filler_groups`` (uninformative groups in the trained batch), ``dapo/groups_generated``. The
 ``reward/*`` metrics describe the first round, i.e. the policy as it samples.
 
-Hand-written because the round loop is the driver's own bookkeeping around the registered pieces.
 """
 from __future__ import annotations
 
@@ -28,16 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from megarlhf.algorithms import dynamic_sampling_filter
-from megarlhf.config.schema import RunConfig
-from megarlhf.data.prompts import PromptExample
-from megarlhf.rollout.engines.sampling import rollout_sampling
-from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.core.seeds import ROUND_STRIDE, sample_seed
+from megarlhf.data.prompts import PromptExample
 from megarlhf.loops.rewarding import score_rewards
 from megarlhf.loops.rollout_metrics import global_reward_metrics, rollout_metrics, tool_metrics
+from megarlhf.rollout.engines.sampling import RolloutBatch, rollout_sampling
+from megarlhf.run.context import RunContext
 from parallel.runtime import Runtime
-
-
 
 @dataclass
 class Collected:
@@ -51,58 +47,58 @@ class Collected:
     metrics: dict[str, float]
 
 
-def _generate(phase, examples: list[PromptExample], config: RunConfig, stop: tuple[int, ...], seed: int,
-              sync_weights: bool) -> tuple[RolloutBatch, dict[str, float]]:
-    return phase.generate(examples, rollout_sampling(config.rollout, stop), seed,
-                          sync_weights=sync_weights)
+def _generate(run: RunContext, examples: list[PromptExample], seed: int, sync_weights: bool
+              ) -> tuple[RolloutBatch, dict[str, float]]:
+    sampling = rollout_sampling(run.config.rollout, run.stop_token_ids)
+    return run.rollout.generate(examples, sampling, seed, sync_weights=sync_weights)
 
 
-def replica_offset(config: RunConfig, runtime: Runtime) -> int:
+def replica_offset(run: RunContext) -> int:
     """The global batch position of this data-parallel replica's first prompt."""
-    return runtime.dp.rank * (config.train.global_batch_size // runtime.dp.size)
+    return run.runtime.dp.rank * (run.config.train.global_batch_size // run.runtime.dp.size)
 
 
-def score_round(examples: list[PromptExample], rollout: RolloutBatch, metrics: dict[str, float], reward, tokenizer,
-                config: RunConfig, runtime: Runtime) -> Collected:
+def score_round(run: RunContext, examples: list[PromptExample], rollout: RolloutBatch,
+                metrics: dict[str, float]) -> Collected:
     """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
-    rewards, reward_metrics = score_rewards(reward, examples, rollout, tokenizer, config)
+    runtime = run.runtime
+    rewards, reward_metrics = score_rewards(run.reward, examples, rollout, run.tokenizer, run.config)
     metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
                **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
-    return Collected(examples, rollout, rewards, replica_offset(config, runtime), None, metrics)
+    return Collected(examples, rollout, rewards, replica_offset(run), None, metrics)
 
 
-def collect(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime, step: int,
-            stop: tuple[int, ...]) -> Collected:
+def collect(run: RunContext, sampler, prompts, step: int) -> Collected:
     """Steps 1-6 for ``step`` (see the module docstring); collective over the trainer ranks."""
-    offset, n = replica_offset(config, runtime), config.rollout.n_samples
+    offset, n = replica_offset(run), run.config.rollout.n_samples
     examples = [prompts[i] for i in sampler.next_batch()]
-    rollout, metrics = _generate(phase, examples, config, stop, sample_seed(config.seed, step, offset, n), True)
-    got = score_round(examples, rollout, metrics, reward, tokenizer, config, runtime)
-    if not config.algorithm.dynamic_sampling.enabled:
+    rollout, metrics = _generate(run, examples, sample_seed(run.config.seed, step, offset, n), True)
+    got = score_round(run, examples, rollout, metrics)
+    if not run.config.algorithm.dynamic_sampling.enabled:
         return got
-    return fill_groups(got, phase, sampler, prompts, reward, tokenizer, config, runtime, step, stop)
+    return fill_groups(run, got, sampler, prompts, step)
 
 
-def fill_groups(got: Collected, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
-                step: int, stop: tuple[int, ...], before_extra_rounds=dict) -> Collected:
+def fill_groups(run: RunContext, got: Collected, sampler, prompts, step: int, before_extra_rounds=dict) -> Collected:
     """Dynamic sampling after the first round ``got``: the extra rounds (with the weights the engines
     hold; collective over the trainer ranks) and the chosen groups (see the module docstring).
     ``before_extra_rounds()`` runs once before the first extra round, if one is needed; its metrics join."""
-    offset, n = replica_offset(config, runtime), config.rollout.n_samples
+    config, runtime = run.config, run.runtime
+    offset, n, size = replica_offset(run), config.rollout.n_samples, config.train.global_batch_size
     examples, rollout, rewards, metrics = got.examples, got.rollout, got.rewards, got.metrics
     rounds = [_groups(examples, rollout, rewards, runtime)]
     found = sum(g[0] for g in rounds[0])
-    while found < config.train.global_batch_size and len(rounds) <= config.algorithm.dynamic_sampling.max_extra_rounds:
+    while found < size and len(rounds) <= config.algorithm.dynamic_sampling.max_extra_rounds:
         if len(rounds) == 1:
             metrics.update(before_extra_rounds())
         examples = [prompts[i] for i in sampler.next_batch()]
         seed = sample_seed(config.seed + len(rounds) * ROUND_STRIDE, step, offset, n)
-        rollout, _ = _generate(phase, examples, config, stop, seed, False)
-        rewards, _ = score_rewards(reward, examples, rollout, tokenizer, config)
+        rollout, _ = _generate(run, examples, seed, False)
+        rewards, _ = score_rewards(run.reward, examples, rollout, run.tokenizer, config)
         rounds.append(_groups(examples, rollout, rewards, runtime))
         found += sum(g[0] for g in rounds[-1])
-    chosen = _choose(rounds, config.train.global_batch_size)
-    mine = chosen[offset:offset + config.train.global_batch_size // runtime.dp.size]
+    chosen = _choose(rounds, size)
+    mine = chosen[offset:offset + size // runtime.dp.size]
     metrics.update({"dapo/rounds": float(len(rounds)), "dapo/informative_groups": float(found),
                     "dapo/filler_groups": float(sum(not g[0] for g in chosen)),
                     "dapo/groups_generated": float(sum(len(r) for r in rounds))})

@@ -10,7 +10,6 @@ import argparse
 import json
 
 from megarlhf.core.errors import ConfigError
-from megarlhf.algorithms.advantages import estimator_needs
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,11 +75,11 @@ def run_rm(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluates ``model.path`` on ``data.eval_path`` and prints the metrics as one JSON line."""
-    from megarlhf.rewards import CombinedReward
+    from megarlhf.learner import build_frozen
     from megarlhf.loops.evaluate import evaluate
+    from megarlhf.rewards import CombinedReward
     from megarlhf.rollout.phase import build_rollout_phase, serve_engine_rank
     from megarlhf.run.context import start_run
-    from megarlhf.learner import build_frozen
 
     config = _config(args)
     if not config.data.eval_path:
@@ -92,13 +91,12 @@ def run_eval(args: argparse.Namespace) -> int:
         serve_engine_rank(config, run.runtime)
         return 0
     prompts = run.load_prompts(config.data.eval_path)
-    policy = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
-    reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
-    phase = build_rollout_phase(config, policy, [], run.tokenizer)
-    metrics = evaluate(phase, prompts.examples, reward, run.tokenizer, config, 0, run.runtime,
-                       (run.tokenizer.eos_token_id,))
-    reward.close()
-    phase.close()
+    run.actor = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
+    run.eval_reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
+    run.rollout = build_rollout_phase(config, run.actor, [], run.tokenizer)
+    metrics = evaluate(run, prompts.examples, 0)
+    run.eval_reward.close()
+    run.rollout.close()
     if run.is_main:
         print(json.dumps(metrics), flush=True)
     return 0
@@ -107,19 +105,19 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     """Writes the actor of a run checkpoint (``checkpoint.resume``: auto = the latest) as an HF directory
     (with LoRA: merged, and its PEFT adapter at ``<out>-adapter``)."""
-    from megarlhf.run.context import start_run
-    from megarlhf.run.checkpointer import RunCheckpointer
+    from megarlhf.algorithms.advantages import estimator_needs
     from megarlhf.learner import build_actor, build_critic, export_policy
+    from megarlhf.run.checkpointer import RunCheckpointer
+    from megarlhf.run.context import start_run
 
     config = _config(args)
     run = start_run(config)
-    actor = build_actor(config, run.runtime)
-    models = {"actor": actor}
-    if estimator_needs(config.algorithm.estimator).critic:  # a PPO run's checkpoint holds its critic too, and loads whole
-        models["critic"] = build_critic(config, run.runtime)
-    if RunCheckpointer(config, models).resume() is None:
+    run.actor = build_actor(config, run.runtime)
+    if estimator_needs(config.algorithm.estimator).critic:  # a PPO run's checkpoint holds its critic, loaded whole
+        run.critic = build_critic(config, run.runtime)
+    if RunCheckpointer(config, run.trained_models()).resume() is None:
         raise FileNotFoundError(f"no checkpoint to export (checkpoint.resume={config.checkpoint.resume!r}, "
                                 f"run_dir={config.logging.run_dir!r})")
-    out = export_policy(actor, config, args.out)  # with LoRA: merged weights, and the PEFT adapter beside
+    out = export_policy(run.actor, config, args.out)  # with LoRA: merged weights, and the PEFT adapter beside
     run.log(f"exported to {out}")
     return 0

@@ -40,22 +40,19 @@ import json
 import time
 from pathlib import Path
 
+from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 from megarlhf.algorithms.selection import keep_above, keep_best, preference_pairs
 from megarlhf.config.schema import RunConfig
+from megarlhf.core.errors import ConfigError
 from megarlhf.data.preference import PreferencePair
 from megarlhf.data.sft import SFTExample
-from megarlhf.core.errors import ConfigError
-from megarlhf.records.metrics import truncate_records_after
-from megarlhf.rewards import CombinedReward
-from megarlhf.loops.collect import Collected, collect
-from megarlhf.loops.evaluate import evaluate
-from megarlhf.loops.rewarding import build_reward
-from megarlhf.rollout.phase import Calibration, build_rollout_phase, serve_engine_rank
-from megarlhf.run.context import start_run
-from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import build_actor, build_reference, sft_step
 from megarlhf.learner.preference import pair_batch, preference_step, sequence_logprobs
-from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
+from megarlhf.loops.collect import Collected, collect
+from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
+from megarlhf.records.metrics import truncate_records_after
+from megarlhf.rollout.phase import serve_engine_rank
+from megarlhf.run.context import RunContext, start_run
 
 KEPT_FILE = {"rs": "rs_kept.jsonl", "online-dpo": "online_pairs.jsonl"}
 CONSOLE_KEYS = {"rs": ("rs/kept_fraction", "rs/reward_kept", "sft/loss", "eval/accuracy", "time/step_s"),
@@ -171,17 +168,19 @@ class KeptLog:
                 f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _train_round(mode: str, actor, reference, items: list, config: RunConfig, pad_id: int) -> dict[str, float]:
+def _train_round(run: RunContext, mode: str, items: list) -> dict[str, float]:
     """``train.epochs_per_step`` optimizer steps on this replica's share ``items``; the last one's metrics."""
-    on_nonfinite, metrics = config.train.on_nonfinite, {}
+    config, actor, metrics = run.config, run.actor, {}
+    on_nonfinite = config.train.on_nonfinite
     if mode == "rs":
         for _ in range(config.train.epochs_per_step):
-            metrics = sft_step(actor, items, config, on_nonfinite=on_nonfinite, pad_id=pad_id)
+            metrics = sft_step(actor, items, config, on_nonfinite=on_nonfinite, pad_id=run.pad_id)
         return metrics
-    batch = pair_batch(items, actor.runtime.device, pad_id)
+    batch = pair_batch(items, actor.runtime.device, run.pad_id)
     ref = None
-    if PREFERENCE_LOSSES.get(config.preference.loss).needs_reference:  # the round's start policy (refresh) or model.path (fixed)
-        ref = sequence_logprobs(actor if reference is None else reference, batch, config)
+    if PREFERENCE_LOSSES.get(config.preference.loss).needs_reference:
+        # the round's start policy (iterative.reference=refresh) or model.path (fixed)
+        ref = sequence_logprobs(actor if run.reference is None else run.reference, batch, config)
     for _ in range(config.train.epochs_per_step):
         metrics = preference_step(actor, batch, config, ref, on_nonfinite=on_nonfinite)
     return metrics
@@ -192,52 +191,44 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
     exported HF directory (None on the engine ranks of the disaggregated placement)."""
     check_iterative_config(config, mode)
     run = start_run(config)
-    runtime = run.runtime
     if run.is_engine_rank:
-        serve_engine_rank(config, runtime)
+        serve_engine_rank(config, run.runtime)
         return None
     prompts, eval_prompts = run.train_and_eval_prompts()
     steps = config.train.steps
-    actor = build_actor(config, runtime, total_steps=steps * config.train.epochs_per_step)
-    fixed_reference = (mode == "online-dpo" and PREFERENCE_LOSSES.get(config.preference.loss).needs_reference
-                       and config.iterative.reference == "fixed")
-    reference = build_reference(config, runtime, actor) if fixed_reference else None
-    reward, reward_model = build_reward(config, runtime, run.tokenizer)
-    eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
-    stop = (run.tokenizer.eos_token_id,)
-    phase = build_rollout_phase(config, actor, [m for m in (reference, reward_model) if m is not None],
-                                run.tokenizer, Calibration.of_run(config, prompts.examples, stop))
-    checkpointer = RunCheckpointer(config, {"actor": actor})
-    sampler, first_step = run.resume(checkpointer, len(prompts))
-    recorder = run.open_recorder(steps, first_step, console_keys=CONSOLE_KEYS[mode])
+    run.actor = build_actor(config, run.runtime, total_steps=steps * config.train.epochs_per_step)
+    if (mode == "online-dpo" and PREFERENCE_LOSSES.get(config.preference.loss).needs_reference
+            and config.iterative.reference == "fixed"):
+        run.reference = build_reference(config, run.runtime, run.actor)
+    sampler, first_step = open_policy_loop(run, prompts, console_keys=CONSOLE_KEYS[mode])
     kept_log = KeptLog(run, mode, first_step)
-
-    def run_eval(step: int) -> dict[str, float]:
-        if eval_prompts is None or eval_reward is None:
-            return {}
-        return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop)
-
     for step in range(first_step, steps):
-        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
+        run.checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
-        metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
-        got = collect(phase, sampler, prompts, reward, run.tokenizer, config, runtime, step, stop)
-        items, records, sums = (_rs_round if mode == "rs" else _odpo_round)(got, config, run.tokenizer, step)
-        shares = runtime.all_gather_objects((items, records), over="dp")  # replica order: layout-independent
-        everything = [item for share in shares for item in share[0]]
-        kept_log.write([record for share in shares for record in share[1]])
-        metrics.update({**got.metrics, **_round_metrics(mode, runtime.all_reduce(sums))})
-        train_start = time.perf_counter()
-        skipped = len(everything) < runtime.dp.size
-        if not skipped:
-            metrics.update(_train_round(mode, actor, reference, everything[runtime.dp.rank::runtime.dp.size],
-                                        config, run.pad_id))
-        metrics.update({f"{'rs' if mode == 'rs' else 'odpo'}/skipped_updates": float(skipped),
-                        "time/train_s": time.perf_counter() - train_start, "time/step_s": time.perf_counter() - start})
-        recorder.log(step, metrics)
-        if checkpointer.should_save(step + 1, steps):
-            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
-    checkpointer.close()
+        metrics = scheduled_eval(run, eval_prompts, step)
+        metrics.update(_round(run, mode, collect(run, sampler, prompts, step), step, kept_log))
+        metrics["time/step_s"] = time.perf_counter() - start
+        run.recorder.log(step, metrics)
+        run.save(step + 1, lambda: {"sampler": sampler.state_dict()})
+    run.checkpointer.close()
     if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
-        recorder.log(steps, run_eval(steps))
-    return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor, CONSOLE_KEYS[mode][:4])
+        run.recorder.log(steps, scheduled_eval(run, eval_prompts, steps, last=True))
+    return run.finish_policy_run(CONSOLE_KEYS[mode][:4])
+
+
+def _round(run: RunContext, mode: str, got: Collected, step: int, kept_log: KeptLog) -> dict[str, float]:
+    """One round after its collection: keep (rs) or pair (online-dpo) samples, gather them over the
+    replicas, log them, train on this replica's share; the round's metrics."""
+    runtime = run.runtime
+    items, records, sums = (_rs_round if mode == "rs" else _odpo_round)(got, run.config, run.tokenizer, step)
+    shares = runtime.all_gather_objects((items, records), over="dp")  # replica order: layout-independent
+    everything = [item for share in shares for item in share[0]]
+    kept_log.write([record for share in shares for record in share[1]])
+    metrics = {**got.metrics, **_round_metrics(mode, runtime.all_reduce(sums))}
+    train_start = time.perf_counter()
+    skipped = len(everything) < runtime.dp.size
+    if not skipped:
+        metrics.update(_train_round(run, mode, everything[runtime.dp.rank::runtime.dp.size]))
+    metrics.update({f"{'rs' if mode == 'rs' else 'odpo'}/skipped_updates": float(skipped),
+                    "time/train_s": time.perf_counter() - train_start})
+    return metrics

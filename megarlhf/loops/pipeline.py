@@ -32,18 +32,15 @@ were sampled with), so a resumed run trains on exactly the batch the uninterrupt
 data-parallel size changed, the step's prompts (the saved batch's, split over the new replicas) are
 generated again with the checkpoint's weights (deterministic, one update fresher than the uninterrupted
 run's), and the run says so; a checkpoint without a batch in flight draws the step's prompts as usual.
-
-Hand-written because the pipelining is the driver's own schedule around the rollout phase.
 """
 from __future__ import annotations
 
 import logging
 
-from megarlhf.config.schema import RunConfig
-from megarlhf.rollout.engines.sampling import rollout_sampling
 from megarlhf.core.seeds import sample_seed
 from megarlhf.loops.collect import Collected, collect, fill_groups, replica_offset, score_round
-from parallel.runtime import Runtime
+from megarlhf.rollout.engines.sampling import rollout_sampling
+from megarlhf.run.context import RunContext
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +48,11 @@ logger = logging.getLogger(__name__)
 class SynchronousBatches:
     """Each step generates its own batch (``rollout.max_staleness=0``)."""
 
-    def __init__(self, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
-                 stop: tuple[int, ...]):
-        self.args = (phase, sampler, prompts, reward, tokenizer, config, runtime)
-        self.stop = stop
+    def __init__(self, run: RunContext, sampler, prompts):
+        self.run, self.sampler, self.prompts = run, sampler, prompts
 
     def next(self, step: int) -> Collected:
-        return collect(*self.args, step, self.stop)
+        return collect(self.run, self.sampler, self.prompts, step)
 
     def state(self, next_step: int) -> dict:
         return {}
@@ -69,10 +64,9 @@ class SynchronousBatches:
 class OffPolicyBatches:
     """Batch ``k+1`` is generated during step ``k`` (see the module docstring)."""
 
-    def __init__(self, phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
-                 stop: tuple[int, ...]):
-        self.phase, self.sampler, self.prompts, self.reward = phase, sampler, prompts, reward
-        self.tokenizer, self.config, self.runtime, self.stop = tokenizer, config, runtime, stop
+    def __init__(self, run: RunContext, sampler, prompts):
+        self.run, self.sampler, self.prompts = run, sampler, prompts
+        self.phase, self.config, self.runtime = run.rollout, run.config, run.runtime
         self.launched: tuple[int, int, list[int]] | None = None  # (step, weight version, prompt indices)
         self.taken = None  # (RolloutBatch, metrics) received before its step (checkpoint, resume)
         self.last_version: int | None = None  # the weight version the engines hold (None: not synced yet)
@@ -94,11 +88,10 @@ class OffPolicyBatches:
         metrics.update({**timing, "rollout/staleness": float(step - version),
                         "time/rollout_overlap_s": max(generate - wait, 0.0)})
         examples = [self.prompts[i] for i in indices]
-        got = score_round(examples, rollout, metrics, self.reward, self.tokenizer, self.config, self.runtime)
+        got = score_round(self.run, examples, rollout, metrics)
         if not dynamic:
             return got
-        got = fill_groups(got, self.phase, self.sampler, self.prompts, self.reward, self.tokenizer, self.config,
-                          self.runtime, step, self.stop, before_extra_rounds=lambda: self._sync_to(step))
+        got = fill_groups(self.run, got, self.sampler, self.prompts, step, before_extra_rounds=lambda: self._sync_to(step))
         if step + 1 < self.config.train.steps:
             got.metrics.update(self._launch(step + 1, trainer_version=step))
         return got
@@ -117,8 +110,9 @@ class OffPolicyBatches:
         the sync's metrics (none without a sync)."""
         sync = self.last_version is None or step - self.last_version > self.config.rollout.max_staleness
         indices = self.sampler.next_batch() if indices is None else indices
-        offset, n = replica_offset(self.config, self.runtime), self.config.rollout.n_samples
-        metrics = self.phase.launch([self.prompts[i] for i in indices], rollout_sampling(self.config.rollout, self.stop),
+        offset, n = replica_offset(self.run), self.config.rollout.n_samples
+        sampling = rollout_sampling(self.config.rollout, self.run.stop_token_ids)
+        metrics = self.phase.launch([self.prompts[i] for i in indices], sampling,
                                     sample_seed(self.config.seed, step, offset, n), sync_weights=sync)
         if sync:
             self.last_version = trainer_version
@@ -155,8 +149,7 @@ class OffPolicyBatches:
         self.taken = (rollout, metrics)
 
 
-def make_batches(phase, sampler, prompts, reward, tokenizer, config: RunConfig, runtime: Runtime,
-                 stop: tuple[int, ...]):
+def make_batches(run: RunContext, sampler, prompts):
     """The run's source of batches, as ``rollout.max_staleness`` says."""
-    kind = OffPolicyBatches if config.rollout.max_staleness else SynchronousBatches
-    return kind(phase, sampler, prompts, reward, tokenizer, config, runtime, stop)
+    kind = OffPolicyBatches if run.config.rollout.max_staleness else SynchronousBatches
+    return kind(run, sampler, prompts)

@@ -28,9 +28,9 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.preference import PreferenceDataset, UnpairedExample, load_preference_dataset
 from megarlhf.core.errors import DataError
-from megarlhf.records.metrics import mean_and_std, plot_curves
+from megarlhf.records.metrics import mean_and_std
 from megarlhf.rollout.colocate import OffloadedModel
-from megarlhf.run.context import start_run
+from megarlhf.run.context import RunContext, start_run
 from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.learner import build_actor, build_reference, build_reward_model, export_policy
 from megarlhf.learner.preference import (compute_scores, evaluate_pairs, pair_batch, preference_step,
@@ -103,67 +103,72 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     runtime = run.runtime
     train = _load(run, config.data.train_path, mode)
     held_out = _load(run, config.data.eval_path, mode) if config.data.eval_path else None
-    steps = config.train.steps
+    reference = None
     if mode == "dpo":
-        model = build_actor(config, runtime, total_steps=steps)
+        run.actor = build_actor(config, runtime, total_steps=config.train.steps)
         reference = _reference_scorer(config, runtime, [d for d in (train, held_out) if d is not None], run.pad_id,
-                                      model)
+                                      run.actor)
     else:
-        model = build_reward_model(config, runtime, config.model.path, total_steps=steps)
-        reference = None
-    checkpointer = RunCheckpointer(config, {"actor": model})  # the run's trained model
-    sampler, first_step = run.resume(checkpointer, len(train))
-    if mode == "rm":
-        keys = ("rm/loss", "rm/accuracy")
-    elif PREFERENCE_LOSSES.get(config.preference.loss).paired:
-        keys = ("dpo/loss", "rewards/accuracy", "rewards/margin")
-    else:
-        keys = ("dpo/loss", "rewards/chosen", "rewards/rejected", "kto/kl")
-    recorder = run.open_recorder(steps, first_step, console_keys=(*keys, "eval/" + keys[1], "time/step_s"))
-    share = config.train.global_batch_size // runtime.dp.size
-
-    def evaluate(step: int) -> dict[str, float]:
-        if held_out is None or not config.eval.every or (step % config.eval.every and step != steps):
-            return {}
-        indices = list(range(runtime.dp.rank, len(held_out), runtime.dp.size))  # may be empty: still takes part
-        batch = pair_batch([held_out[i] for i in indices], runtime.device, run.pad_id) if indices else None
-        ref = reference(batch, indices, held_out) if reference is not None and indices else None
-        labels = _desirable(held_out, indices, runtime.device) if indices else None
-        return {f"eval/{k}": v for k, v in evaluate_pairs(model, batch, config, ref, labels).items()}
-
-    for step in range(first_step, steps):
-        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
+        run.actor = build_reward_model(config, runtime, config.model.path, total_steps=config.train.steps)
+    run.checkpointer = RunCheckpointer(config, run.trained_models())
+    sampler, first_step = run.resume(len(train))
+    keys = _console_keys(config, mode)
+    run.open_recorder(first_step, console_keys=(*keys, "eval/" + keys[1], "time/step_s"))
+    for step in range(first_step, config.train.steps):
+        run.checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
-        metrics = evaluate(step)
-        indices = sampler.next_batch()
-        batch = pair_batch([train[i] for i in indices], runtime.device, run.pad_id,
-                           first_pair=runtime.dp.rank * share)
-        if mode == "dpo":
-            ref = reference(batch, indices, train) if reference is not None else None
-            metrics.update(preference_step(model, batch, config, ref, desirable=_desirable(train, indices, runtime.device),
-                                           on_nonfinite=config.train.on_nonfinite))
-        else:
-            metrics.update(reward_model_step(model, batch, config, on_nonfinite=config.train.on_nonfinite))
+        metrics = _evaluate_pairs(run, held_out, reference, step)
+        metrics.update(_pair_step(run, mode, train, sampler.next_batch(), reference))
         metrics["time/step_s"] = time.perf_counter() - start
-        recorder.log(step, metrics)
-        if checkpointer.should_save(step + 1, steps):
-            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict()})
-    checkpointer.close()
+        run.recorder.log(step, metrics)
+        run.save(step + 1, lambda: {"sampler": sampler.state_dict()})
+    run.checkpointer.close()
     if held_out is not None and config.eval.every:  # also after resuming a finished run (as in rl.py)
-        recorder.log(steps, evaluate(steps))
-    recorder.close()
+        run.recorder.log(config.train.steps, _evaluate_pairs(run, held_out, reference, config.train.steps))
     out = run.run_dir / "hf"
     if mode == "dpo":
-        export_policy(model, config, out)
+        export_policy(run.actor, config, out)
     else:
-        stats = _score_stats(model, train, config, runtime, run.pad_id)
-        export_reward_model(model.model, model.provider, out, source_dir=config.model.path, overwrite=True)
+        stats = _score_stats(run.actor, train, config, runtime, run.pad_id)
+        export_reward_model(run.actor.model, run.actor.provider, out, source_dir=config.model.path, overwrite=True)
         if run.is_main:
             (out / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
-    if run.is_main:
-        plot_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=keys)
-    run.log(f"exported the {'policy' if mode == 'dpo' else 'reward model'} to {out}")
+    run.finish(out, keys, what="policy" if mode == "dpo" else "reward model")
     return out
+
+
+def _console_keys(config: RunConfig, mode: str) -> tuple[str, ...]:
+    if mode == "rm":
+        return "rm/loss", "rm/accuracy"
+    if PREFERENCE_LOSSES.get(config.preference.loss).paired:
+        return "dpo/loss", "rewards/accuracy", "rewards/margin"
+    return "dpo/loss", "rewards/chosen", "rewards/rejected", "kto/kl"
+
+
+def _pair_step(run: RunContext, mode: str, train: PreferenceDataset, indices: list[int], reference
+               ) -> dict[str, float]:
+    """One optimizer step on the step's pairs (this replica's share of ``indices``)."""
+    config, runtime = run.config, run.runtime
+    share = config.train.global_batch_size // runtime.dp.size
+    batch = pair_batch([train[i] for i in indices], runtime.device, run.pad_id, first_pair=runtime.dp.rank * share)
+    if mode == "rm":
+        return reward_model_step(run.actor, batch, config, on_nonfinite=config.train.on_nonfinite)
+    ref = reference(batch, indices, train) if reference is not None else None
+    return preference_step(run.actor, batch, config, ref, desirable=_desirable(train, indices, runtime.device),
+                           on_nonfinite=config.train.on_nonfinite)
+
+
+def _evaluate_pairs(run: RunContext, held_out: PreferenceDataset | None, reference, step: int) -> dict[str, float]:
+    """``eval/...`` on the held-out pairs when ``eval.every`` asks for it (and at the last step)."""
+    config, runtime = run.config, run.runtime
+    every, steps = config.eval.every, config.train.steps
+    if held_out is None or not every or (step % every and step != steps):
+        return {}
+    indices = list(range(runtime.dp.rank, len(held_out), runtime.dp.size))  # may be empty: still takes part
+    batch = pair_batch([held_out[i] for i in indices], runtime.device, run.pad_id) if indices else None
+    ref = reference(batch, indices, held_out) if reference is not None and indices else None
+    labels = _desirable(held_out, indices, runtime.device) if indices else None
+    return {f"eval/{k}": v for k, v in evaluate_pairs(run.actor, batch, config, ref, labels).items()}
 
 
 def _score_stats(model, dataset: PreferenceDataset, config: RunConfig, runtime, pad_id: int) -> dict[str, float]:

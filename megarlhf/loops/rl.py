@@ -2,7 +2,7 @@
 
 The algorithm is the recipe's choice of advantage estimator, policy loss, KL use and shaping; the loop
 is the same, and what an estimator needs (a critic, groups, a greedy baseline) is read from its
-registry entry (``config.algorithm.needs``). Every rank runs it (SPMD under torchrun or srun). One step:
+registry entry (:func:`~megarlhf.algorithms.advantages.estimator_needs`). Every rank runs it (SPMD under torchrun or srun). One step:
 
  1. data       this data-parallel replica draws its share of the step's global batch of prompts
  2. wake       trainer state (actor, critic, reference) is offloaded; the engine's weights wake
@@ -28,99 +28,86 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megarlhf.config.schema import RunConfig
-from megarlhf.rewards import CombinedReward
-from megarlhf.rollout.engines.sampling import greedy_sampling
-from megarlhf.records.sample_log import SampleLog
-from megarlhf.loops.collect import Collected
-from megarlhf.loops.evaluate import evaluate
-from megarlhf.loops.experience import build_experience, compute_advantages, score
-from megarlhf.loops.rewarding import build_reward, score_rewards
-from megarlhf.loops.pipeline import make_batches
-from megarlhf.core.seeds import sample_seed
-from megarlhf.rollout.phase import Calibration, build_rollout_phase, serve_engine_rank
-from megarlhf.run.context import start_run
-from megarlhf.run.checkpointer import RunCheckpointer
-from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
 from megarlhf.algorithms.advantages import estimator_needs
+from megarlhf.config.schema import RunConfig
+from megarlhf.core.seeds import sample_seed
+from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
+from megarlhf.loops.collect import Collected
+from megarlhf.loops.experience import build_experience, compute_advantages, score
+from megarlhf.loops.pipeline import make_batches
+from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
+from megarlhf.loops.rewarding import score_rewards
+from megarlhf.records.sample_log import SampleLog
+from megarlhf.rollout.engines.sampling import greedy_sampling
+from megarlhf.rollout.phase import serve_engine_rank
+from megarlhf.run.context import RunContext, start_run
 
 
 def train_rl(config: RunConfig) -> Path | None:
     """Runs ``config.train.steps`` RL steps (resuming if asked); returns the exported HF directory
     (None on the engine ranks of the disaggregated placement, which only serve rollouts)."""
     run = start_run(config)
-    runtime = run.runtime
     if run.is_engine_rank:
-        serve_engine_rank(config, runtime)
+        serve_engine_rank(config, run.runtime)
         return None
     prompts, eval_prompts = run.train_and_eval_prompts()
-    actor = build_actor(config, runtime)
-    reference = build_reference(config, runtime, actor) if config.algorithm.uses_reference else None
-    critic = build_critic(config, runtime) if estimator_needs(config.algorithm.estimator).critic else None
-    reward, reward_model = build_reward(config, runtime, run.tokenizer)
-    eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
-    stop = (run.tokenizer.eos_token_id,)
-    # before the resume: the gates calibrate while actor and engines hold the checkpoint at model.path
-    phase = build_rollout_phase(config, actor, [m for m in (critic, reference, reward_model) if m is not None],
-                                run.tokenizer, Calibration.of_run(config, prompts.examples, stop))
-    checkpointer = RunCheckpointer(config, {"actor": actor, **({"critic": critic} if critic else {})})
-    sampler, first_step = run.resume(checkpointer, len(prompts))
-    batches = make_batches(phase, sampler, prompts, reward, run.tokenizer, config, runtime, stop)  # steps 1-6
+    run.actor = build_actor(config, run.runtime)
+    run.reference = build_reference(config, run.runtime, run.actor) if config.algorithm.uses_reference else None
+    run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
+    sampler, first_step = open_policy_loop(run, prompts)
+    batches = make_batches(run, sampler, prompts)  # steps 1-6
     batches.restore(run.resumed, first_step)
-    steps = config.train.steps
-    recorder = run.open_recorder(steps, first_step)
-    samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
-                        runtime=runtime, resume_after_step=first_step - 1)
-
-    def run_eval(step: int) -> dict[str, float]:
-        if eval_prompts is None or eval_reward is None:
-            return {}
-        return evaluate(phase, eval_prompts.examples, eval_reward, run.tokenizer, config, step, runtime, stop,
-                        samples)
-
-    for step in range(first_step, steps):
-        checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
+    run.samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
+                            runtime=run.runtime, resume_after_step=first_step - 1)
+    for step in range(first_step, config.train.steps):
+        run.checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
-        metrics = run_eval(step) if config.eval.every and step % config.eval.every == 0 else {}
+        metrics = scheduled_eval(run, eval_prompts, step)
         rollout_start = time.perf_counter()
         got = batches.next(step)  # 1-6
-        samples.write(step, "train", got.examples, got.rollout, got.rewards)
-        baseline = greedy_baseline(phase, got, reward, run.tokenizer, config, step, stop)
+        run.samples.write(step, "train", got.examples, got.rollout, got.rewards)
+        baseline = greedy_baseline(run, got, step)
         rollout_s = time.perf_counter() - rollout_start
-        batch = build_experience(got.rollout, got.group_offset, run.pad_id, runtime.device)
+        batch = build_experience(got.rollout, got.group_offset, run.pad_id, run.runtime.device)
         train_start = time.perf_counter()
-        batch, score_metrics = score(batch, config, actor, reference, critic,  # 7
-                                     gates=phase.tolerances if step == 0 else None)
-        batch, advantage_metrics = compute_advantages(batch, got.rewards, config, runtime, baseline,  # 8
-                                                      got.informative)
-        update_metrics = actor_update(actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9
-        if critic is not None:
-            update_metrics.update(critic_update(critic, batch, config, on_nonfinite=config.train.on_nonfinite))
-        if step == 0:
-            _check_step0_ppo_kl(config, phase.tolerances.step0_ppo_kl, update_metrics)
-            metrics.update(phase.calibration)
-        metrics.update({**got.metrics, **score_metrics, **advantage_metrics, **update_metrics,  # 10 record
-                        "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
+        metrics.update(rl_update(run, got, batch, step, baseline))  # 7-9
+        metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                         "time/step_s": time.perf_counter() - start})
-        recorder.log(step, metrics)
-        if checkpointer.should_save(step + 1, steps):  # checkpoints are named by completed steps
-            checkpointer.save(step + 1, {"step": step + 1, "sampler": sampler.state_dict(),
-                                         **batches.state(step + 1)})
-    checkpointer.close()
+        run.recorder.log(step, metrics)  # 10
+        run.save(step + 1, lambda: {"sampler": sampler.state_dict(), **batches.state(step + 1)})
+    run.checkpointer.close()
     if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
-        recorder.log(steps, run_eval(steps))
-    return run.finish_policy_run(recorder, [reward, eval_reward, phase], actor)
+        run.recorder.log(config.train.steps, scheduled_eval(run, eval_prompts, config.train.steps, last=True))
+    return run.finish_policy_run()
 
 
-def greedy_baseline(phase, got: Collected, reward: CombinedReward, tokenizer, config: RunConfig, step: int,
-                    stop: tuple[int, ...]) -> list[float] | None:
+def rl_update(run: RunContext, got: Collected, batch, step: int, baseline: list[float] | None) -> dict[str, float]:
+    """Steps 7-9 on this replica's share of the step (``batch``: its experience): score, advantages, the
+    actor's (and critic's) update; at step 0 the gates' checks and the calibration's metrics."""
+    config = run.config
+    batch, score_metrics = score(batch, config, run.actor, run.reference, run.critic,  # 7
+                                 gates=run.rollout.tolerances if step == 0 else None)
+    batch, advantage_metrics = compute_advantages(batch, got.rewards, config, run.runtime, baseline,  # 8
+                                                  got.informative)
+    update = actor_update(run.actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9
+    if run.critic is not None:
+        update.update(critic_update(run.critic, batch, config, on_nonfinite=config.train.on_nonfinite))
+    metrics = {}
+    if step == 0:
+        _check_step0_ppo_kl(config, run.rollout.tolerances.step0_ppo_kl, update)
+        metrics.update(run.rollout.calibration)
+    return {**metrics, **got.metrics, **score_metrics, **advantage_metrics, **update}
+
+
+def greedy_baseline(run: RunContext, got: Collected, step: int) -> list[float] | None:
     """For an estimator that declares ``greedy_baseline`` (ReMax): each sample's baseline is the reward
     of one greedy response to its prompt (the engine keeps the weights it was just synced with)."""
+    config = run.config
     if not estimator_needs(config.algorithm.estimator).greedy_baseline:
         return None
-    greedy, _ = phase.generate(got.examples, greedy_sampling(config.rollout, stop),
-                               sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
-    greedy_rewards, _ = score_rewards(reward, got.examples, greedy, tokenizer, config)
+    greedy, _ = run.rollout.generate(got.examples, greedy_sampling(config.rollout, run.stop_token_ids),
+                                     sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
+    greedy_rewards, _ = score_rewards(run.reward, got.examples, greedy, run.tokenizer, config)
     return [greedy_rewards[p] for p in got.rollout.prompt_index]
 
 

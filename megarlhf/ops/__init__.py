@@ -11,22 +11,20 @@ import importlib.util
 
 import torch
 
-from megarlhf.ops.fused_logprob import fused_logprob_entropy
+from megarlhf.ops.fused_logprob import LogprobOptions, fused_logprob_entropy
 
 _BACKENDS = ("auto", "torch", "triton")
 
 
 def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    mask: torch.Tensor | None = None, *, tp_group=None, temperature: float = 1.0,
-                    chunk_size: int = 4096, compute_entropy: bool = True, backend: str = "auto",
-                    check_targets: bool = True):
+                    mask: torch.Tensor | None = None, options: LogprobOptions = LogprobOptions()):
     """(logprobs [N], entropy [N] or None), fp32; see ``fused_logprob.fused_logprob_entropy``.
 
-    check_targets=False skips the targets' range check (one device read) for a caller that made it.
-    backend: "auto" (Triton for bf16/fp16 CUDA inputs when importable, else torch), "torch" or "triton"
-    ("triton" on CPU tensors works only under TRITON_INTERPRET=1). chunk_size is the vocab chunk of
-    the torch op and of the Triton path's backward (the Triton forward tiles by its own block sizes).
+    ``options.backend`` picks the implementation ("triton" on CPU tensors works only under
+    TRITON_INTERPRET=1); ``options.chunk_size`` is the vocab chunk of the torch op and of the Triton path's
+    backward (the Triton forward tiles by its own block sizes).
     """
+    backend = options.backend
     if backend not in _BACKENDS:
         raise ValueError(f"logprob_entropy: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -36,12 +34,8 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if backend == "triton":
         # imported lazily: Triton decides at import time whether kernels run interpreted
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
-        return triton_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
-                                      temperature=temperature, compute_entropy=compute_entropy,
-                                      check_targets=check_targets, chunk_size=chunk_size)
-    return fused_logprob_entropy(hidden, weight, targets, mask, tp_group=tp_group,
-                                 temperature=temperature, chunk_size=chunk_size,
-                                 compute_entropy=compute_entropy, check_targets=check_targets)
+        return triton_logprob_entropy(hidden, weight, targets, mask, options)
+    return fused_logprob_entropy(hidden, weight, targets, mask, options)
 
 
-__all__ = ["logprob_entropy", "fused_logprob_entropy"]
+__all__ = ["LogprobOptions", "logprob_entropy", "fused_logprob_entropy"]

@@ -13,8 +13,8 @@ from the saved hidden rows and weight (nothing of size tokens x vocab is saved) 
 
 for upstream gradients g_lp (log-probs) and g_ent (entropy).
 
-Hand-written because neither Megatron-Core (its vocab-parallel cross-entropy needs the full local
-logits) nor a pinned library offers a chunked log-prob + entropy with gradients for both.
+Neither Megatron-Core (its vocab-parallel cross-entropy needs the full local logits) nor a pinned
+library offers a chunked log-prob + entropy with gradients for both.
 
 Tensor parallelism (Megatron's layout): ``weight`` is this rank's shard of the padded vocabulary,
 rank r holding rows ``[r * V_local, (r + 1) * V_local)``; ``targets`` are global ids. Each rank reduces
@@ -34,6 +34,9 @@ logit such as -1e30 (it contributes exactly 0); -inf would turn the entropy term
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -42,9 +45,37 @@ import torch.distributed as dist
 NEG_BIG = -1.0e30
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How the op runs. ``tp_group``: the tensor-parallel group the vocabulary is sharded over (None: all of
+    it on this rank); logits are divided by ``temperature``; the vocabulary is walked ``chunk_size`` rows at a
+    time; ``compute_entropy=False`` returns no entropies; ``check_targets=False`` skips the targets' range
+    check (one device read) for a caller that made it; ``backend`` is :func:`megarlhf.ops.logprob_entropy`'s
+    choice: "auto" (Triton for bf16/fp16 CUDA inputs when importable, else torch), "torch" or "triton"."""
+
+    tp_group: object = None
+    temperature: float = 1.0
+    chunk_size: int = 4096
+    compute_entropy: bool = True
+    check_targets: bool = True
+    backend: str = "auto"
+
+
+class Saved(NamedTuple):
+    """What the forward keeps for the backward (the selected rows only)."""
+
+    xs: torch.Tensor  # hidden rows divided by the temperature
+    weight: torch.Tensor
+    local_t: torch.Tensor
+    in_shard: torch.Tensor
+    logz: torch.Tensor
+    ent: torch.Tensor
+
+
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                 mask: torch.Tensor | None, temperature: float, chunk_size: int) -> None:
+                 mask: torch.Tensor | None, options: LogprobOptions) -> None:
     """Raises ValueError naming the argument whose shape, dtype or value is wrong."""
+    temperature, chunk_size = options.temperature, options.chunk_size
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"logprob op: hidden must be [N, H] and weight [V_local, H]; got hidden "
                          f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}")
@@ -103,14 +134,14 @@ def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n: int) -> tor
     return values.new_zeros(n).index_put((idx,), values)
 
 
-def apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy: bool,
-                           check_targets: bool = True):
+def apply_on_selected_rows(apply, hidden, weight, targets, mask, options: LogprobOptions):
     """Runs ``apply(x, local_t, in_shard, tp_size) -> (logprob, entropy)`` on the unmasked rows only.
 
     Shared by the torch and Triton backends: row selection, target localisation to this rank's
     vocab shard, the all-masked shortcut, and scattering results back to [N] (masked rows = 0).
     """
-    rank, tp_size = tp_rank_and_size(tp_group)
+    compute_entropy, check_targets = options.compute_entropy, options.check_targets
+    rank, tp_size = tp_rank_and_size(options.tp_group)
     v_local = weight.shape[0]
     idx, x, local_t, in_shard = _select_rows(hidden, targets, mask, rank * v_local, v_local,
                                              v_local * tp_size, check_targets)
@@ -189,14 +220,15 @@ def _grad_logits_(logits, logz, g_lp, g_ent, ent):
     return log_p.mul_(-g_ent[:, None]).sub_(bias[:, None]).mul_(p)
 
 
-def chunked_grads(xs, weight, local_t, in_shard, logz, ent, g_lp, g_ent, needs: tuple[bool, bool],
-                  chunk_size: int, tp_group, tp_size: int, temperature: float):
+def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: LogprobOptions, tp_size: int):
     """(grad_x or None, grad_w or None) of the selected rows, recomputing logits one vocab chunk at a time.
 
     Each chunk is two matrix products on the device's BLAS (dL/dlogits @ W and its transpose @ X) after
     the elementwise gradient; shared by the torch and Triton backends. ``needs`` says which gradients
     autograd wants; under TP the hidden gradient is all-reduced here (see the module docstring).
     """
+    xs, weight, local_t, in_shard, logz, ent = saved
+    chunk_size = options.chunk_size
     if g_ent is not None and g_ent.numel() == 0:
         g_ent = None
     need_x, need_w = needs
@@ -218,8 +250,8 @@ def chunked_grads(xs, weight, local_t, in_shard, logz, ent, g_lp, g_ent, needs: 
             torch.mm(grad.t(), xs, out=grad_w[lo:hi])
     if need_x:
         if tp_size > 1:   # the copy_to_tensor_model_parallel_region backward, done here
-            dist.all_reduce(grad_x, group=tp_group)
-        grad_x = (grad_x / temperature).to(xs.dtype)
+            dist.all_reduce(grad_x, group=options.tp_group)
+        grad_x = (grad_x / options.temperature).to(xs.dtype)
     return grad_x, grad_w
 
 
@@ -227,41 +259,37 @@ class _FusedLogprobEntropy(torch.autograd.Function):
     """Chunked forward/backward over selected rows; see the module docstring for the math."""
 
     @staticmethod
-    def forward(ctx, x, weight, local_t, in_shard, tp_group, tp_size, temperature, chunk_size,
-                want_entropy):
+    def forward(ctx, x, weight, local_t, in_shard, tp_size: int, options: LogprobOptions):
+        temperature = options.temperature
         xs = x / temperature if temperature != 1.0 else x
-        m, s, a, tgt = _local_partials(xs, weight, local_t, in_shard, chunk_size, want_entropy)
-        logz, ent, logprob = combine_partials(m, s, a, tgt, tp_group, tp_size)
+        m, s, a, tgt = _local_partials(xs, weight, local_t, in_shard, options.chunk_size, options.compute_entropy)
+        logz, ent, logprob = combine_partials(m, s, a, tgt, options.tp_group, tp_size)
         ctx.save_for_backward(xs, weight, local_t, in_shard, logz, ent)
-        ctx.cfg = (tp_group, tp_size, temperature, chunk_size)
+        ctx.cfg = (options, tp_size)
         ctx.set_materialize_grads(False)
-        return logprob, (ent if want_entropy else ent.new_empty(0))
+        return logprob, (ent if options.compute_entropy else ent.new_empty(0))
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        xs, weight, local_t, in_shard, logz, ent = ctx.saved_tensors
-        tp_group, tp_size, temperature, chunk_size = ctx.cfg
-        grad_x, grad_w = chunked_grads(xs, weight, local_t, in_shard, logz, ent, g_lp, g_ent,
-                                       ctx.needs_input_grad[:2], chunk_size, tp_group, tp_size, temperature)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        options, tp_size = ctx.cfg
+        grad_x, grad_w = chunked_grads(Saved(*ctx.saved_tensors), g_lp, g_ent, ctx.needs_input_grad[:2], options,
+                                       tp_size)
+        return grad_x, grad_w, None, None, None, None
 
 
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          mask: torch.Tensor | None = None, *, tp_group=None,
-                          temperature: float = 1.0, chunk_size: int = 4096,
-                          compute_entropy: bool = True, check_targets: bool = True):
+                          mask: torch.Tensor | None = None, options: LogprobOptions = LogprobOptions()):
     """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
 
     hidden [N, H]; weight [V_local, H] (this rank's vocab shard, Megatron layout); targets [N] global
     vocab ids; mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
-    ``check_targets=False`` skips the targets' range check (a device read) for callers that made it.
     Returns (logprobs, entropy or None). fp32/bf16/fp16 inputs; statistics are accumulated in fp32.
     Under TP the hidden gradient is all-reduced inside the op (see module docstring).
     """
-    check_inputs(hidden, weight, targets, mask, temperature, chunk_size)
+    check_inputs(hidden, weight, targets, mask, options)
+    options = LogprobOptions(options.tp_group, float(options.temperature), int(options.chunk_size),
+                             bool(options.compute_entropy), options.check_targets, options.backend)
 
     def apply(x, local_t, in_shard, tp_size):
-        return _FusedLogprobEntropy.apply(x, weight, local_t, in_shard, tp_group, tp_size,
-                                          float(temperature), int(chunk_size),
-                                          bool(compute_entropy))
-    return apply_on_selected_rows(apply, hidden, weight, targets, mask, tp_group, compute_entropy, check_targets)
+        return _FusedLogprobEntropy.apply(x, weight, local_t, in_shard, tp_size, options)
+    return apply_on_selected_rows(apply, hidden, weight, targets, mask, options)

@@ -62,8 +62,7 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
 Not counted (the ``reserve``, a per-rank allowance the caller chooses): CUDA context, NCCL buffers,
 allocator fragmentation, vLLM's own activation and sampler workspace, and on CPU the Python/torch runtime.
 
-Hand-written because this is the project's own memory model of its own schedule; no library plans
-Megatron training and a colocated vLLM engine together.
+No library plans Megatron training and a colocated engine together.
 """
 from __future__ import annotations
 
@@ -97,16 +96,17 @@ class Workload:
 
 def workload(config: RunConfig, command: str) -> Workload:
     learned_reward = config.reward.reward_model_path is not None
+    loss = PREFERENCE_LOSSES.get(config.preference.loss)
     if command == "train":
-        return Workload(True, config.algorithm.uses_reference, estimator_needs(config.algorithm.estimator).critic, learned_reward, "lm")
+        critic = estimator_needs(config.algorithm.estimator).critic
+        return Workload(True, config.algorithm.uses_reference, critic, learned_reward, "lm")
     if command == "online-dpo":
-        reference = PREFERENCE_LOSSES.get(config.preference.loss).needs_reference and config.iterative.reference == "fixed"
+        reference = loss.needs_reference and config.iterative.reference == "fixed"
         return Workload(True, reference, False, learned_reward, "lm", rows_together=2)
     if command == "rs":
         return Workload(True, False, False, learned_reward, "lm")
     if command == "dpo":
-        return Workload(False, PREFERENCE_LOSSES.get(config.preference.loss).needs_reference, False, False, "lm",
-                        rows_together=2 if PREFERENCE_LOSSES.get(config.preference.loss).paired else 1)
+        return Workload(False, loss.needs_reference, False, False, "lm", rows_together=2 if loss.paired else 1)
     if command == "rm":
         return Workload(False, False, False, False, "value", rows_together=2)
     return Workload(False, False, False, False, "lm")

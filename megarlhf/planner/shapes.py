@@ -16,7 +16,7 @@ tensor-parallel size (= TP) and, in Qwen2-MoE, a shared expert split over TP wit
 :meth:`ModelShape.expert_params_per_rank` is the routed experts' part (their gradients and optimizer state
 are reduced and sharded over the expert-data-parallel ranks, not the dense ones).
 
-Hand-written: no library computes Megatron's per-rank sharding from an HF config without building it.
+No library computes Megatron's per-rank sharding from an HF config without building it.
 """
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ searches breadth-first: every single change first, then pairs, then triples, eac
 :func:`_moves`, which lists the cheapest changes first (a free switch before a slower step, more model
 parallelism before more GPUs, an algorithm change last; activation recomputation trades train time
 for memory). It returns the first few that fit.
-
-Hand-written: the candidates are the project's own knobs.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Registered rewards (signature in ``api.py``; each returns 1.0 for a correct answ
   exactly that under GRPO on two-digit sums (100% "accuracy" by step 30, responses of ~11 tokens).
 
 The final answer of a response is the last occurrence of any of ``\\boxed{X}``, ``#### X`` or
-``The (final) answer is X`` (hand-written because the formats are the project's own convention for its
-synthetic tasks and SFT data; math-verify does not return the string it matched).
+``The (final) answer is X`` (the formats of the project's synthetic tasks and SFT data; math-verify does not
+return the string it matched).
 """
 from __future__ import annotations
 

@@ -36,8 +36,6 @@ fp32 param buffer, belongs to the parameter phase), then, after the sync, the pa
 Engine sleep / wake-up are vLLM's own (GPU only; on CPU vLLM has no sleep mode, so they do nothing and
 only the trainer side moves). This module is the colocated mode; the disaggregated mode (separate
 engine ranks, weights broadcast over a process group) is :mod:`megarlhf.rollout.disaggregated`.
-
-Hand-written because it is megarlhf's scheduling policy; the memory moves are plain storage copies.
 """
 from __future__ import annotations
 

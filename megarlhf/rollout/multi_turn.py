@@ -27,15 +27,13 @@ the tool turn, the assistant header); every rendering passes the ``tools=`` the 
 (:mod:`megarlhf.envs.prompting`). Plain mode: ``\\n<tool_response>\\n{observation}\\n</tool_response>\\n``.
 
 Seeds: turn 1 uses the single-turn seeds (``sampling.prompt_seed(p) + j``); turn ``t`` of that episode
-uses that seed + ``t * TURN_STRIDE`` (:mod:`megarlhf.core.seeds`), so every episode's samples depend on the run seed, the step
-and its position only, not on which other episodes are still running or where it is generated.
+uses that seed + ``t * TURN_STRIDE`` (:mod:`megarlhf.core.seeds`), so every episode's samples depend on the
+run seed, the step and its position only, not on which other episodes are still running or where it is
+generated.
 
 Environment rewards (``StepResult.reward``) are summed per episode (``env_rewards``) and, in training,
 join the sample's reward. Metrics (counts, summed over turns): the runner's ``tools/*``, ``tools/samples``,
 ``tools/samples_calling`` (samples that called a tool at least once) and ``tools/turns``.
-
-Hand-written because the loop is megarlhf's own contract between its engines, its trainer's masks and
-the environment interface.
 """
 from __future__ import annotations
 

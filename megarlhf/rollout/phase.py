@@ -3,15 +3,16 @@
 Two placements, one interface (``generate(prompts, sampling, seed) -> (RolloutBatch, metrics)``),
 chosen by :func:`build_rollout_phase` from ``rollout.placement``:
 
-:class:`RolloutPhase` (colocate) owns this rank's engine (``rollout.backend``: vLLM or plain
-transformers), the verified Megatron -> engine weight sync and the colocate scheduler. The ranks of one
+:class:`RolloutPhase` (colocate) owns this rank's engine (the ``rollout.backend`` registered in
+:data:`~megarlhf.rollout.engines.ENGINES`), the verified Megatron -> engine weight sync and the colocate scheduler. The ranks of one
 model replica (its TP x PP x CP ranks, ``runtime.replica``) see the same prompts; rather than generating
 the same samples several times, each of them generates a contiguous share and the replica all-gathers
 the results, so every rank of the replica ends with the whole rollout in prompt order.
 
 Seeds: prompt ``i`` of a :meth:`RolloutPhase.generate` call samples with seeds ``seed + i * n + j``
-wherever it is generated, so with :func:`megarlhf.core.seeds.sample_seed` the samples depend only on the run seed, the step
-and each prompt's position in the global batch: the same for any parallel layout and after a resume.
+wherever it is generated, so with :func:`megarlhf.core.seeds.sample_seed` the samples depend only on the run
+seed, the step and each prompt's position in the global batch: the same for any parallel layout and after a
+resume.
 
 Every trainer rank calls ``generate`` together, with or without prompts of its own (the weight sync
 inside is collective): a rank with nothing to generate still takes part.

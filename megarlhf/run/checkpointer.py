@@ -18,9 +18,6 @@ a run on another layout cannot be bit-identical to the original anyway (reductio
 checkpointer then re-seeds every rank from ``(seed, step)`` exactly as start-up does and logs a warning
 (Megatron-LM likewise skips RNG state when the layout changes). At the same world size the streams are
 restored exactly.
-
-Hand-written because the atomic save/publish and resharding live in :mod:`megarlhf.checkpoint.distributed`;
-this module only decides where, when and what (naming, schedule, pruning, RNG capture, resume selection).
 """
 from __future__ import annotations
 
@@ -36,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
-from megarlhf.checkpoint.distributed import (CheckpointError, Companion, checkpoint_metadata, is_complete_checkpoint,
-                                             load_checkpoint, load_rank_state, save_checkpoint)
+from megarlhf.checkpoint.distributed import (CheckpointError, Companion, TrainingState, checkpoint_metadata,
+                                             is_complete_checkpoint, load_checkpoint, load_rank_state, save_checkpoint)
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.seeds import RESUME_RESEED_STRIDE
 from megarlhf.learner.models import TrainModel
@@ -183,10 +180,10 @@ class RunCheckpointer:
         elif self.config.checkpoint.async_save:
             self.writer = AsyncCheckpointWriter()
         actor = self.models[MAIN_ROLE]
-        path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state,
-                               metadata={"step": step, "models": sorted(self.models)}, overwrite=True,
-                               optimizer=actor.optimizer, scheduler=actor.scheduler,
-                               companions=self._companions(), rank_state=capture_rng_state(), writer=self.writer)
+        training = TrainingState(actor.optimizer, actor.scheduler, self._companions(), capture_rng_state())
+        path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state, overwrite=True,
+                               metadata={"step": step, "models": sorted(self.models)}, training=training,
+                               writer=self.writer)
         if not self.config.checkpoint.async_save:
             self._after_publish([path])
         return path

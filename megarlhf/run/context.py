@@ -1,49 +1,61 @@
-"""What every trainer does first: start the ranks, prepare the run directory, load tokenizer and data.
+"""One run's context, and how every run starts.
 
-:func:`start_run` initialises torch.distributed and Megatron's groups for ``config.parallel``, writes the
-resolved config to ``<run_dir>/config.yaml`` (rank 0), and loads the tokenizer of ``model.path`` and the
-datasets, so that a bad path or a malformed row fails before any model is built.
+:func:`start_run` checks the config against the registries, initialises torch.distributed and Megatron's
+groups for ``config.parallel``, writes the resolved config to ``<run_dir>/config.yaml`` (rank 0) and loads
+the tokenizer of ``model.path``, so that a bad key or path fails before any model is built. The
+:class:`RunContext` it returns then carries what the run builds (models, rewards, engines, checkpointer,
+recorder): a loop passes it instead of a dozen loose objects, and each function reads the settings it uses
+from ``run.config``.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from megarlhf.config import save_config, to_dict
 from megarlhf.config.schema import RunConfig
-from megarlhf.run.checks import check_config
+from megarlhf.core.errors import CheckpointError, ConfigError, DataError
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
-from megarlhf.core.errors import CheckpointError, ConfigError, DataError
-from megarlhf.records.metrics import MetricsRecorder, plot_curves
-from megarlhf.records.tracking import open_trackers
-from megarlhf.learner import export_policy
+from megarlhf.learner import TrainModel, export_policy
 from megarlhf.learner.step import prefix_sharing_notice
+from megarlhf.records.metrics import MetricsRecorder, plot_curves
+from megarlhf.records.sample_log import SampleLog
+from megarlhf.records.tracking import open_trackers
+from megarlhf.rewards import CombinedReward
+from megarlhf.run.checkpointer import RunCheckpointer
+from megarlhf.run.checks import check_config
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
 @dataclass
 class RunContext:
+    """What one run has. :func:`start_run` fills the first four; the loop adds the rest as it builds them
+    (None where the run has none)."""
+
     config: RunConfig
     runtime: Runtime
     run_dir: Path
     tokenizer: object
     resumed: dict | None = None  # the driver state of the checkpoint resume() loaded
+    actor: TrainModel | None = None  # the trained model: the policy (a value-head model for ``megarlhf rm``)
+    reference: TrainModel | None = None
+    critic: TrainModel | None = None
+    reward_model: TrainModel | None = None  # a learned reward (reward.reward_model_path)
+    reward: CombinedReward | None = None
+    eval_reward: CombinedReward | None = None
+    rollout: object | None = None  # the engines: megarlhf.rollout.phase's RolloutPhase or DisaggregatedPhase
+    checkpointer: RunCheckpointer | None = None
+    recorder: MetricsRecorder | None = None  # metrics.jsonl, the console and the trackers
+    samples: SampleLog | None = None
 
     @property
     def is_engine_rank(self) -> bool:
         """Disaggregated placement: this rank only serves a rollout engine."""
         return self.runtime.is_engine_rank
-
-    @property
-    def dp_rank(self) -> int:
-        return self.runtime.dp.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.runtime.dp.size
 
     @property
     def is_main(self) -> bool:
@@ -54,27 +66,37 @@ class RunContext:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """What ends a response: the tokenizer's end of sequence (the engines add the model's own)."""
+        return (self.tokenizer.eos_token_id,)
+
+    def trained_models(self) -> dict[str, TrainModel]:
+        """The models a checkpoint holds: the actor and, when there is one, the critic."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
     def log(self, message: str) -> None:
         if self.is_main:
             print(message, flush=True)
 
-    def resume(self, checkpointer, num_examples: int) -> tuple[PromptSampler, int]:
+    def resume(self, num_examples: int) -> tuple[PromptSampler, int]:
         """This rank's seeded sampler over ``num_examples`` and the first step to run, both restored from
-        the checkpoint ``checkpoint.resume`` names (models are restored in place by the checkpointer);
+        the checkpoint ``checkpoint.resume`` names (the run's checkpointer restores the models in place);
         the checkpoint's whole driver state is left in ``self.resumed`` (None: a fresh start)."""
         config = self.config
         sampler = PromptSampler(num_examples, config.train.global_batch_size, config.seed, config.data.shuffle,
-                                self.dp_rank, self.dp_size)
-        resumed = self.resumed = checkpointer.resume()
+                                self.runtime.dp.rank, self.runtime.dp.size)
+        resumed = self.resumed = self.checkpointer.resume()
         if resumed is None:
             return sampler, 0
         sampler.load_state_dict(resumed["sampler"])
         self.log(f"resumed from step {resumed['step']}")
         return sampler, resumed["step"]
 
-    def open_recorder(self, total_steps: int, first_step: int, **options) -> MetricsRecorder:
-        """The run's metrics recorder from ``first_step`` on (0: a fresh start), with the trackers
-        ``logging.backends`` names opened on global rank 0 (a resumed run continues their runs)."""
+    def open_recorder(self, first_step: int, **options) -> MetricsRecorder:
+        """Opens the run's metrics recorder from ``first_step`` on (0: a fresh start) for ``train.steps``
+        steps, with the trackers ``logging.backends`` names opened on global rank 0 (a resumed run continues
+        their runs)."""
         settings, trackers, error = self.config.logging, [], None
         if self.is_main:
             try:
@@ -86,24 +108,34 @@ class RunContext:
             raise error
         if failure is not None:  # the other ranks stop with rank 0's message instead of waiting for it
             raise ConfigError(f"rank 0 could not open the run's trackers: {failure}")
-        return MetricsRecorder(self.run_dir, total_steps=total_steps, trackers=trackers,
-                               rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
-                               log_every=settings.log_every, **options)
+        self.recorder = MetricsRecorder(self.run_dir, total_steps=self.config.train.steps, trackers=trackers,
+                                        rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
+                                        log_every=settings.log_every, **options)
+        return self.recorder
 
-    def finish_policy_run(self, recorder: MetricsRecorder, closables: list, actor,
-                          curve_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path:
-        """The end of a run that trains a policy on rollouts: closes the recorder and ``closables`` (rewards,
-        the rollout phase; None entries skipped), exports the actor to ``<run_dir>/hf`` and draws the curves
-        of ``curve_keys``; returns the export directory."""
-        recorder.close()
-        for thing in closables:
+    def save(self, completed_steps: int, state: Callable[[], dict]) -> None:
+        """A checkpoint after ``completed_steps`` steps when ``checkpoint.every`` (or the end) says so, holding
+        the driver's ``state()`` (asked for only then: taking it can be collective)."""
+        if self.checkpointer.should_save(completed_steps, self.config.train.steps):
+            self.checkpointer.save(completed_steps, {"step": completed_steps, **state()})
+
+    def finish(self, out: Path, curve_keys: tuple[str, ...], what: str = "trained policy") -> None:
+        """Closes the recorder and what the run opened (rewards, engines) and draws the curves of
+        ``curve_keys``; the trained model (``what``) was exported to ``out``."""
+        self.recorder.close()
+        for thing in (self.reward, self.eval_reward, self.rollout):
             if thing is not None:
                 thing.close()
-        export_dir = export_policy(actor, self.config, self.run_dir / "hf")
         if self.is_main:
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png", keys=curve_keys)
-        self.log(f"exported the trained policy to {export_dir}")
-        return export_dir
+        self.log(f"exported the {what} to {out}")
+
+    def finish_policy_run(self, curve_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path:
+        """The end of a run that trains a policy: :meth:`finish` after exporting the actor to ``<run_dir>/hf``;
+        returns the export directory."""
+        out = export_policy(self.actor, self.config, self.run_dir / "hf")
+        self.finish(out, curve_keys)
+        return out
 
     def train_and_eval_prompts(self) -> tuple[PromptDataset, PromptDataset | None]:
         """The prompts of ``data.train_path`` and of ``data.eval_path`` (None when unset)."""

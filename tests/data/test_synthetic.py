@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 
 from megarlhf.data import generate_split, write_arithmetic_task
-from megarlhf.data.synthetic import mix_response_styles
+from megarlhf.data.synthetic import TaskSettings, mix_response_styles
 from megarlhf.rewards import REWARDS, RewardInput
 from megarlhf.rewards.answers import extract_final_answer
 
@@ -59,14 +59,14 @@ def test_answers_prompts_and_splits(tmp_path):
 def test_seeded_knobs_and_hash_format():
     assert generate_split(20, False, seed=1) == generate_split(20, False, seed=1)
     assert generate_split(20, False, seed=1) != generate_split(20, False, seed=2)
-    rows = generate_split(30, False, seed=0, max_steps=1, ops=("add",), answer_format="hashes")
+    rows = generate_split(30, False, seed=0, task=TaskSettings(max_steps=1, ops=("add",), answer_format="hashes"))
     for row in rows:
         assert " + " in row["expression"] and row["expression"].count("+") == 1
         assert row["response"].endswith(f"\n#### {row['answer']}")
     with pytest.raises(ValueError, match="could only make"):
-        generate_split(500, False, seed=0, max_steps=1, max_value=3, ops=("add",))
+        generate_split(500, False, seed=0, task=TaskSettings(max_steps=1, max_value=3, ops=("add",)))
     with pytest.raises(ValueError, match="bad difficulty settings"):
-        generate_split(5, False, seed=0, ops=("pow",))
+        generate_split(5, False, seed=0, task=TaskSettings(ops=("pow",)))
 
 
 def test_sft_response_styles(tmp_path):
@@ -87,7 +87,8 @@ def test_sft_response_styles(tmp_path):
             assert s["response"].startswith("Start with ") and s["response"].endswith(final)
             styles["worked"] += 1
     assert 0.22 < styles["direct"] / 600 < 0.38 and 0.32 < styles["answer_first"] / 600 < 0.48, styles
-    hashes = mix_response_styles(generate_split(50, False, seed=0, answer_format="hashes"), seed=0, answer_first=1.0,
+    hashes = mix_response_styles(generate_split(50, False, seed=0, task=TaskSettings(answer_format="hashes")), seed=0,
+                                 answer_first=1.0,
                                  answer_format="hashes")
     assert all(r["response"].startswith(f"#### {r['answer']}\nStart with ") for r in hashes)
     again = write_arithmetic_task(tmp_path / "b", 600, 10, seed=3, sft_direct_fraction=0.3,
@@ -98,11 +99,11 @@ def test_sft_response_styles(tmp_path):
 
 
 def test_step_range():
-    rows = generate_split(300, False, seed=0, min_steps=2, max_steps=3, ops=("add", "sub"))
+    rows = generate_split(300, False, seed=0, task=TaskSettings(min_steps=2, max_steps=3, ops=("add", "sub")))
     counts = {row["expression"].count(" + ") + row["expression"].count(" - ") for row in rows}
     assert counts == {2, 3}
     with pytest.raises(ValueError, match="min_steps=3 and max_steps=2"):
-        generate_split(5, False, seed=0, min_steps=3, max_steps=2)
+        generate_split(5, False, seed=0, task=TaskSettings(min_steps=3, max_steps=2))
 
 
 def test_preference_pairs_prefer_the_right_answer_in_every_rejected_kind(tmp_path):
@@ -126,14 +127,14 @@ def test_preference_pairs_prefer_the_right_answer_in_every_rejected_kind(tmp_pat
 
 
 def test_bare_style_asks_the_expression(tmp_path):
-    rows = generate_split(50, heldout=False, seed=1, max_steps=1, max_value=99, ops=("add",), style="bare",
-                          instruction="Think.")
+    rows = generate_split(50, heldout=False, seed=1, task=TaskSettings(max_steps=1, max_value=99, ops=("add",),
+                                                                       style="bare", instruction="Think."))
     for row in rows:
         a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\? Think\.", row["prompt"]).groups()
         assert int(row["answer"]) == int(a) + int(b)
         assert row["response"] == f"{a} + {b} = {row['answer']}. The answer is {row['answer']}."
     with pytest.raises(ValueError, match="style must be 'word' or 'bare'"):
-        generate_split(5, heldout=False, seed=1, style="table")
+        generate_split(5, heldout=False, seed=1, task=TaskSettings(style="table"))
 
 
 def test_tool_call_transcripts_are_what_a_plain_rollout_writes():
@@ -141,8 +142,8 @@ def test_tool_call_transcripts_are_what_a_plain_rollout_writes():
     from megarlhf.envs.parsers import PARSERS
     from megarlhf.envs.calculator import CALCULATOR_TOOL
 
-    rows = generate_split(40, heldout=False, seed=2, max_steps=1, max_value=999, ops=("add",), style="bare",
-                          instruction=None)
+    rows = generate_split(40, heldout=False, seed=2, task=TaskSettings(max_steps=1, max_value=999, ops=("add",),
+                                                                       style="bare", instruction=None))
     mixed = mix_response_styles(rows, seed=2, tool_call=0.5)
     transcripts = [r for r in mixed if r["response"].startswith("<tool_call>")]
     assert 10 < len(transcripts) < 30

@@ -9,7 +9,7 @@ TOKENS, HIDDEN, VOCAB = 8192, 2048, 32768
 
 
 def _run(backend: str, hidden, weight, targets):
-    from megarlhf.ops import logprob_entropy
+    from megarlhf.ops import LogprobOptions, logprob_entropy
 
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     torch.cuda.synchronize()
@@ -17,7 +17,7 @@ def _run(backend: str, hidden, weight, targets):
     base = torch.cuda.memory_allocated()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    lp, ent = logprob_entropy(h, w, targets, backend=backend)
+    lp, ent = logprob_entropy(h, w, targets, options=LogprobOptions(backend=backend))
     (lp.sum() + 0.1 * ent.sum()).backward()
     end.record()
     torch.cuda.synchronize()

@@ -8,7 +8,7 @@ import pytest
 
 from _launch_common import RECIPE, ROOT, overrides, training_metrics
 from megarlhf.config import RunConfig, load_config
-from megarlhf.launch import local_executor, megarlhf_task, run_experiment, sbatch_script, slurm_executor
+from megarlhf.launch import SlurmJob, local_executor, megarlhf_task, run_experiment, sbatch_script, slurm_executor
 
 
 def _example():
@@ -41,8 +41,8 @@ def test_slurm_executor_script(tiny_assets, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdin", open("/dev/null"))
     config = load_config(RunConfig, RECIPE, overrides(tiny_assets, tmp_path / "run"))
     task = megarlhf_task(config, tmp_path / "job")
-    executor = slurm_executor(nodes=4, tasks_per_node=8, gpus_per_node=8, job_dir=tmp_path / "slurm",
-                              account="acct", partition="batch", time="01:00:00")
+    executor = slurm_executor(SlurmJob(nodes=4, tasks_per_node=8, gpus_per_node=8, job_dir=tmp_path / "slurm",
+                                       account="acct", partition="batch", time="01:00:00"))
     script = sbatch_script(task, executor, name="tiny", home=tmp_path / "home")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=batch", "#SBATCH --requeue", "#SBATCH --time=01:00:00",

@@ -58,14 +58,14 @@ def test_torchrun_sbatch_matches_torchrun(slurm, tiny_assets, tmp_path, torchrun
 
 def test_nemo_run_slurm_executor_matches_torchrun(slurm, tiny_assets, tmp_path, torchrun_reference, monkeypatch):
     from megarlhf.config import RunConfig, load_config
-    from megarlhf.launch import megarlhf_task, run_experiment, slurm_executor
+    from megarlhf.launch import SlurmJob, megarlhf_task, run_experiment, slurm_executor
 
     monkeypatch.setattr(sys, "stdin", open("/dev/null"))  # NeMo-Run's local tunnel reads stdin through invoke
     run_dir = tmp_path / "run"
     config = load_config(RunConfig, RECIPE, overrides(tiny_assets, run_dir))
     task = megarlhf_task(config, tmp_path / "job", python=sys.executable)
-    executor = slurm_executor(nodes=1, tasks_per_node=2, job_dir=tmp_path / "slurm", account="local",
-                              time="00:20:00", env={"PYTHONWARNINGS": "ignore"})
+    executor = slurm_executor(SlurmJob(nodes=1, tasks_per_node=2, job_dir=tmp_path / "slurm", account="local",
+                                       time="00:20:00"), env={"PYTHONWARNINGS": "ignore"})
     # detached: NeMo-Run's attached monitoring polls sacct, which a Slurm without accounting storage
     # (this one) does not answer, and it cancels the job after 30 failed polls; squeue is watched instead
     assert run_experiment("tiny-ppo-slurm", task, executor, home=tmp_path / "home", detach=True) == "SUBMITTED"

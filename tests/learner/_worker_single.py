@@ -93,7 +93,7 @@ def bf16_sharing_errors(cfg, batch, fp32: torch.Tensor) -> dict:
 
 
 def actor_checks(cfg, batch, hf) -> dict:
-    from megarlhf.learner import actor_update, build_actor, build_micro_batches
+    from megarlhf.learner import Packing, actor_update, build_actor, build_micro_batches
 
     actor = build_actor(cfg, RUNTIME)
     lp0, _ = hf_logprobs(hf, batch.input_ids, TEMPERATURE)
@@ -126,7 +126,8 @@ def actor_checks(cfg, batch, hf) -> dict:
         "grad_norm": [metrics["actor/grad_norm"], norm(hf_grads.values())],
         "grad_rel_diff": {name: rel(mg[name], hf_grads[name]) for name in hf_grads},
         "is_weight_mean": [metrics["mismatch/is_weight_mean"], float((tis * m).sum() / n)],
-        "micro_batches": len(build_micro_batches(batch.input_ids, batch.lengths, m, cfg.train.micro_batch_tokens)),
+        "micro_batches": len(build_micro_batches(batch.input_ids, batch.lengths, m,
+                                                 Packing(cfg.train.micro_batch_tokens))),
         "metric_names": sorted(metrics),
     }
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from megarlhf.learner import build_micro_batches, plan_micro_batches
+from megarlhf.learner import Packing, build_micro_batches, plan_micro_batches
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -41,7 +41,7 @@ def test_micro_batches_round_trip_to_token_aligned_rows(packed):
     for i, n in enumerate(lengths.tolist()):
         ids[i, :n] = torch.arange(1, n + 1) + 10 * i
     wanted = torch.ones(4, 7, dtype=torch.bool)
-    mbs = build_micro_batches(ids, lengths, wanted, 8, packed=packed)
+    mbs = build_micro_batches(ids, lengths, wanted, Packing(8, packed=packed))
     seen = []
     for mb in mbs:
         assert mb.num_tokens <= 8 or mb.rows.numel() == 1
@@ -83,7 +83,7 @@ def _shared_prompt_batch():
 
 def test_shared_prefix_trees_round_trip_and_count_the_prompt_once():
     ids, lengths, wanted = _shared_prompt_batch()
-    mbs = build_micro_batches(ids, lengths, wanted, 100, share_prefixes=True)
+    mbs = build_micro_batches(ids, lengths, wanted, Packing(100, share_prefixes=True))
     assert len(mbs) == 1
     mb = mbs[0]
     # rows 0-2: prefix [1, 2, 3] once, branches [4, 10, 11, 12], [4, 20, 21], [4, 30]; rows 3 and 4 whole
@@ -109,18 +109,19 @@ def test_shared_prefix_trees_round_trip_and_count_the_prompt_once():
 def test_shared_prefix_trees_stay_under_the_budget():
     ids, lengths, wanted = _shared_prompt_batch()
     # 7 + (6 - 3) = 10 fills a budget of 10, so row 2 starts a tree of its own (then first-fit decreasing)
-    mbs = build_micro_batches(ids, lengths, wanted, 10, share_prefixes=True)
+    mbs = build_micro_batches(ids, lengths, wanted, Packing(10, share_prefixes=True))
     assert [mb.rows.tolist() for mb in mbs] == [[0, 1], [2, 4], [3]]
     assert [mb.num_tokens for mb in mbs] == [10, 10, 4]
     assert mbs[0].packed_seq_params.prefix_of == (-1, 0, 0)
     assert not hasattr(mbs[1].packed_seq_params, "prefix_of")  # two unrelated sequences: plain packing
     with pytest.raises(ValueError, match="shared prefixes need packing and context parallel size 1"):
-        build_micro_batches(ids, lengths, wanted, 10, share_prefixes=True, packed=False)
+        build_micro_batches(ids, lengths, wanted, Packing(10, share_prefixes=True, packed=False))
 
 
 def test_shared_prefix_groups_share_only_when_all_rows_agree():
     ids, lengths, wanted = _shared_prompt_batch()
-    mbs = build_micro_batches(ids, lengths, wanted, 100, share_prefixes=True, groups=[[0, 1], [2, 3], [4]])
+    mbs = build_micro_batches(ids, lengths, wanted, Packing(100, share_prefixes=True),
+                              groups=[[0, 1], [2, 3], [4]])
     params = mbs[0].packed_seq_params
     assert params.prefix_of == (-1, 0, 0, -1, -1, -1)  # [0, 1] share; [2, 3] and [4] are whole rows
 
@@ -128,10 +129,9 @@ def test_shared_prefix_groups_share_only_when_all_rows_agree():
 def test_token_ids_outside_the_vocabulary_are_refused_once_per_pass():
     from megarlhf.learner import ExperienceBatch
     from megarlhf.learner.forward import check_token_ids
-    from megarlhf.learner.packing import build_micro_batches
 
     batch = ExperienceBatch.from_sequences([[1, 2], [3]], [[4, 5], [6, 7]], device=torch.device("cpu"))
-    mbs = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 3, packed=True)
+    mbs = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, Packing(3, packed=True))
     assert len(mbs) == 2
     check_token_ids(mbs, vocab_size=8)
     with pytest.raises(ValueError, match=r"token ids \[7\] lie outside the model's vocabulary \[0, 7\)"):

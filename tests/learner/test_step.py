@@ -87,13 +87,14 @@ def test_tokens_saved_by_sharing_counts_the_prefix_once_per_tree():
     import torch
 
     from megarlhf.learner import ExperienceBatch
-    from megarlhf.learner.packing import build_micro_batches
+    from megarlhf.learner.packing import Packing, build_micro_batches
     from megarlhf.learner.step import tokens_saved_by_sharing
 
     prompt = [5, 6, 7, 8, 9]
     batch = ExperienceBatch.from_sequences([prompt] * 3 + [[1, 2]], [[10, 11], [12], [13, 14, 15], [16, 17]],
                                            device=torch.device("cpu"))
-    shared = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 64, share_prefixes=True)
-    whole = build_micro_batches(batch.input_ids, batch.lengths, batch.response_mask, 64, share_prefixes=False)
+    ids, lengths, mask = batch.input_ids, batch.lengths, batch.response_mask
+    shared = build_micro_batches(ids, lengths, mask, Packing(64, share_prefixes=True))
+    whole = build_micro_batches(ids, lengths, mask, Packing(64, share_prefixes=False))
     # the three rows with the 5-token prompt hold its first 4 tokens once: 2 x 4 tokens spared
     assert tokens_saved_by_sharing(shared) == 8 and tokens_saved_by_sharing(whole) == 0

@@ -2,8 +2,9 @@
 torchrun launch (2 ranks, data parallel), each with its own recipe overrides; records each run's metrics.
 
 Usage: _worker_rl_matrix.py RECIPE CASES_JSON OUT_DIR. CASES_JSON maps a case name to its overrides.
-The runs use the transformers rollout backend (one engine per rank, no vLLM start per run), so many
-configurations fit in one launch; the vLLM backend runs through the same driver in test_rl.py.
+The runs use the fake rollout backend (no engine start per run, one forward per batch), so many
+configurations fit in one launch; the vLLM and transformers backends run through the same driver in
+test_rl.py and test_moe_runs.py.
 """
 import json
 import sys

@@ -3,9 +3,12 @@ k-subset of the samples; accuracy and pass@k of evaluate() on a scripted rollout
 correct is known). An eval set smaller than the data-parallel size runs in test_rl_matrix.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import itertools
 from dataclasses import dataclass
 from math import comb
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.evaluate import evaluate, pass_at_k
+from megarlhf.run.context import RunContext
 from parallel.runtime import LaunchEnv, ParallelGroup, Runtime
 
 
@@ -51,6 +55,8 @@ class _Result:
 
 
 class _Tokenizer:
+    eos_token_id = 0
+
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
@@ -90,7 +96,8 @@ def test_evaluate_accuracy_and_pass_at_k_on_a_scripted_rollout():
     examples = [PromptExample(i, f"p{i}", [tok], None) for i, tok in enumerate(correct)]
     config = RunConfig(model=ModelConfig(path="unused"), eval=EvalConfig(n_samples=4, pass_at_k=[1, 2, 4]))
     phase = _Phase(correct)
-    metrics = evaluate(phase, examples, _reward, _Tokenizer(), config, 0, _runtime())
+    run = RunContext(config, _runtime(), Path("unused"), _Tokenizer(), eval_reward=_reward, rollout=phase)
+    metrics = evaluate(run, examples, 0)
     assert metrics["eval/prompts"] == 3 and metrics["eval/accuracy"] == pytest.approx(5 / 12)
     for k in (1, 2, 4):
         expected = sum(brute_force_pass_at_k(4, c, k) for c in correct.values()) / 3

@@ -30,12 +30,13 @@ def _batches(config, dp_rank, dp_size, sampler_state=None):
         sampler.load_state_dict(sampler_state)
     runtime = SimpleNamespace(dp=SimpleNamespace(rank=dp_rank, size=dp_size),
                               all_gather_objects=lambda obj, over: [obj])
-    batches = OffPolicyBatches(FakePhase(), sampler, list(range(64)), None, None, config, runtime, ())
+    run = SimpleNamespace(rollout=FakePhase(), config=config, runtime=runtime, stop_token_ids=())
+    batches = OffPolicyBatches(run, sampler, list(range(64)))
     return batches, sampler
 
 
 def test_a_resume_at_another_dp_size_regenerates_the_batch_in_flight(monkeypatch):
-    monkeypatch.setattr(pipeline, "score_round", lambda examples, *args: examples)
+    monkeypatch.setattr(pipeline, "score_round", lambda run, examples, *args: examples)
     config = load_config(RunConfig, None, ["model.path=unused", "data.train_path=unused.jsonl", "train.steps=4",
                                            "train.global_batch_size=4", "rollout.max_staleness=1",
                                            "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"])

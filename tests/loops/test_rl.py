@@ -63,13 +63,15 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     AutoModelForCausalLM.from_pretrained(run / "hf")
 
 
-@pytest.mark.slow  # ~50 s; the disaggregated rollout and sync run by default in tests/rollout/test_disaggregated.py
-def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets):
-    """1 trainer rank + 1 engine rank (out-of-process vLLM): the whole driver, with the optimizer, the
-    checkpoints and the export that gather over the trainers only, and the engine rank serving."""
+# vLLM's run (~50 s) is in the slow set; the fake engine's shows by default that an engine rank serves any
+# backend through the contract (its weights arrive in a load session of shared-memory buckets)
+@pytest.mark.parametrize("backend", ["fake", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets, backend):
+    """1 trainer rank + 1 engine rank: the whole driver, with the optimizer, the checkpoints and the export
+    that gather over the trainers only, and the engine rank serving (vLLM out of process)."""
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
     run_torchrun(WORKER, 2, [str(recipe), "rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
-                             "checkpoint.every=1"], timeout_s=900)
+                             "checkpoint.every=1", f"rollout.backend={backend}"], timeout_s=900)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     step0 = records[0]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _logprob_reference import CASES, make_case, naive_logprob_entropy, outputs_and_grads
-from megarlhf.ops import logprob_entropy
+from megarlhf.ops import LogprobOptions, logprob_entropy
 from megarlhf.testing.launch import write_rank_result
 from parallel.runtime import init_distributed, shutdown
 
@@ -24,13 +24,14 @@ def max_diff(a, b) -> float:
 def op(backend: str, targets, mask, group, temperature: float, chunk: int, entropy: bool = True):
     if backend == "triton":
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
-        return lambda h, w: triton_logprob_entropy(h, w, targets, mask, tp_group=group,
-                                                   temperature=temperature, block_n=32,
-                                                   block_v=64, block_h=32, target_programs=4,
-                                                   compute_entropy=entropy)
-    return lambda h, w: logprob_entropy(h, w, targets, mask, tp_group=group,
-                                        temperature=temperature, chunk_size=chunk, backend=backend,
-                                        compute_entropy=entropy)
+        from megarlhf.ops.triton_logprob import TritonBlocks
+
+        options = LogprobOptions(tp_group=group, temperature=temperature, compute_entropy=entropy)
+        blocks = TritonBlocks(block_n=32, block_v=64, block_h=32, target_programs=4)
+        return lambda h, w: triton_logprob_entropy(h, w, targets, mask, options, blocks)
+    options = LogprobOptions(tp_group=group, temperature=temperature, chunk_size=chunk, backend=backend,
+                             compute_entropy=entropy)
+    return lambda h, w: logprob_entropy(h, w, targets, mask, options)
 
 
 def main(out_dir: str, backend: str) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _logprob_reference import CASES, make_case, naive_logprob_entropy, outputs_and_grads
-from megarlhf.ops import fused_logprob_entropy, logprob_entropy
+from megarlhf.ops import LogprobOptions, fused_logprob_entropy, logprob_entropy
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 
 HERE = Path(__file__).parent
@@ -25,8 +25,8 @@ def test_matches_naive_fp32_tp1(name, compute_entropy):
     hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name)
     rb = rb if compute_entropy else torch.zeros_like(rb)
     lp, ent, gh, gw = outputs_and_grads(
-        lambda h, w: fused_logprob_entropy(h, w, targets, mask, temperature=temperature,
-                                           chunk_size=chunk, compute_entropy=compute_entropy),
+        lambda h, w: fused_logprob_entropy(h, w, targets, mask, LogprobOptions(
+            temperature=temperature, chunk_size=chunk, compute_entropy=compute_entropy)),
         hidden, weight, ra, rb)
     ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
                             hidden, weight, ra, rb)
@@ -46,8 +46,8 @@ def test_entropy_only_gradient():
     """A loss on the entropy alone still backprops (log-prob output gets no gradient)."""
     hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case("temperature")
     zero = torch.zeros_like(ra)
-    got = outputs_and_grads(lambda h, w: fused_logprob_entropy(h, w, targets, mask, chunk_size=chunk,
-                                                               temperature=temperature),
+    options = LogprobOptions(chunk_size=chunk, temperature=temperature)
+    got = outputs_and_grads(lambda h, w: fused_logprob_entropy(h, w, targets, mask, options),
                             hidden, weight, zero, rb)
     ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
                             hidden, weight, zero, rb)
@@ -84,8 +84,8 @@ def test_bf16_against_fp32_reference(name):
     """
     hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name, torch.bfloat16)
     lp, ent, gh, gw = outputs_and_grads(
-        lambda h, w: fused_logprob_entropy(h, w, targets, mask, chunk_size=chunk,
-                                           temperature=temperature), hidden, weight, ra, rb)
+        lambda h, w: fused_logprob_entropy(h, w, targets, mask, LogprobOptions(chunk_size=chunk, temperature=temperature)),
+        hidden, weight, ra, rb)
     assert lp.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
     ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
                             hidden.float(), weight.float(), ra, rb)
@@ -131,7 +131,7 @@ def test_memory_never_tokens_by_vocab():
     ra = torch.randn(n, generator=gen)
 
     def fused():
-        lp, ent = fused_logprob_entropy(hidden, weight, targets, chunk_size=chunk)
+        lp, ent = fused_logprob_entropy(hidden, weight, targets, options=LogprobOptions(chunk_size=chunk))
         return (ra * lp + ent).sum()
 
     def naive():
@@ -156,7 +156,7 @@ def test_dispatch_and_bad_inputs():
     ref = naive_logprob_entropy(hidden, weight, targets, mask, 1.0)
     assert _max(lp, ref[0]) <= 1e-5 and _max(ent, ref[1]) <= 1e-5
     with pytest.raises(ValueError, match="backend"):
-        logprob_entropy(hidden, weight, targets, backend="cuda")
+        logprob_entropy(hidden, weight, targets, options=LogprobOptions(backend="cuda"))
     with pytest.raises(ValueError, match="hidden size mismatch"):
         fused_logprob_entropy(hidden, weight[:, :-1], targets)
     with pytest.raises(ValueError, match=r"targets of unmasked tokens must lie in \[0, 202\)"):
@@ -164,7 +164,7 @@ def test_dispatch_and_bad_inputs():
     with pytest.raises(ValueError, match="mask must be a bool"):
         fused_logprob_entropy(hidden, weight, targets, mask.float())
     with pytest.raises(ValueError, match="temperature"):
-        fused_logprob_entropy(hidden, weight, targets, temperature=0.0)
+        fused_logprob_entropy(hidden, weight, targets, options=LogprobOptions(temperature=0.0))
     with pytest.raises(ValueError, match="share one float dtype"):
         fused_logprob_entropy(hidden.double(), weight, targets)
 
@@ -181,7 +181,7 @@ def test_padded_vocab_bias_column():
     def fused(h, w):
         h1 = torch.cat([h, torch.ones(h.shape[0], 1)], dim=1)
         return fused_logprob_entropy(h1, torch.cat([w, bias], dim=1), targets, mask,
-                                     temperature=temperature, chunk_size=vocab)
+                                     LogprobOptions(temperature=temperature, chunk_size=vocab))
     got = outputs_and_grads(fused, hidden, padded, ra, rb)
     ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
                             hidden, weight, ra, rb)

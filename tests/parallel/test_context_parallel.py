@@ -14,7 +14,8 @@ import torch
 
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 from parallel.context_parallel import make_shard_plan, rank_token_index, shard, with_cp_attention
-from parallel.cp_attention import ContextParallelAttention, TokenLayout, _LocalTiledAttention, per_sequence_attention
+from parallel.cp_attention import (ContextParallelAttention, Tiling, TokenLayout, _LocalTiledAttention,
+                                  per_sequence_attention)
 
 WORKER = Path(__file__).with_name("_worker_context_parallel.py")
 TOL = 1e-5
@@ -107,7 +108,7 @@ def test_tiled_attention_matches_naive_float64_packed_gqa(block):
     total = 0
     for lay in layouts:
         out = _LocalTiledAttention.apply(q[..., lay.index, :], k[..., keys.index, :], v[..., keys.index, :],
-                                         lay, keys, 1 / math.sqrt(dim), block)
+                                         (lay, keys), Tiling(1 / math.sqrt(dim), block))
         assert (out - ref[..., lay.index, :]).abs().max() < 1e-12
         total = total + (out * grad[..., lay.index, :]).sum()
     for mine, expected in zip(torch.autograd.grad(total, (q, k, v)), ref_grads):

@@ -54,9 +54,39 @@ stop_ids = [greedy.response_ids[0][3], greedy.response_ids[1][9]]
 stopped = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=16, ignore_eos=True,
                                                   stop_token_ids=tuple(stop_ids)))
 sequences = [p + r for p, r in zip(prompts, greedy.response_ids)]
+# the engine steps vLLM itself (for abort): its samples are LLM.generate's, bit for bit
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+seeded = SamplingConfig(n=2, temperature=1.0, max_new_tokens=16, seed=5)
+ours = engine.generate(prompts, seeded)
+theirs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                             [SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5 + 2 * i, logprobs=0,
+                                             detokenize=False) for i in range(len(prompts))], use_tqdm=False)
+theirs_ids = [list(s.token_ids) for out in theirs for s in sorted(out.outputs, key=lambda s: s.index)]
+theirs_lps = [[d[t].logprob for d, t in zip(s.logprobs, s.token_ids)] for out in theirs
+              for s in sorted(out.outputs, key=lambda s: s.index)]
+# abort while a generation runs (from its own step here, so that the point is deterministic; abort() only
+# sets an event): the unfinished samples keep their prefix
+long = SamplingConfig(n=2, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=9)
+full = engine.generate(prompts[:2], long)
+real_step, steps = engine.llm.llm_engine.step, []
+def step():
+    steps.append(1)
+    if len(steps) == 6:
+        engine.abort()
+    return real_step()
+engine.llm.llm_engine.step = step
+aborted = engine.generate(prompts[:2], long)
+engine.llm.llm_engine.step = real_step
+after = engine.generate(prompts[:2], long)  # an abort ends one call only
 print(json.dumps(dict(greedy=greedy.response_ids, greedy_logprobs=greedy.logprobs,
                       greedy_reasons=greedy.finish_reasons, stop_ids=stop_ids, stopped=stopped.response_ids,
-                      stopped_reasons=stopped.finish_reasons, prompt_logprobs=engine.prompt_logprobs(sequences))))
+                      stopped_reasons=stopped.finish_reasons, prompt_logprobs=engine.prompt_logprobs(sequences),
+                      same_as_llm_generate=[ours.response_ids == theirs_ids, ours.logprobs == theirs_lps],
+                      aborted_reasons=aborted.finish_reasons, aborted_lengths=[len(r) for r in aborted.response_ids],
+                      aborted_prefix=all(r == f[:len(r)] and l == fl[:len(l)] for r, f, l, fl in zip(
+                          aborted.response_ids, full.response_ids, aborted.logprobs, full.logprobs)),
+                      after_equal=after.response_ids == full.response_ids)))
 """
 
 
@@ -332,3 +362,11 @@ def test_prompt_logprobs_match_vllm_and_hf(engine, hf_model, vllm_run):
     assert max(abs(a - b) for x, y in zip(ours, ref["prompt_logprobs"]) for a, b in zip(x, y)) < 1e-4
     for seq, lps in zip(sequences, ours):
         assert torch.allclose(torch.tensor(lps), hf_logprobs(hf_model, seq[:1], seq[1:]), rtol=0, atol=1e-5)
+
+
+def test_vllm_engine_steps_like_llm_generate_and_aborts_between_steps(vllm_run):
+    result = vllm_run()
+    assert result["same_as_llm_generate"] == [True, True]
+    lengths = set(result["aborted_lengths"])  # every sample stopped at the same step, well before its limit
+    assert set(result["aborted_reasons"]) == {"abort"} and len(lengths) == 1 and 0 < min(lengths) < 40
+    assert result["aborted_prefix"] and result["after_equal"]

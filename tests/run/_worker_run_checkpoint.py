@@ -219,21 +219,21 @@ def hold_background_writes(hold: Path) -> None:
 
 def publish_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
     """Rank 0 cannot write the completion marker (a full disk): every rank gets an error, none waits."""
-    import megarlhf.checkpoint.distributed as distributed
+    from megarlhf.checkpoint import publish
     from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, work / "publish_failure")
     models = actor_only(config)
-    original = distributed._write_json_durably
+    original = publish.write_json_durably
     if dist.get_rank() == 0:
         def full_disk(path, payload):
             raise OSError(28, "No space left on device")
 
-        distributed._write_json_durably = full_disk
+        publish.write_json_durably = full_disk
     try:
         error = error_of(lambda: RunCheckpointer(config, models).save(1, {"step": 1}))
     finally:
-        distributed._write_json_durably = original
+        publish.write_json_durably = original
     return {"error": error, "listing": listing(work / "publish_failure")}
 
 
@@ -387,7 +387,7 @@ def async_failure(model_dir: str, critic_dir: str, work: Path) -> dict:
 
 
 def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
-    import megarlhf.checkpoint.distributed as distributed
+    from megarlhf.checkpoint import publish
     from megarlhf.run.checkpointer import RunCheckpointer
 
     config = make_config(model_dir, critic_dir, work / "checkpoints", every=1, keep_last=3)
@@ -403,7 +403,7 @@ def kill_mode(model_dir: str, critic_dir: str, work: Path) -> None:
             f.flush()
         os._exit(17)
 
-    distributed._write_json_durably = dying_write
+    publish.write_json_durably = dying_write
     rl_step(models, config, 2)
     checkpointer.save(2, {"step": 2})
 

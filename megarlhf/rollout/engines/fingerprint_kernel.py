@@ -3,15 +3,13 @@ tensor, or one launch for many staged tensors.
 
 The torch formulation launches about a dozen small kernels per tensor and per chunk (product, row sum,
 row weights, weighted sum); a model has hundreds of tensors, so on a GPU the launches, not the bytes,
-set its time: 90 ms for the 0.92 GiB of the Qwen2-0.5B shape in bf16 on an H200, 45x a device copy of
-the same tensors (GPU check). Here each program reads a block of rows of 64 words, multiplies them by
+set its time. Here each program reads a block of rows of 64 words, multiplies them by
 the column weights, sums the rows, weights each row sum by its row's two odd weights and adds its two
 partial sums into the tensor's fingerprint with integer atomics. All arithmetic is in uint32, which
 wraps modulo ``2**32`` exactly as the torch path's int32 does, and integer addition does not depend on
 the order the programs finish in: the result is bit-identical to the torch path's (tested under
-Triton's CPU interpreter and on a GPU). Measured by the GPU check on an H200 over those 0.92 GiB: 9.3 ms
-against the torch path's 85.5 ms (a device copy of the same tensors: 1.8 ms); what is left is mostly
-the host's per-launch work, one launch per tensor. So :func:`fingerprint_staged` fingerprints many
+Triton's CPU interpreter and on a GPU). What is left of its time is mostly the host's per-launch work,
+one launch per tensor (docs/MEASUREMENTS.md). So :func:`fingerprint_staged` fingerprints many
 small tensors with one copy into a staging buffer and one launch (what a weight sync calls, through
 :func:`megarlhf.rollout.engines.fingerprint.fingerprint_many`).
 

@@ -15,9 +15,6 @@ multiprocessing reductions (``torch.multiprocessing.reductions.reduce_tensor``, 
 :func:`open_shared` rebuilds the tensor in the receiving process, on its current CUDA device: a process
 that sees only its own GPU numbers it 0 whatever the sender called it. The sender keeps the buffer alive
 until the receiver is done with it (vLLM's RPC returns after the load).
-
-Hand-written because the handle's form and the device renumbering are megarlhf's protocol between the
-engine rank and its engine core; torch does the sharing.
 """
 from __future__ import annotations
 

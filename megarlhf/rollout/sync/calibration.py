@@ -19,8 +19,6 @@ the actor the same checkpoint through megarlhf's converter. Calibration then:
 
 The floors set the run's tolerances (:func:`megarlhf.rollout.sync.gates.run_tolerances`); a floor mean above the
 dtype's cap stops the run. Everything here is collective over the trainer ranks, which raise together.
-
-Hand-written because what calibration proves, and in what order, is megarlhf's verification policy.
 """
 from __future__ import annotations
 

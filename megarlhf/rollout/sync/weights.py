@@ -29,9 +29,6 @@
 The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
 the others waiting in the next collective. The disaggregated placement
 (:mod:`megarlhf.rollout.disaggregated`) moves bytes differently but verifies with the same functions.
-
-Hand-written because the bucketing, the two-sided fingerprints and the probe are megarlhf's own contract;
-the engines do the loading and Megatron the gathering.
 """
 from __future__ import annotations
 
@@ -58,7 +55,8 @@ class WeightSyncError(RuntimeError):
 
 class ExpectedFingerprints:
     """The trainer's prediction of the engine's parameter fingerprints, built as tensors are sent: each
-    HF tensor cast to the engine's ``dtype`` and fingerprinted at its place (:func:`~megarlhf.rollout.engines.weights.fused_placement`)."""
+    HF tensor cast to the engine's ``dtype`` and fingerprinted at its place
+    (:func:`~megarlhf.rollout.engines.weights.fused_placement`)."""
 
     def __init__(self, placement: dict[str, tuple[str, int]], dtype: torch.dtype):
         self.placement, self.dtype = placement, dtype

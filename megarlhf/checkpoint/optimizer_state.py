@@ -1,0 +1,108 @@
+"""Saving and loading Megatron optimizer state, around four loading bugs of the DistributedOptimizer with
+torch's own Adam (always the case without Transformer Engine or apex) in megatron-core 0.19.2:
+
+1. a never-stepped optimizer cannot build its loading state dict (``len(steps) == 1`` assertion): its
+   state is primed first by one step at lr 0 (parameters unchanged), and a checkpoint saved that way is
+   marked ``fresh`` so that loading it empties the state again;
+2. ``fully_reshardable`` loading raises ``KeyError: 'step'``: the per-parameter setter is told that
+   'step' is not in the loaded tensors;
+3. with fp32 parameters the main parameter is a view of a leaf that requires grad, so its in-place copy
+   raises outside ``no_grad``: loading runs under ``torch.no_grad()``;
+4. after loading, every parameter's 'step' is the same tensor, which Adam advances once per parameter per
+   step (wrong bias correction): each parameter gets its own copy.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from megarlhf.core.errors import CheckpointError
+
+
+def inner_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds one per parameter group set)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_distributed(megatron_optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(megatron_optimizer, DistributedOptimizer)
+
+
+def is_fresh(optimizer) -> bool:
+    """True when no inner optimizer holds state yet (no step was taken)."""
+    return all(len(inner.optimizer.state) == 0 for inner in inner_optimizers(optimizer))
+
+
+def prime(optimizer) -> None:
+    """Gives a never-stepped DistributedOptimizer its state (bug 1): one step with zero gradients at lr 0
+    (Megatron's own initialiser), which leaves the parameters exactly as they are."""
+    for inner in inner_optimizers(optimizer):
+        if not is_distributed(inner) or len(inner.optimizer.state):
+            continue
+        groups = inner.optimizer.param_groups
+        saved_lr = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = 0.0
+        try:
+            inner._init_optimizer_states_with_dummy_values()
+        finally:
+            for group, lr in zip(groups, saved_lr):
+                group["lr"] = lr
+
+
+def clear_state(optimizer) -> None:
+    for inner in inner_optimizers(optimizer):
+        inner.optimizer.state.clear()
+
+
+def optimizer_kind(optimizer) -> str:
+    return "distributed" if any(is_distributed(inner) for inner in inner_optimizers(optimizer)) else "plain"
+
+
+@contextmanager
+def _step_not_in_loaded_tensors(inner):
+    """Bug 2: ``_set_main_param_and_optimizer_states`` copies every state tensor of the live optimizer,
+    'step' included, but the fully_reshardable loader leaves 'step' out of the loaded tensors (it travels in
+    the param groups). Marking it absent (None is skipped by the setter) lets the copy go through."""
+    original = inner._set_main_param_and_optimizer_states
+    inner._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
+    try:
+        yield
+    finally:
+        del inner._set_main_param_and_optimizer_states
+
+
+def _own_step_tensors(inner) -> None:
+    """Bug 4: Megatron gives every parameter the same 'step' tensor, which torch's Adam advances once per
+    parameter per step; each parameter gets its own copy."""
+    for state in inner.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def load_optimizer(optimizer, loaded) -> None:
+    inners = inner_optimizers(optimizer)
+    states = [loaded] if len(inners) == 1 else [state for _, state in sorted(loaded.items())]
+    for inner, state in zip(inners, states):
+        if not is_distributed(inner):
+            inner.load_state_dict(state)
+            _own_step_tensors(inner)
+            continue
+        param_state = state.pop("param_state", None)
+        sharding = state.pop("param_state_sharding_type", None)
+        inner.load_state_dict(state)  # param groups (lr, betas, step) without the parameter state
+        _own_step_tensors(inner)
+        if param_state is None:
+            continue
+        if sharding != "fully_reshardable":
+            raise CheckpointError(f"optimizer state in sharding format {sharding!r}; megarlhf writes "
+                                  "'fully_reshardable'")
+        with torch.no_grad(), _step_not_in_loaded_tensors(inner):  # bug 3 (see the module docstring), bug 2
+            inner.load_parameter_state_from_fully_reshardable(param_state)
+    if len(inners) > 1:
+        optimizer._synchronize_steps()
+        for inner in inners:
+            _own_step_tensors(inner)
