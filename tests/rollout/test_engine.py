@@ -81,3 +81,39 @@ def test_seeded_batch_larger_than_one_scheduler_step(tiny_qwen2, tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[128, true]"
+
+
+def test_an_engine_core_that_dies_is_reported_unhealthy(tiny_qwen2, tmp_path):
+    """An engine in its own process (as on a disaggregated engine rank) reports its health; once its engine
+    core is killed (SIGKILL), health() says so instead of the next call hanging or crashing obscurely."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json, os, signal, time
+        from megarlhf.config.rollout import RolloutConfig
+        from megarlhf.rollout.engines import EngineConfig
+        from megarlhf.rollout.engines.vllm import VLLMEngine
+        if __name__ == "__main__":
+            config = EngineConfig.from_rollout(RolloutConfig(kv_cache_mb=32, max_new_tokens=8), model_dtype="float32",
+                                               seed=0, max_prompt_length=32, in_process=False)
+            engine = VLLMEngine({str(tiny_qwen2)!r}, config)
+            before = engine.health()
+            cores = engine.engine_processes()
+            for core in cores:
+                os.kill(core.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while engine.health().ok and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = engine.health()
+            print(json.dumps([before.ok, len(cores) > 0, after.ok, after.detail]))
+            os._exit(0)
+    """)
+    (tmp_path / "health.py").write_text(script)
+    proc = subprocess.run([sys.executable, str(tmp_path / "health.py")], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, killed, after, detail = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert before and killed and not after and "engine core process died" in detail

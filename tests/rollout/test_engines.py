@@ -115,3 +115,4 @@ def test_abort_stops_a_running_generation_and_keeps_its_prefix(tiny_qwen2):
     for got, want, got_lp, want_lp in zip(aborted.response_ids, full.response_ids, aborted.logprobs, full.logprobs):
         assert 0 < len(got) < 80 and got == want[:len(got)] and got_lp == want_lp[:len(got)]
     assert engine.generate(PROMPTS, long).response_ids == full.response_ids
+    assert engine.health().ok  # an in-process engine is as alive as the process

@@ -300,11 +300,22 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=list(tags))
 
     def health(self) -> EngineHealth:
-        """An engine core in a child process can die on its own; vLLM then marks it dead."""
+        """An engine core in a child process (``in_process=False``) can die on its own: its process is
+        checked, and vLLM's own mark of a dead engine."""
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        if resources is not None and resources.engine_dead:
-            return EngineHealth(False, "vLLM's engine core process died")
+        if resources is None:  # in this process: as alive as the caller
+            return EngineHealth(True)
+        dead = [proc for proc in self.engine_processes() if not proc.is_alive()]
+        if dead or resources.engine_dead:
+            codes = ", ".join(f"{proc.name} exit code {proc.exitcode}" for proc in dead)
+            return EngineHealth(False, f"vLLM's engine core process died ({codes or 'marked dead by vLLM'})")
         return EngineHealth(True)
+
+    def engine_processes(self) -> list:
+        """The processes of an engine core that runs out of this process (none in process)."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        return list(getattr(manager, "processes", []))
 
 
 ENGINES.register("vllm")(EngineSpec(build=VLLMEngine, tensor_parallel=True, adapter_rank=vllm_lora_rank))
