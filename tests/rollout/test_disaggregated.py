@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from megarlhf.config.model import ModelConfig
-from megarlhf.config.schema import RunConfig
 from megarlhf.config.rollout import RolloutPlacementConfig
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 from megarlhf.config.parallel import ParallelConfig
