@@ -1,8 +1,8 @@
-"""Benchmark: rollout throughput through ``RolloutEngine`` vs bare vLLM, and per-rank vs TP=2 engines.
+"""Benchmark: rollout throughput through ``VLLMEngine`` vs bare vLLM, and per-rank vs TP=2 engines.
 
 1. Wrapper vs bare (one process): the same in-process vLLM engine generates the same batch (default
    256 prompts x 64 new tokens, temperature 1, seeded, sampled-token log-probs on, EOS ignored so every
-   sample has the same length) once through ``RolloutEngine.generate`` and once through
+   sample has the same length) once through ``VLLMEngine.generate`` and once through
    ``LLM.generate`` with equivalent ``SamplingParams``; alternated, best of ``--repeats``.
 2. Layouts on 2 ranks (``--layouts``; torchrun, one thread per rank): one TP=1 engine per rank, each
    generating half the prompts, vs one TP=2 engine (``external_launcher``) generating all of them;

@@ -103,3 +103,13 @@ def test_the_reference_check_finds_what_is_gone():
             "`megarlhf.rollout.engines.api.NOTHING` `megarlhf.trainers.rl` `reward/timeouts` [a](docs/nope.md)")
     assert broken_references(text) == ["tools/gone.py", "megarlhf.rollout.engines.api.NOTHING",
                                         "megarlhf.trainers.rl", "docs/nope.md"]
+
+
+def test_every_library_folder_is_a_package_the_install_ships():
+    """setup.py's find_packages skips a folder without __init__.py: a non-editable install would lack it."""
+    from setuptools import find_packages
+
+    shipped = set(find_packages(str(ROOT), include=["megarlhf*", "model_providers*", "parallel*"]))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("megarlhf", "model_providers", "parallel")
+               for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+    assert folders - shipped == set()

@@ -27,8 +27,9 @@ are removed by that save (an ``.old-`` one only once the final directory is comp
 ``extra_state``: plain picklable objects (step counters, sampler state, ...) that are the same on every
 rank; they go into ``common.pt`` (rank 0's copy) and come back from :func:`load_checkpoint`.
 
-Training state (optional, for resuming a run). With ``optimizer``/``scheduler`` the Megatron optimizer's
-state and the ``OptimizerParamScheduler``'s state are saved next to the weights: a plain optimizer through
+Training state (optional, for resuming a run: a :class:`TrainingState`). With its ``optimizer`` and
+``scheduler`` the Megatron optimizer's state and the ``OptimizerParamScheduler``'s state are saved next to
+the weights: a plain optimizer through
 its own ``sharded_state_dict``, the DistributedOptimizer in the ``fully_reshardable`` format (the default
 ``fully_sharded_model_space`` cannot be saved: ``ShardedTensor.flattened_range is not supported``), so
 optimizer state reshards across TP/PP/DP like the weights. ``companions`` adds further models with their
@@ -382,15 +383,17 @@ def _apply_part(loaded: dict, part: Companion, marker: dict, strict: bool) -> No
 
 
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, strict: bool = True,
-                    optimizer: Any = None, scheduler: Any = None,
-                    companions: Mapping[str, Companion] | None = None) -> dict | None:
+                    training: TrainingState | None = None) -> dict | None:
     """Loads the checkpoint at ``directory`` into ``model`` (this rank's shards, any TP/PP layout).
 
     Collective. Returns the ``extra_state`` it was saved with (None if none). Every parameter the model
     expects must be in the checkpoint; with ``strict`` the model must also accept every loaded entry.
-    ``optimizer``, ``scheduler`` and ``companions`` (as saved by :func:`save_checkpoint`) are loaded in
-    place too; they must all be in the checkpoint, and a checkpoint with companions needs them all.
+    ``training``'s optimizer, scheduler and companions (as saved by :func:`save_checkpoint`) are loaded in
+    place too; they must all be in the checkpoint, and a checkpoint with companions needs them all (its
+    ``rank_state`` is read by :func:`load_rank_state`).
     """
+    training = training or TrainingState()
+    optimizer, scheduler = training.optimizer, training.scheduler
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -399,7 +402,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, str
     path = Path(directory).absolute()
     info = checkpoint_metadata(path)
     _check_model_matches(info, model, path)
-    companions = dict(companions or {})
+    companions = dict(training.companions)
     if optimizer is not None or scheduler is not None or companions:
         _check_parts_match(info, path, optimizer, scheduler, companions)
     for name, part in companions.items():

@@ -45,6 +45,9 @@ def megarlhf_task(config: RunConfig, job_dir: str | os.PathLike, command: str = 
 
     if command not in ("train", "sft", "eval"):
         raise ValueError(f"megarlhf_task: command must be train, sft or eval, got {command!r}")
+    from megarlhf.run.checks import check_config
+
+    check_config(config)  # a misspelt registry name fails here, not once the job has its nodes
     job_dir = Path(job_dir).absolute()
     _check_home(job_dir)
     path = save_config(config, job_dir / "config.yaml")

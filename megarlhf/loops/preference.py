@@ -125,6 +125,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
     run.checkpointer.close()
     if held_out is not None and config.eval.every:  # also after resuming a finished run (as in rl.py)
         run.recorder.log(config.train.steps, _evaluate_pairs(run, held_out, reference, config.train.steps))
+    run.close()
     out = run.run_dir / "hf"
     if mode == "dpo":
         export_policy(run.actor, config, out)

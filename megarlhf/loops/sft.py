@@ -34,6 +34,7 @@ def train_sft(config: RunConfig) -> Path:
         run.recorder.log(step, metrics)
         run.save(step + 1, lambda: {"sampler": sampler.state_dict()})  # checkpoints are named by completed steps
     run.checkpointer.close()
+    run.close()
     out = export_policy(run.actor, config, run.run_dir / "hf")
     run.finish(out, ("sft/loss",), what="fine-tuned model")
     return out

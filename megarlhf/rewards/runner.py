@@ -1,6 +1,6 @@
 """Runs reward functions with a per-call time limit and combines them into one weighted reward.
 
-:class:`CombinedReward` turns a :class:`~megarlhf.rewards.api.RewardConfig` into a callable
+:class:`CombinedReward` turns a :class:`~megarlhf.config.reward.RewardConfig` into a callable
 ``samples -> RewardResult``: ``reward_i = sum_f weight_f * f(sample_i) + w_rm * reward_model(samples)_i``.
 Every call ``f(sample_i)`` runs in a worker process of a :class:`~megarlhf.isolation.process_pool.TimedProcessPool`
 (killed and replaced past ``timeout_s``), or, for a function declared

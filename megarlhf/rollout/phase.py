@@ -132,8 +132,8 @@ class DisaggregatedPhase:
     evaluation) while a batch is in flight first takes that batch and keeps it for :meth:`receive`."""
 
     def __init__(self, config: RunConfig, actor: TrainModel, calibration: Calibration = Calibration()):
-        channel = Channel(actor.runtime, config.rollout.placement.num_trainer_ranks(actor.runtime.launch.world_size))
-        self.rollout = RemoteEngines(config, channel, actor, adapter_only=adapter_only(config))
+        self.rollout = RemoteEngines(config, Channel.of_run(config, actor.runtime), actor,
+                                     adapter_only=adapter_only(config))
         self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
         self.runtime = actor.runtime
         self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
@@ -192,7 +192,7 @@ class DisaggregatedPhase:
 
 def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     """An engine rank of the disaggregated placement: serves the trainers until they stop it."""
-    channel = Channel(runtime, config.rollout.placement.num_trainer_ranks(runtime.launch.world_size))
+    channel = Channel.of_run(config, runtime)
     engine = build_engine(config.model.path, engine_config(config, in_process=False), runtime.device)
     multi_turn = None
     if config.rollout.env is not None:  # the trainers loaded the same tokenizer already

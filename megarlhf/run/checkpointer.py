@@ -146,8 +146,8 @@ class RunCheckpointer:
         if found is None:
             return None
         actor = self.models[MAIN_ROLE]
-        extra = load_checkpoint(found, actor.model, optimizer=actor.optimizer, scheduler=actor.scheduler,
-                                companions=self._companions())
+        extra = load_checkpoint(found, actor.model,
+                                training=TrainingState(actor.optimizer, actor.scheduler, self._companions()))
         saved_world = checkpoint_metadata(found)["saved_with"]["world_size"]
         if saved_world == dist.get_world_size():
             restore_rng_state(load_rank_state(found))

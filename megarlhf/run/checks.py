@@ -2,8 +2,8 @@
 entries declare they need or support.
 
 The settings dataclasses (:mod:`megarlhf.config`) sit below the registries they name, so they check only
-their own values; :func:`check_config` finishes the job before a run builds anything (the command line
-calls it after loading a recipe, :func:`megarlhf.run.context.start_run` for configs built in code). Every
+their own values; :func:`check_config` finishes the job before a run builds anything: every run's
+:func:`megarlhf.run.context.start_run`, ``megarlhf plan`` and a NeMo-Run task at submission call it. Every
 message names the key.
 """
 from __future__ import annotations

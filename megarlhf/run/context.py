@@ -119,20 +119,24 @@ class RunContext:
         if self.checkpointer.should_save(completed_steps, self.config.train.steps):
             self.checkpointer.save(completed_steps, {"step": completed_steps, **state()})
 
-    def finish(self, out: Path, curve_keys: tuple[str, ...], what: str = "trained policy") -> None:
-        """Closes the recorder and what the run opened (rewards, engines) and draws the curves of
-        ``curve_keys``; the trained model (``what``) was exported to ``out``."""
+    def close(self) -> None:
+        """Closes the recorder and what the run opened (rewards, engines: engine ranks stop serving), before
+        the export, so that a failing export leaves nothing waiting."""
         self.recorder.close()
         for thing in (self.reward, self.eval_reward, self.rollout):
             if thing is not None:
                 thing.close()
+
+    def finish(self, out: Path, curve_keys: tuple[str, ...], what: str = "trained policy") -> None:
+        """After the export of the trained model (``what``) to ``out``: the curves of ``curve_keys``."""
         if self.is_main:
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png", keys=curve_keys)
         self.log(f"exported the {what} to {out}")
 
     def finish_policy_run(self, curve_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy")) -> Path:
-        """The end of a run that trains a policy: :meth:`finish` after exporting the actor to ``<run_dir>/hf``;
-        returns the export directory."""
+        """The end of a run that trains a policy: :meth:`close`, the actor exported to ``<run_dir>/hf``,
+        :meth:`finish`; returns the export directory."""
+        self.close()
         out = export_policy(self.actor, self.config, self.run_dir / "hf")
         self.finish(out, curve_keys)
         return out

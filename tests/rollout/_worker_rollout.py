@@ -283,7 +283,7 @@ def run_config(model_dir: str, engine_tp: int):
 
 
 class ReloadWarnings(logging.Handler):
-    """Collects the warnings of vLLM's in-place reload logger (engine_weights.RELOAD_LOGGER) while entered."""
+    """Collects the warnings of vLLM's in-place reload logger (engines.weights.RELOAD_LOGGER) while entered."""
 
     LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 

@@ -116,3 +116,21 @@ def test_abort_stops_a_running_generation_and_keeps_its_prefix(tiny_qwen2):
         assert 0 < len(got) < 80 and got == want[:len(got)] and got_lp == want_lp[:len(got)]
     assert engine.generate(PROMPTS, long).response_ids == full.response_ids
     assert engine.health().ok  # an in-process engine is as alive as the process
+
+
+def test_an_abort_between_chunks_leaves_the_later_chunks_ungenerated(tiny_qwen2):
+    """A request larger than one decode batch runs in chunks; an abort during the first ends the later ones
+    without a token (they had not started), not with a token each."""
+    engine = HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=MAX_LEN,
+                      max_batch_tokens=20)  # one prompt x n=2 per chunk
+    real_decode = engine._decode
+
+    def decode_then_abort(*args):
+        rows = real_decode(*args)
+        engine.abort()
+        return rows
+
+    engine._decode = decode_then_abort
+    batch = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=1, ignore_eos=True))
+    assert [len(r) for r in batch.response_ids] == [4, 4, 0, 0, 0, 0]
+    assert batch.finish_reasons == ["length"] * 2 + ["abort"] * 4

@@ -1,4 +1,4 @@
-"""The HF-transformers rollout engine against independent references: vLLM's ``RolloutEngine`` (greedy
+"""The HF-transformers rollout engine against independent references: vLLM's ``VLLMEngine`` (greedy
 tokens, their log-probs, stop handling, prompt log-probs; one subprocess for all of it), a plain HF forward
 of prompt + response (sampled-token and prompt log-probs), a naive no-cache greedy loop (weight loading),
 and the engine's own unbatched runs (seeded samples do not depend on their batch)."""

@@ -28,6 +28,11 @@ SOURCE_RANK = 0  # the trainer rank that talks to the engines
 class Channel:
     """This rank's end of the placement's groups (see the module docstring)."""
 
+    @classmethod
+    def of_run(cls, config, runtime) -> "Channel":
+        """The channel of a run's ``rollout.placement`` (disaggregated)."""
+        return cls(runtime, config.rollout.placement.num_trainer_ranks(runtime.launch.world_size))
+
     def __init__(self, runtime, num_trainers: int):
         self.runtime, self.rank = runtime, runtime.launch.rank
         self.trainers, self.channel, self.payload = runtime.trainers.group, runtime.channel.group, runtime.payload.group
@@ -67,7 +72,8 @@ class Channel:
         meta = self.broadcast()
         if not meta:
             return None
-        bucket = WeightBucket(meta, shared_buffer(sum(record[3] for record in meta), self.runtime.device))
+        nbytes = sum(record[3] for record in meta)  # WeightBucket.nbytes, before there is a buffer
+        bucket = WeightBucket(meta, shared_buffer(nbytes, self.runtime.device))
         dist.broadcast(bucket.payload, src=SOURCE_RANK, group=self.payload)
         return bucket
 

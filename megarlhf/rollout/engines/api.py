@@ -3,8 +3,7 @@
 A backend is one file with a :class:`RolloutEngine` subclass and one :data:`ENGINES` entry (an
 :class:`EngineSpec`) under the name ``rollout.backend`` selects. The rollout phase, the weight syncs and the
 disaggregated transport use engines only through this contract; the run's checks read the entry's
-declarations (tensor parallelism, disaggregated placement, adapter-only sync). Nothing else switches on a
-backend's name.
+declarations (tensor parallelism, adapter-only sync). Nothing else switches on a backend's name.
 
 The contract, one engine per rank (or one rank's part of a tensor-parallel engine):
 

@@ -43,11 +43,11 @@ class FakeEngine(HFEngine):
                     rows.append((i, [], "abort"))
                 else:
                     rows.append((i, *self._draw(seed + j, limit, stop_ids)))
-        scored = self.teacher_forced([list(prompts[i]) + ids for i, ids, _ in rows if ids],
-                                     sampling.temperature or 1.0)
+        scored = iter(self.teacher_forced([list(prompts[i]) + ids for i, ids, _ in rows if ids],
+                                          sampling.temperature or 1.0))
         batch = RolloutBatch()
         for i, ids, reason in rows:
-            logprobs = scored.pop(0)[len(prompts[i]) - 1:] if ids else []
+            logprobs = next(scored)[len(prompts[i]) - 1:] if ids else []
             batch.prompt_index.append(i)
             batch.prompt_ids.append(list(map(int, prompts[i])))
             batch.response_ids.append(ids)

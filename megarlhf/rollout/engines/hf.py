@@ -144,7 +144,10 @@ class HFEngine(RolloutEngine):
             return batch
         for first, chunk in self._chunks(prompts, sampling):
             seeds = [sampling.prompt_seed(i) + j for i in range(first, first + len(chunk)) for j in range(sampling.n)]
-            rows, routing = self._decode(chunk, seeds, sampling, stop_ids)
+            if self._abort.is_set():  # aborted before this chunk started: nothing generated
+                rows, routing = [([], [], "abort")] * len(seeds), []
+            else:
+                rows, routing = self._decode(chunk, seeds, sampling, stop_ids)
             for k, (ids, lps, reason) in enumerate(rows):
                 i = first + k // sampling.n
                 batch.prompt_index.append(i)

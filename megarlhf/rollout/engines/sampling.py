@@ -18,7 +18,7 @@ class RolloutBatch:
     prompt_ids: list[list[int]] = field(default_factory=list)
     response_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, per position
-    finish_reasons: list[str] = field(default_factory=list)  # "stop" (EOS / stop token) or "length"
+    finish_reasons: list[str] = field(default_factory=list)  # one of FINISH_REASONS
     # multi-turn rollouts only (megarlhf.rollout.multi_turn; empty otherwise): per response token 1 if the
     # model generated it, 0 for observation tokens; the environment's reward and the tool calls per sample
     loss_masks: list[list[int]] = field(default_factory=list)
