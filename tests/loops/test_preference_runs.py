@@ -145,9 +145,12 @@ def test_kto_run_at_dp2_resumes_as_the_uninterrupted_one(pairs, tmp_path):
     a, b = (read_metrics(run / "metrics.jsonl") for run in (whole, tmp_path / "part"))
     train = [r for r in a if "dpo/loss" in r]
     assert [r["step"] for r in train] == [0, 1, 2, 3]
-    assert train[0]["kto/kl"] == 0.0  # policy == reference at step 0: the baseline is 0
+    # policy == reference at step 0: the baseline is 0, up to the rounding of fp32 sums of ~-30 log-probs,
+    # whose ulp is 3.8e-6 (the policy and the reference pass their rows in different micro-batches, and some
+    # CPUs' GEMM kernels round by shape: 3.8e-6 on this round's AMD EPYC, before and after the refactor)
+    assert abs(train[0]["kto/kl"]) <= 8e-6
     # ... so every row's loss is its weight times 1 - sigmoid(0) = 0.5: k desirable rows of the 8 give
-    desirable = [k for k in range(9) if abs(train[0]["dpo/loss"] - 0.5 * (k + 1.2 * (8 - k)) / 8) < 1e-6]
+    desirable = [k for k in range(9) if abs(train[0]["dpo/loss"] - 0.5 * (k + 1.2 * (8 - k)) / 8) < 1e-5]
     assert len(desirable) == 1 and 0 < desirable[0] < 8
     evals = [r for r in a if "eval/rewards/chosen" in r]
     assert [r["step"] for r in evals] == [0, 2, 4] and all("eval/kto/kl" in r for r in evals)
