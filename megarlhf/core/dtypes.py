@@ -4,12 +4,17 @@
 scaling, which megarlhf does not implement, and its narrow exponent range overflows in RL log-ratios.
 The recipe keys that name a dtype (``model.dtype``, ``rollout.dtype``) are validated against this
 table; the trainer, the rollout engines, the planner and the verification gates convert through it.
+The table is names and sizes, not torch objects: the config package and the reward and tool worker
+processes (a fresh interpreter after every timeout) read it without importing torch.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2}  # name -> bytes per element
 
 
 def check_dtype_name(name: str, key: str) -> None:
@@ -22,11 +27,14 @@ def check_dtype_name(name: str, key: str) -> None:
 def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
     """The torch dtype of a supported dtype name (errors name ``key``)."""
     check_dtype_name(name, key)
-    return DTYPES[name]
+    import torch
+
+    return getattr(torch, name)
 
 
 def dtype_bytes(name: str) -> int:
-    return torch_dtype(name).itemsize
+    check_dtype_name(name, "dtype")
+    return DTYPES[name]
 
 
 # coarsest first: a comparison of two dtypes' results is as exact as the coarser one
