@@ -65,7 +65,7 @@ COMMANDS.register("rm")(Command(
     add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_rm))
 COMMANDS.register("eval")(Command(
     help="accuracy / pass@k of model.path on data.eval_path",
-    add_arguments=trainer_commands.add_recipe_arguments, run=trainer_commands.run_eval))
+    add_arguments=trainer_commands.add_eval_arguments, run=trainer_commands.run_eval))
 COMMANDS.register("export")(Command(
     help="write the actor of a run checkpoint as an HF directory (LoRA: merged, plus a PEFT adapter)",
     add_arguments=trainer_commands.add_export_arguments, run=trainer_commands.run_export))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarlhf.core.errors import CheckpointError
+from megarlhf.core.outputs import apply_umask, check_replaceable, write_output_marker
 from model_providers.base import ModelProvider
 from model_providers.mapping import WeightMapping
 from parallel.runtime import model_groups
@@ -354,7 +355,10 @@ def _export_config(provider: ModelProvider, head: str, dtype: torch.dtype):
     return config
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Renames the finished ``tmp`` to ``out`` (an old ``out`` set aside, then deleted), with umask modes."""
+    apply_umask(tmp)
+    check_replaceable(out, overwrite, "export target")  # something may have appeared there meanwhile
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -371,13 +375,13 @@ def export_hf_checkpoint(model: torch.nn.Module, provider: ModelProvider, out_di
 
     ``head="value"`` exports a reward/critic model under ``...ForSequenceClassification`` names.
     ``dtype`` defaults to the source config's dtype. Tokenizer and generation-config files are copied from
-    ``source_dir``. The directory appears atomically (written beside it, then renamed); an existing one
-    is replaced only with ``overwrite=True``.
+    ``source_dir``. The directory appears atomically (written beside it, then renamed), marked as
+    megarlhf's, with the modes the umask gives; an existing non-empty one is replaced only with
+    ``overwrite=True`` and only when megarlhf wrote it (:mod:`megarlhf.core.outputs`).
     """
     out = Path(out_dir).absolute()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"export target {out} exists (pass overwrite=True to replace it)")
+    check_replaceable(out, overwrite, "export target")
     dtype = dtype or getattr(provider.hf_config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -403,7 +407,8 @@ def export_hf_checkpoint(model: torch.nn.Module, provider: ModelProvider, out_di
             for path in sorted(Path(source_dir).iterdir()):
                 if path.is_file() and COPIED_FILE_PATTERN.match(path.name):
                     shutil.copy2(path, tmp / path.name)
-        _replace_dir(tmp, out)
+        write_output_marker(tmp, f"hf_model/{head}", source=None if source_dir is None else str(source_dir))
+        _replace_dir(tmp, out, overwrite)
     if dist.is_initialized():
         dist.barrier()
     return out

@@ -24,6 +24,7 @@ from model_providers.hf_checkpoint import (HFCheckpoint, _bind, _replace_dir, _t
 from model_providers.mapping import REPLICATED, ROW, Shared, WeightMapping
 from parallel.lora import SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAError
 from megarlhf.config.model import LoRAConfig
+from megarlhf.core.outputs import check_replaceable, write_output_marker
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -86,9 +87,11 @@ def peft_tensors(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConf
     return tensors
 
 
-def write_peft_adapter(tensors: dict[str, torch.Tensor], adapter_config: dict, out: Path) -> None:
+def write_peft_adapter(tensors: dict[str, torch.Tensor], adapter_config: dict, out: Path,
+                       overwrite: bool = False) -> None:
     """Writes ``tensors`` (:func:`peft_tensors`) and ``adapter_config`` (:func:`peft_config`) as the PEFT
-    adapter directory ``out``, atomically (written beside it, then renamed over it). Local to this process."""
+    adapter directory ``out``, atomically (written beside it, then renamed), marked as megarlhf's; an existing
+    non-empty ``out`` is replaced only with ``overwrite`` and only when megarlhf wrote it. Local to this process."""
     from safetensors.torch import save_file
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -97,7 +100,8 @@ def write_peft_adapter(tensors: dict[str, torch.Tensor], adapter_config: dict, o
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-    _replace_dir(tmp, out)
+    write_output_marker(tmp, "peft_adapter", base_model=adapter_config.get("base_model_name_or_path"))
+    _replace_dir(tmp, out, overwrite)
 
 
 def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, out_dir: str | Path, *,
@@ -105,11 +109,10 @@ def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: L
     """Writes the model's adapters as a PEFT adapter directory; collective over all ranks, global rank 0
     writes. The directory appears atomically (written beside it, then renamed)."""
     out = Path(out_dir).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"adapter export target {out} exists (pass overwrite=True to replace it)")
+    check_replaceable(out, overwrite, "adapter export target")
     tensors = peft_tensors(model, provider, lora)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        write_peft_adapter(tensors, peft_config(provider, lora, base_model), out)
+        write_peft_adapter(tensors, peft_config(provider, lora, base_model), out, overwrite)
     if dist.is_initialized():
         dist.barrier()
     return out

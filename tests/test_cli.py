@@ -55,8 +55,16 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "megarlhf_checkpoint.json").write_text("{}")  # an earlier conversion's
     assert cli.main(["convert", "hf-to-megatron", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        assert cli.main(["convert", "hf-to-megatron", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mine"),
+                         *extra]) == 1
+        assert "is not empty and was not written by megarlhf" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 def test_missing_and_incomplete_checkpoints(tmp_path, capsys):

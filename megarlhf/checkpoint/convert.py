@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megarlhf.checkpoint.distributed import CheckpointError, checkpoint_metadata, load_checkpoint, save_checkpoint
+from megarlhf.core.outputs import check_replaceable
 from megarlhf.core.errors import ConfigError
 
 HF_SUBDIR = "hf"
@@ -57,8 +58,7 @@ def _hf_side_files(hf_dir: Path) -> dict[str, Path]:
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"output {out} already exists; pass --overwrite (overwrite=True) to replace it")
+    check_replaceable(out, overwrite, "output")
 
 
 def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,

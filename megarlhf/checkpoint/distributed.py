@@ -59,6 +59,7 @@ from megarlhf import __version__ as megarlhf_version
 from megarlhf.checkpoint import publish
 from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
 from megarlhf.checkpoint.optimizer_state import clear_state, is_fresh, load_optimizer, optimizer_kind, prime
+from megarlhf.core.outputs import check_replaceable
 from megarlhf.core.errors import CheckpointError
 
 MARKER_FILE = "megarlhf_checkpoint.json"
@@ -224,13 +225,10 @@ def _check_save(final: Path, metadata, files, overwrite: bool, training: Trainin
         json.dumps(metadata)
     except TypeError as err:
         raise CheckpointError(f"checkpoint metadata for {final} is not JSON-serialisable: {err}") from None
-    if final.exists() and not overwrite:
-        raise CheckpointError(f"{final} already exists; pass overwrite=True to replace it")
+    check_replaceable(final, overwrite, "checkpoint directory")
     missing = [str(source) for source in (files or {}).values() if not Path(source).is_file()]
     if missing:
         raise CheckpointError(f"files to add to checkpoint {final} do not exist: {missing}")
-    if final.exists() and not final.is_dir():
-        raise CheckpointError(f"{final} exists and is not a directory")
     bad = [name for name in training.companions if not name.isidentifier()]
     if bad:
         raise CheckpointError(f"companion model names must be identifiers, got {bad}")

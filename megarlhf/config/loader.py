@@ -34,6 +34,7 @@ from typing import Any, Literal, Sequence, TypeVar, Union
 import yaml
 
 from megarlhf.core.errors import ConfigError  # re-exported as megarlhf.config.ConfigError
+from megarlhf.core.outputs import apply_umask
 
 T = TypeVar("T")
 
@@ -217,12 +218,13 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
 
 
 def save_config(config: Any, path: str | os.PathLike) -> Path:
-    """Writes the resolved config as YAML (atomically: a partial file is never left behind)."""
+    """Writes the resolved config as YAML (atomically: a partial file is never left behind), with the umask's modes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    apply_umask(Path(tmp))  # mkstemp makes it 0600
     os.replace(tmp, path)
     return path

@@ -266,16 +266,17 @@ def adapter_dir(out) -> Path:
     return out.parent / f"{out.name}-adapter"
 
 
-def export_policy(trained: TrainModel, config: RunConfig, out) -> Path:
+def export_policy(trained: TrainModel, config: RunConfig, out, overwrite: bool = True) -> Path:
     """Exports a trained causal LM as an HF directory at ``out`` (with LoRA: adapters merged into the
-    weights) and, with LoRA, its adapters as a PEFT directory at :func:`adapter_dir` ``(out)``.
-    Collective over all ranks; returns ``out``."""
+    weights) and, with LoRA, its adapters as a PEFT directory at :func:`adapter_dir` ``(out)``. An existing
+    directory is replaced only with ``overwrite`` and only when megarlhf wrote it. Collective over all
+    ranks; returns ``out``."""
     from model_providers.hf_checkpoint import export_hf_checkpoint
     from model_providers.peft_adapter import export_peft_adapter
 
     exported = export_hf_checkpoint(trained.model, trained.provider, out, source_dir=config.model.path,
-                                    overwrite=True)
+                                    overwrite=overwrite)
     if config.model.lora is not None:
         export_peft_adapter(trained.model, trained.provider, config.model.lora, adapter_dir(out),
-                            base_model=str(config.model.path), overwrite=True)
+                            base_model=str(config.model.path), overwrite=overwrite)
     return exported

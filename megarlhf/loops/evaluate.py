@@ -11,17 +11,44 @@ than the data-parallel size): the weight sync inside it is collective.
 """
 from __future__ import annotations
 
+import datetime
+import json
 from math import comb
+from pathlib import Path
 
 import torch
 
 from megarlhf.config.schema import RunConfig
+from megarlhf.core.outputs import apply_umask, check_replaceable
+from megarlhf.records.run_config import record_run_config
 from megarlhf.core.seeds import EVAL_OFFSET, sample_seed
 from megarlhf.data.prompts import PromptExample
 from megarlhf.loops.rewarding import score_rewards
 from megarlhf.loops.rollout_metrics import tool_metrics
 from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.run.context import RunContext
+
+def eval_output_dir(config: RunConfig, out: str | None) -> Path:
+    """Where ``megarlhf eval`` keeps its results: ``out`` (new or empty), or a new
+    ``<logging.run_dir>/eval/<UTC time>`` directory."""
+    if out is not None:
+        check_replaceable(Path(out), overwrite=False, what="eval --out")
+        return Path(out)
+    base = Path(config.logging.run_dir) / "eval" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def write_eval_results(config: RunConfig, out: Path, metrics: dict[str, float]) -> None:
+    """``metrics.json`` and the config (redacted) beside the samples in ``out`` (the main rank's call)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    record_run_config(config, out, 0)
+    apply_umask(out)
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from megarlhf.records.tracking import close_trackers, forget_tracker
+from megarlhf.records.tracking import close_trackers
 
 CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "response_len/mean",
                 "time/step_s")
@@ -53,6 +53,16 @@ def _finite_or_none(value):
     return value if math.isfinite(value) else None
 
 
+def _duration(seconds: float) -> str:
+    """``"42 s"``, ``"3 min 05 s"``, ``"2 h 07 min"``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds // 60 % 60:02d} min"
+
+
 class MetricsRecorder:
     """Records per-step metrics for a run directory (a no-op on ranks other than 0)."""
 
@@ -70,6 +80,7 @@ class MetricsRecorder:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.trackers = list(trackers)
         self._start = time.time()
+        self._first_step = 0 if resume_after_step is None else resume_after_step + 1  # this process's first
         if not self.active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,20 +106,26 @@ class MetricsRecorder:
             except Exception as err:  # noqa: BLE001 - any backend failure; metrics.jsonl has the step
                 # dropped, not retried: a tracking server that is gone would cost each step its timeouts
                 self.trackers.remove(tracker)
-                forget_tracker(tracker)
                 warnings.warn(f"{type(tracker).__name__} could not log step {step} ({type(err).__name__}: "
-                              f"{err}); it is dropped for the rest of the run, metrics.jsonl keeps every step",
-                              stacklevel=2)
+                              f"{err}); it is closed as failed and dropped for the rest of the run, "
+                              "metrics.jsonl keeps every step", stacklevel=2)
+                close_trackers([tracker], failed=True)  # its MLflow run FAILED, not left RUNNING
         self._print(step, record)
 
     def _print(self, step: int, record: dict) -> None:
+        """One progress line: the step numbered as in metrics.jsonl (from 0), how many of the steps are done,
+        the key figures, the time so far and the estimated time left (from this process's steps)."""
         done = min(step + 1, self.total_steps)  # the final evaluation is recorded as step == total_steps
         width = 20
         filled = int(width * done / max(self.total_steps, 1))
         elapsed = time.time() - self._start
         figures = "  ".join(f"{k}={record[k]:.4g}" for k in self.console_keys if record.get(k) is not None)
         bar = "#" * filled + "." * (width - filled)
-        print(f"[{bar}] step {done}/{self.total_steps}  {figures}  ({elapsed:.0f} s)", file=self.stream, flush=True)
+        label = f"step {step}" if step < self.total_steps else "final eval"
+        ran = done - self._first_step
+        eta = f", {_duration(elapsed / ran * (self.total_steps - done))} left" if ran > 0 and done < self.total_steps else ""
+        print(f"[{bar}] {label} ({done}/{self.total_steps} done)  {figures}  ({_duration(elapsed)}{eta})",
+              file=self.stream, flush=True)
 
     def close(self) -> None:
         trackers, self.trackers = self.trackers, []

@@ -8,7 +8,7 @@ opens them; :meth:`megarlhf.run.context.RunContext.open_recorder` shares the out
 cannot open stops every rank with its message instead of leaving the others waiting.
 
 What each backend gets:
-- the resolved config as the run's parameters (W&B's run config, nested; MLflow params, flattened to
+- the resolved config as the run's parameters, secrets redacted (W&B's run config, nested; MLflow params, flattened to
   ``section.key`` with lists as JSON, values cut at MLflow's 6000-character limit: ``config.yaml`` in
   the run directory stays the whole truth);
 - every recorded step's scalars, at that step. MLflow's metric names allow no ``@``, so
@@ -16,7 +16,7 @@ What each backend gets:
   two names that would meet get ``_2``, ``_3``, ...).
 
 Resume continues the same run: the W&B and MLflow runs live in ``<run_dir>/tracking.json`` (written
-atomically, with the project / experiment and tracking URI they belong to). A resumed run
+atomically, with the project / experiment and tracking URI they belong to, its credentials redacted). A resumed run
 (``resume_after_step >= 0``) reopens them; one recorded for another project or URI, or one MLflow no
 longer has, is replaced by a new run with a warning. A fresh start opens new runs and rewrites the file.
 Steps after the checkpoint that the interrupted run had already logged are logged again: TensorBoard
@@ -41,6 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from megarlhf.config.redact import redact, redact_text
 from megarlhf.config.train import LoggingConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.core.registry import Registry
@@ -214,7 +215,7 @@ class MlflowTracker:
                               "(or MLFLOW_TRACKING_URI) to a server (http://host:5000), databricks, a database "
                               "(sqlite:////abs/mlflow.db, with the full mlflow package) or a local store "
                               "(file:/abs/mlruns, with MLFLOW_ALLOW_FILE_STORE=true)")
-        owner = {"experiment": settings.project, "uri": uri}
+        owner = {"experiment": settings.project, "uri": redact_text(uri)}  # tracking.json holds no password
         self._names: dict[str, str] = {}
         try:
             self._client = mlflow.MlflowClient(tracking_uri=uri)
@@ -294,8 +295,9 @@ def open_trackers(settings: LoggingConfig, run_dir: str | Path, params: Mapping[
                   resume_after_step: int) -> list:
     """The trackers ``settings.backends`` names, opened for ``run_dir`` (call on global rank 0 only);
     ``resume_after_step`` is the checkpoint's last completed step, -1 for a fresh start (which forgets
-    the runs a former run in this directory recorded)."""
-    run_dir = Path(run_dir)
+    the runs a former run in this directory recorded). ``params`` reach the backends redacted
+    (:mod:`megarlhf.config.redact`)."""
+    run_dir, params = Path(run_dir), redact(dict(params))
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_after_step < 0:
         (run_dir / STATE_FILE).unlink(missing_ok=True)

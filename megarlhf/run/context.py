@@ -1,8 +1,10 @@
 """One run's context, and how every run starts.
 
 :func:`start_run` checks the config against the registries, initialises torch.distributed and Megatron's
-groups for ``config.parallel``, writes the resolved config to ``<run_dir>/config.yaml`` (rank 0) and loads
-the tokenizer of ``model.path``, so that a bad key or path fails before any model is built. The
+groups for ``config.parallel`` and loads the tokenizer of ``model.path``, so that a bad key or path fails
+before any model is built; a training run also checks that its export directory ``<run_dir>/hf`` may be
+written. The run's record ``config.yaml`` is written later, once the run has started
+(:meth:`RunContext.resume`: models built, checkpoint loaded), so a failed start leaves it alone. The
 :class:`RunContext` it returns then carries what the run builds (models, rewards, engines, checkpointer,
 recorder): a loop passes it instead of a dozen loose objects, and each function reads the settings it uses
 from ``run.config``.
@@ -14,15 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from megarlhf.config import save_config, to_dict
+from megarlhf.config import to_dict
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import CheckpointError, ConfigError, DataError
+from megarlhf.core.outputs import check_replaceable
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.envs.prompting import tool_describer
 from megarlhf.learner import TrainModel, export_policy
+from megarlhf.learner.models import adapter_dir
 from megarlhf.learner.step import prefix_sharing_notice
 from megarlhf.records.metrics import MetricsRecorder, plot_curves
+from megarlhf.records.run_config import record_run_config
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.records.tracking import open_trackers
 from megarlhf.rewards import CombinedReward
@@ -82,16 +87,21 @@ class RunContext:
     def resume(self, num_examples: int) -> tuple[PromptSampler, int]:
         """This rank's seeded sampler over ``num_examples`` and the first step to run, both restored from
         the checkpoint ``checkpoint.resume`` names (the run's checkpointer restores the models in place);
-        the checkpoint's whole driver state is left in ``self.resumed`` (None: a fresh start)."""
+        the checkpoint's whole driver state is left in ``self.resumed`` (None: a fresh start). The run has
+        started: its config is recorded (:func:`record_run_config`)."""
         config = self.config
         sampler = PromptSampler(num_examples, config.train.global_batch_size, config.seed, config.data.shuffle,
                                 self.runtime.dp.rank, self.runtime.dp.size)
         resumed = self.resumed = self.checkpointer.resume()
-        if resumed is None:
-            return sampler, 0
-        sampler.load_state_dict(resumed["sampler"])
-        self.log(f"resumed from step {resumed['step']}")
-        return sampler, resumed["step"]
+        first_step = 0 if resumed is None else resumed["step"]
+        if resumed is not None:
+            sampler.load_state_dict(resumed["sampler"])
+            self.log(f"resumed from step {first_step}")
+        if self.is_main:
+            difference = record_run_config(self.config, self.run_dir, first_step)
+            if difference:
+                self.log(difference)
+        return sampler, first_step
 
     def open_recorder(self, first_step: int, **options) -> MetricsRecorder:
         """Opens the run's metrics recorder from ``first_step`` on (0: a fresh start) for ``train.steps``
@@ -171,8 +181,17 @@ def load_tokenizer(model_path: str):
                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
 
 
-def start_run(config: RunConfig) -> RunContext:
-    """Initialises the ranks for ``config`` and returns the run's context.
+def check_export_targets(config: RunConfig, run_dir: Path) -> None:
+    """Refuses, before any work, a run whose final export would have to replace a directory megarlhf did
+    not write (``<run_dir>/hf``, and with LoRA its adapter beside it)."""
+    targets = [run_dir / "hf"] + ([adapter_dir(run_dir / "hf")] if config.model.lora is not None else [])
+    for target in targets:
+        check_replaceable(target.absolute(), overwrite=True, what="the run's export directory")
+
+
+def start_run(config: RunConfig, trains: bool = True) -> RunContext:
+    """Initialises the ranks for ``config`` and returns the run's context. ``trains``: the run trains and
+    exports into ``logging.run_dir`` (False for ``eval`` and ``export``, which only read it).
 
     With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
     ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
@@ -186,9 +205,10 @@ def start_run(config: RunConfig) -> RunContext:
         placement.validate(world)
         runtime = init_parallel(config.parallel, seed=config.seed)
     run_dir = Path(config.logging.run_dir)
-    if runtime.launch.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
+    if trains:
+        check_export_targets(config, run_dir)
+        if runtime.launch.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run = RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)
     notice = None if runtime.is_engine_rank else prefix_sharing_notice(config, runtime)

@@ -169,23 +169,27 @@ def test_a_resume_opens_a_new_run_where_the_recorded_one_cannot_continue(tmp_pat
 def test_a_tracker_that_fails_to_log_is_dropped_and_training_goes_on(tmp_path):
     class Broken:
         calls = 0
-        closed = False
+        closes = []
 
         def log(self, step, metrics):
             Broken.calls += 1
             raise ConnectionError("server gone")
 
         def close(self, failed=False):
-            Broken.closed = True
+            Broken.closes.append(failed)
             raise ConnectionError("still gone")
 
     recorder = MetricsRecorder(tmp_path, total_steps=3, trackers=[Broken()], stream=open("/dev/null", "w"))
-    with pytest.warns(UserWarning, match="Broken could not log step 0.*server gone.*dropped") as caught:
+    with pytest.warns(UserWarning) as caught:
         for step in range(3):
             recorder.log(step, {"x": float(step)})
-    assert len(caught) == 1 and Broken.calls == 1  # not retried at every step
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and Broken.calls == 1  # not retried at every step
+    assert "Broken could not log step 0" in messages[0] and "server gone" in messages[0] and "closed as failed" in messages[0]
+    assert "Broken could not close" in messages[1] and "still gone" in messages[1]
     recorder.close()
-    assert not Broken.closed and [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    # closed once, as failed (an MLflow run is not left RUNNING), and not again by the recorder's close
+    assert Broken.closes == [True] and [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     with pytest.warns(UserWarning, match="Broken could not close .*still gone"):
         close_trackers([Broken()])
 
@@ -222,6 +226,30 @@ def test_a_run_that_crashes_marks_its_tracker_runs_failed(tmp_path, monkeypatch,
     assert (proc.returncode != 0) == (ending == "crash"), proc.stderr[-2000:]
     run_id = read_run_ids(tmp_path / "run")["mlflow"]
     assert mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).info.status == status
+
+
+def test_trackers_and_tracking_json_get_no_secrets(tmp_path, monkeypatch):
+    import mlflow
+
+    store = mlflow_store(monkeypatch, tmp_path)
+    real_client = mlflow.MlflowClient
+    monkeypatch.setattr(mlflow, "MlflowClient", lambda tracking_uri: real_client(tracking_uri=store))
+    uri = "https://bob:hunter2@mlflow.example.com/?token=abc123&x=1"  # reaches the fake above only
+    settings = LoggingConfig(backends=["wandb", "mlflow"], wandb_mode="offline", mlflow_tracking_uri=uri)
+    params = {"reward": {"functions": [{"name": "judge", "kwargs": {"api_key": "sk-live-1", "max_new_tokens": 9}}]},
+              "logging": {"mlflow_tracking_uri": uri}}
+    recorder = MetricsRecorder(tmp_path, total_steps=1, trackers=open_trackers(settings, tmp_path, params, -1),
+                               stream=open("/dev/null", "w"))
+    recorder.log(0, {"x": 1.0})
+    recorder.close()
+    ids = read_run_ids(tmp_path)
+    _, config = read_wandb_history(tmp_path, ids["wandb"])
+    mlflow_params = real_client(tracking_uri=store).get_run(ids["mlflow"]).data.params
+    written = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+    for secret in ("hunter2", "sk-live-1", "abc123"):
+        assert secret not in written and secret not in json.dumps(config) and secret not in json.dumps(mlflow_params)
+    assert config[0]["reward"]["functions"][0]["kwargs"] == {"api_key": "<redacted>", "max_new_tokens": 9}
+    assert mlflow_params["logging.mlflow_tracking_uri"] == "https://bob:<redacted>@mlflow.example.com/?token=<redacted>&x=1"
 
 
 def test_backends_are_checked_and_only_named_ones_imported(tmp_path, monkeypatch):

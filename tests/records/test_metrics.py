@@ -20,8 +20,9 @@ def test_records_jsonl_tensorboard_and_console(tmp_path):
         {"step": 0, "actor/pg_loss": -0.5, "bad": None, "reward/mean": 0.25},
         {"step": 1, "eval/accuracy": 0.5, "reward/mean": 0.75}]
     lines = out.getvalue().splitlines()
-    assert "step 1/2" in lines[0] and "reward/mean=0.25" in lines[0]
-    assert "step 2/2" in lines[1] and "eval/accuracy=0.5" in lines[1]
+    # numbered as metrics.jsonl numbers them; the first line has a time-left estimate, the last none
+    assert "step 0 (1/2 done)" in lines[0] and "reward/mean=0.25" in lines[0] and " left)" in lines[0]
+    assert "step 1 (2/2 done)" in lines[1] and "eval/accuracy=0.5" in lines[1] and "left" not in lines[1]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -38,6 +39,18 @@ def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
                               stream=io.StringIO())
     resumed.log(1, {"x": 10.0})
     assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 0.0), (1, 10.0)]
+
+
+def test_progress_estimates_time_left_from_this_process_steps(tmp_path, monkeypatch):
+    clock = iter([100.0, 130.0, 160.0])  # created at 100 s; resumed after step 3, two steps of 30 s each
+    monkeypatch.setattr("megarlhf.records.metrics.time.time", lambda: next(clock))
+    out = io.StringIO()
+    rec = MetricsRecorder(tmp_path, total_steps=10, stream=out, resume_after_step=3)
+    rec.log(4, {"x": 1.0})
+    rec.log(5, {"x": 1.0})
+    first, second = out.getvalue().splitlines()
+    assert "step 4 (5/10 done)" in first and "(30 s, 2 min 30 s left)" in first  # 5 steps left at 30 s
+    assert "step 5 (6/10 done)" in second and "(1 min 00 s, 2 min 00 s left)" in second
 
 
 def test_other_ranks_write_nothing(tmp_path):

@@ -1,0 +1,132 @@
+"""Nothing a user made is deleted or overwritten, through the command line as a user runs it (one process,
+the tiny Qwen2 model): a run's ``config.yaml`` is written once, by its first successful start; a failed
+command leaves it; a resume with another config keeps it and records its own beside it, naming the
+changes; ``eval`` writes into a directory of its own with every sample; ``export``, ``convert`` and a
+run's own final export refuse a directory megarlhf did not write, ``--overwrite`` or not; what megarlhf
+writes for the user has the modes the umask gives.
+"""
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+RECIPE = """
+model: {path: MODEL, dtype: float32}
+data: {train_path: DATA/sft_train.jsonl, eval_path: DATA/heldout.jsonl, chat_template: never,
+       max_sequence_length: 256, max_prompt_length: 96}
+rollout: {backend: hf, max_new_tokens: 8}
+optim: {lr: 1.0e-3}
+train: {steps: 2, global_batch_size: 4, micro_batch_tokens: 512}
+reward: {functions: [{name: exact_match}]}
+eval: {max_prompts: 4}
+checkpoint: {every: 2}
+logging: {run_dir: RUN}
+"""
+
+
+def megarlhf(*args: str, umask: int = 0o022) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megarlhf", *args], capture_output=True, text=True, env=env,
+                          timeout=600, preexec_fn=lambda: os.umask(umask))
+
+
+def refused(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The one line of a refused command, checked to name every fragment."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert all(f in lines[0] for f in fragments), lines[0]
+    return lines[0]
+
+
+def user_dir(path: Path) -> dict[str, str]:
+    path.mkdir(parents=True)
+    files = {"notes.txt": "mine", "model.safetensors": "not a model"}
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return files
+
+
+def intact(path: Path, files: dict[str, str]) -> bool:
+    return {p.name: p.read_text() for p in path.iterdir()} == files
+
+
+def modes(path: Path) -> set[int]:
+    return {stat.S_IMODE(p.stat().st_mode) for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(rl_assets, tmp_path_factory):
+    """A 2-step SFT run (checkpoint at step 2) and the recipe that made it."""
+    model, data = rl_assets
+    root = tmp_path_factory.mktemp("user_files")
+    recipe = root / "recipe.yaml"
+    recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("DATA", str(data)).replace("RUN", str(root / "run")))
+    done = megarlhf("sft", str(recipe))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return recipe, root / "run"
+
+
+def test_the_run_record_is_written_once_and_a_changed_resume_is_recorded_beside_it(trained):
+    recipe, run = trained
+    record = (run / "config.yaml").read_text()
+    assert yaml.safe_load(record)["train"]["steps"] == 2 and stat.S_IMODE((run / "config.yaml").stat().st_mode) == 0o644
+    refused(megarlhf("sft", str(recipe), "data.train_path=typo.jsonl"), "typo.jsonl")
+    refused(megarlhf("sft", str(recipe), "checkpoint.resume=/nowhere/step_9"), "/nowhere/step_9")
+    assert (run / "config.yaml").read_text() == record  # failed starts leave the record alone
+
+    resumed = megarlhf("sft", str(recipe), "train.steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run / "config.yaml").read_text() == record
+    assert yaml.safe_load((run / "config.step-2.yaml").read_text())["train"]["steps"] == 3
+    assert "differs from" in resumed.stdout and "train.steps: 2 -> 3" in resumed.stdout
+    again = megarlhf("sft", str(recipe), "train.steps=3")  # the same config again: nothing new
+    assert again.returncode == 0 and sorted(p.name for p in run.glob("config*")) == ["config.step-2.yaml", "config.yaml"]
+
+
+def test_eval_keeps_its_results_and_samples_in_a_directory_of_its_own(trained):
+    recipe, run = trained
+    record, metrics = (run / "config.yaml").read_text(), (run / "metrics.jsonl").read_text()
+    done = megarlhf("eval", str(recipe), f"model.path={run / 'hf'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "config.yaml").read_text() == record and (run / "metrics.jsonl").read_text() == metrics
+    [out] = (run / "eval").iterdir()
+    printed = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert json.loads((out / "metrics.json").read_text()) == printed and printed["eval/prompts"] == 4
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all({"prompt", "response", "reward", "ground_truth"} <= s.keys() for s in samples)
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["path"] == str(run / "hf")
+    mine = user_dir(run.parent / "mine")
+    refused(megarlhf("eval", str(recipe), f"model.path={run / 'hf'}", "--out", str(run.parent / "mine")),
+            "not written by megarlhf")
+    assert intact(run.parent / "mine", mine)
+
+
+def test_exports_refuse_the_users_directories_and_get_the_umask_modes(trained, tmp_path):
+    recipe, run = trained
+    mine = user_dir(tmp_path / "mine")
+    for extra in ([], ["--overwrite"]):
+        refused(megarlhf("export", str(run), "--out", str(tmp_path / "mine"), *extra), "not written by megarlhf")
+        refused(megarlhf("convert", "megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2"),
+                         "--out", str(tmp_path / "mine"), *extra), "not written by megarlhf")
+    assert intact(tmp_path / "mine", mine)
+
+    out = tmp_path / "exported"
+    done = megarlhf("export", str(run), "--out", str(out), umask=0o027)  # the run directory, not a recipe
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "model.safetensors").read_bytes() == (run / "hf" / "model.safetensors").read_bytes()
+    assert modes(out) == {0o640} and modes(run / "hf") == {0o644}
+    refused(megarlhf("export", str(run), "--out", str(out)), "already exists", "--overwrite")
+    assert megarlhf("export", str(run), "--out", str(out), "--overwrite").returncode == 0
+
+
+def test_a_run_whose_export_directory_is_the_users_is_refused_before_training(trained, tmp_path):
+    recipe, _ = trained
+    run = tmp_path / "run"
+    mine = user_dir(run / "hf")
+    refused(megarlhf("sft", str(recipe), f"logging.run_dir={run}"), str(run / "hf"), "not written by megarlhf")
+    assert intact(run / "hf", mine) and not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
