@@ -339,6 +339,15 @@ def _check_model_matches(info: dict, model: torch.nn.Module, path: Path) -> None
         raise CheckpointError(f"checkpoint at {path} does not fit this model ({'; '.join(diffs)})")
 
 
+def _optimizer_kind_problems(name: str, saved: dict | None, optimizer) -> list[str]:
+    """A distributed optimizer's state does not load into a plain one, nor the other way round."""
+    if optimizer is None or not saved or "kind" not in saved or saved["kind"] == optimizer_kind(optimizer):
+        return []
+    distributed = saved["kind"] == "distributed"
+    return [f"its optimizer state for {name} is {saved['kind']} and this run's optimizer is not: resume with "
+            f"optim.use_distributed_optimizer={str(distributed).lower()}"]
+
+
 def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions: dict) -> None:
     """Every optimizer, scheduler and companion asked for must be in the checkpoint (and the other way
     round for companions: a checkpoint of actor + critic does not resume an actor-only run)."""
@@ -347,6 +356,7 @@ def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions:
         problems.append("it holds no optimizer state for the model")
     if scheduler is not None and not info.get("scheduler"):
         problems.append("it holds no lr scheduler state for the model")
+    problems += _optimizer_kind_problems("the model", info.get("optimizer"), optimizer)
     saved = info.get("companions", {})
     if set(saved) != set(companions):
         problems.append(f"it holds the companion models {sorted(saved)}, this run has {sorted(companions)}")
@@ -356,6 +366,7 @@ def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions:
             problems.append(f"it holds no optimizer state for {name!r}")
         if part.scheduler is not None and not saved[name].get("scheduler"):
             problems.append(f"it holds no lr scheduler state for {name!r}")
+        problems += _optimizer_kind_problems(repr(name), saved[name].get("optimizer"), part.optimizer)
     wants_optimizer = optimizer is not None or any(part.optimizer is not None for part in companions.values())
     saved_ep = info.get("saved_with", {}).get("expert_model_parallel_size")  # None: not recorded (older saves)
     ep = _layout().get("expert_model_parallel_size", 1)

@@ -10,6 +10,12 @@ torch's own Adam (always the case without Transformer Engine or apex) in megatro
    raises outside ``no_grad``: loading runs under ``torch.no_grad()``;
 4. after loading, every parameter's 'step' is the same tensor, which Adam advances once per parameter per
    step (wrong bias correction): each parameter gets its own copy.
+
+A resume may change the optimizer's hyperparameters (learning rate and its schedule, betas, weight decay):
+the saved parameter groups take the running optimizer's values before they are loaded (the saved moments
+and step counts stay). Without that, Megatron's optimizers, which find the saved groups by their
+``max_lr``/``min_lr``/..., stop with a bare ``KeyError`` (distributed) or ``ValueError`` (plain); the lr
+scheduler then follows the run's settings from the checkpoint's step count (``learner.models``).
 """
 from __future__ import annotations
 
@@ -83,10 +89,24 @@ def _own_step_tensors(inner) -> None:
             state["step"] = state["step"].clone()
 
 
+def _take_current_hyperparameters(inner, state: dict) -> None:
+    """The saved parameter groups of ``state`` get ``inner``'s running hyperparameters (all but the
+    parameters, the step count and the learning rate, which the scheduler sets), group by group."""
+    saved = (state["optimizer"] if "optimizer" in state else state)["param_groups"]
+    live = inner.optimizer.param_groups
+    if len(saved) != len(live):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run's has "
+                              f"{len(live)}: the trained parameters or their optimizer settings changed "
+                              "(model.lora, freezing, per-group options) and cannot be resumed")
+    for saved_group, live_group in zip(saved, live):
+        saved_group.update({key: value for key, value in live_group.items() if key not in ("params", "step", "lr")})
+
+
 def load_optimizer(optimizer, loaded) -> None:
     inners = inner_optimizers(optimizer)
     states = [loaded] if len(inners) == 1 else [state for _, state in sorted(loaded.items())]
     for inner, state in zip(inners, states):
+        _take_current_hyperparameters(inner, state)
         if not is_distributed(inner):
             inner.load_state_dict(state)
             _own_step_tensors(inner)

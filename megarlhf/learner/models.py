@@ -156,7 +156,8 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
         optimizer, init_lr=0.0 if optim.warmup_steps else lr, max_lr=lr, min_lr=min(optim.min_lr, lr),
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim.schedule,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps,
-        wd_incr_style="constant")
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True)  # a resume keeps its step count, not its lr
     from megarlhf.learner.moe_metrics import RouterStats
 
     return TrainModel(role, ddp, provider, runtime, optimizer, scheduler,

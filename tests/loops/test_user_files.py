@@ -1,12 +1,13 @@
 """Nothing a user made is deleted or overwritten, through the command line as a user runs it (one process,
 the tiny Qwen2 model): a run's ``config.yaml`` is written once, by its first successful start; a failed
 command leaves it; a resume with another config keeps it and records its own beside it, naming the
-changes; ``eval`` writes into a directory of its own with every sample; ``export``, ``convert`` and a
+changes, and its learning rate and schedule take effect; ``eval`` writes into a directory of its own with every sample; ``export``, ``convert`` and a
 run's own final export refuse a directory megarlhf did not write, ``--overwrite`` or not; what megarlhf
 writes for the user has the modes the umask gives.
 """
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -15,12 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megarlhf.records.metrics import read_metrics
+
 RECIPE = """
 model: {path: MODEL, dtype: float32}
 data: {train_path: DATA/sft_train.jsonl, eval_path: DATA/heldout.jsonl, chat_template: never,
        max_sequence_length: 256, max_prompt_length: 96}
 rollout: {backend: hf, max_new_tokens: 8}
-optim: {lr: 1.0e-3}
+optim: {lr: 1.0e-3, use_distributed_optimizer: true}
 train: {steps: 2, global_batch_size: 4, micro_batch_tokens: 512}
 reward: {functions: [{name: exact_match}]}
 eval: {max_prompts: 4}
@@ -130,3 +133,31 @@ def test_a_run_whose_export_directory_is_the_users_is_refused_before_training(tr
     mine = user_dir(run / "hf")
     refused(megarlhf("sft", str(recipe), f"logging.run_dir={run}"), str(run / "hf"), "not written by megarlhf")
     assert intact(run / "hf", mine) and not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
+
+
+@pytest.mark.slow  # six one-process runs (~1 min): make test-slow
+@pytest.mark.parametrize("optimizer", ["distributed", "plain"])
+def test_a_resume_with_another_learning_rate_and_length_trains_with_them(trained, tmp_path, optimizer):
+    """The resumed steps' learning rate is the new schedule's (the one a fresh run with the new settings reaches
+    there), not the checkpoint's. Before: Megatron's optimizers stopped, the distributed one with a bare
+    KeyError, the plain one with a ValueError (both find saved parameter groups by their max_lr)."""
+    recipe, _ = trained
+    kind = f"optim.use_distributed_optimizer={optimizer == 'distributed'}"
+    first = megarlhf("sft", str(recipe), f"logging.run_dir={tmp_path / 'resumed'}", kind)
+    assert first.returncode == 0, first.stderr[-3000:]
+    changed = ["optim.lr=5.0e-4", "train.steps=4", "optim.schedule=linear", kind]
+    resumed = megarlhf("sft", str(recipe), f"logging.run_dir={tmp_path / 'resumed'}", *changed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 2" in resumed.stdout and "optim.lr: 0.001 -> 0.0005" in resumed.stdout
+    fresh = megarlhf("sft", str(recipe), f"logging.run_dir={tmp_path / 'fresh'}", *changed)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    lr = {name: {r["step"]: r["sft/lr"] for r in read_metrics(tmp_path / name / "metrics.jsonl")}
+          for name in ("resumed", "fresh")}
+    assert lr["resumed"][2] == lr["fresh"][2] and lr["resumed"][3] == lr["fresh"][3]
+    assert lr["fresh"][2] != lr["resumed"][0]  # (the old schedule's lr differs: the test can tell them apart)
+
+
+def test_a_resume_with_the_other_kind_of_optimizer_is_refused_naming_the_key(trained):
+    recipe, run = trained  # saved with the distributed optimizer
+    refused(megarlhf("sft", str(recipe), "train.steps=5", "optim.use_distributed_optimizer=false"),
+            "resume with optim.use_distributed_optimizer=true")
