@@ -12,11 +12,16 @@ sub-commands of their own, like ``convert``, parse as usual).
 
 Errors a user can fix (a missing directory, an incomplete checkpoint, a layout the world size does not
 divide, an unsupported model) are printed as one line naming the problem, exit status 1; argument
-errors exit with argparse's status 2.
+errors exit with argparse's status 2. An error inside megarlhf prints one line too, its traceback kept in
+a file (``--verbose``: on the terminal). On several ranks a message is printed once, by the first rank to
+meet it (:mod:`megarlhf.core.console`). ``--nproc-per-node N`` runs a command on N local ranks
+(:mod:`megarlhf.launch.local`), like ``torchrun --nproc-per-node N -m megarlhf`` without torchrun's
+traceback after a failure.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -25,7 +30,9 @@ from typing import Callable, Sequence
 from megarlhf import __version__
 from megarlhf.checkpoint import convert
 from megarlhf.checkpoint import fetch as fetch_command
+from megarlhf.core.console import report_error, report_internal_error
 from megarlhf.core.errors import UserError
+from megarlhf.launch.local import launch_local
 from megarlhf.config.parallel import LayoutError
 from megarlhf.planner import command as plan_command
 from megarlhf.core.registry import Registry
@@ -77,6 +84,24 @@ COMMANDS.register("fetch")(Command(
     add_arguments=fetch_command.add_arguments, run=fetch_command.run))
 
 
+# Commands that run on several ranks; --nproc-per-node launches them here (megarlhf.launch.local).
+LAUNCHABLE = ("convert", "train", "sft", "dpo", "rs", "online-dpo", "rm", "eval", "export")
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser``, or the parsers of its sub-commands (``convert hf-to-megatron``) where it has them."""
+    nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [leaf for action in nested for sub in action.choices.values() for leaf in _leaf_parsers(sub)] or [parser]
+
+
+def add_common_options(parser: argparse.ArgumentParser, launchable: bool) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="tracebacks, dependencies' INFO logs and warnings on the terminal")
+    if launchable:
+        parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                            help="run on N ranks of this machine (as torchrun would, without its failure report)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarlhf", description="RLHF / RLVR post-training on Megatron-Core.")
     parser.add_argument("--version", action="version", version=f"megarlhf {__version__}")
@@ -85,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         command = COMMANDS.get(name)
         sub = commands.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
+        for leaf in _leaf_parsers(sub):
+            add_common_options(leaf, name in LAUNCHABLE)
     return parser
 
 
@@ -109,9 +136,28 @@ USER_ERRORS = (UserError, LayoutError, FileNotFoundError, FileExistsError, IsADi
                NotADirectoryError, PermissionError)
 
 
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default: ``sys.argv[1:]``), runs the command, returns the exit status."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None and "LOCAL_RANK" not in os.environ:  # the launcher, not a rank
+        if nproc < 1:
+            report_error(args.command, f"--nproc-per-node must be >= 1, got {nproc}")
+            return 2
+        return launch_local(_without_nproc(argv), nproc)
     # Import-time notices of the libraries (no Apex / Transformer Engine on CPU, their internal
     # deprecations) tell a user of the command nothing they can act on.
     warnings.filterwarnings("ignore", module=r"megatron\.")
@@ -129,5 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS.get(args.command).run(args)
     except USER_ERRORS as err:
-        print(f"megarlhf {args.command}: error: {err}", file=sys.stderr)
+        report_error(args.command, str(err))
+        return 1
+    except Exception as err:  # noqa: BLE001 - megarlhf's own error: one line, the traceback kept
+        if args.verbose:
+            raise
+        report_internal_error(args.command, err)
         return 1

@@ -136,14 +136,23 @@ def test_user_errors_are_one_line_naming_the_file(monkeypatch, capsys):
         assert str(error) in err
 
 
-def test_internal_errors_keep_their_traceback(monkeypatch):
-    """A ValueError that is not a user error (megarlhf's own check failing) propagates with its traceback
-    instead of being printed as if the user had made a mistake."""
+def test_internal_errors_are_one_line_naming_their_traceback_file(monkeypatch, capsys, tmp_path):
+    """An error that is not the user's (megarlhf's own check failing) is one line that says so and names the
+    file holding its traceback; with --verbose it propagates with its traceback."""
+    from megarlhf.core import console
+
+    monkeypatch.setattr(console, "_log_dir", tmp_path / "logs")
     for error in (ValueError("run_schedule: no micro-batches"), KeyError("actor/loss"),
-                  RuntimeError("engine died")):
+                  RuntimeError("engine died\nsecond line")):
         _command_raising(monkeypatch, error)
+        assert cli.main(["plan", "recipe.yaml"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"megarlhf plan: error: {type(error).__name__}: "), err
+        assert "an error inside megarlhf: traceback in " in err and "--verbose" in err
+        path = err.split("traceback in ")[1].split(",")[0]
+        assert f"raise error" in open(path).read() and path.startswith(str(tmp_path / "logs"))
         with pytest.raises(type(error)) as raised:
-            cli.main(["plan", "recipe.yaml"])
+            cli.main(["plan", "recipe.yaml", "--verbose"])
         assert raised.value is error and raised.traceback
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 
 from megarlhf.config import to_dict
 from megarlhf.config.schema import RunConfig
+from megarlhf.core.console import set_log_dir
 from megarlhf.core.errors import CheckpointError, ConfigError, DataError
 from megarlhf.core.outputs import check_replaceable
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
@@ -209,6 +210,7 @@ def start_run(config: RunConfig, trains: bool = True) -> RunContext:
         check_export_targets(config, run_dir)
         if runtime.launch.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+        set_log_dir(run_dir / "logs")  # tracebacks of errors inside megarlhf
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run = RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)
     notice = None if runtime.is_engine_rank else prefix_sharing_notice(config, runtime)
