@@ -32,5 +32,5 @@ setup(
         # experiment trackers beyond TensorBoard (logging.backends: wandb, mlflow)
         "tracking": ["wandb==0.31.0", "mlflow-skinny==3.17.2"],
     },
-    entry_points={"console_scripts": ["megarlhf=megarlhf.cli:main"]},
+    entry_points={"console_scripts": ["megarlhf=megarlhf.__main__:run"]},
 )

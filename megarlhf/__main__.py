@@ -1,9 +1,22 @@
-"""``python -m megarlhf ...``: the same command line as the ``megarlhf`` script (see megarlhf.cli)."""
+"""``python -m megarlhf ...`` and the ``megarlhf`` script: the command line of megarlhf.cli, quiet unless
+``--verbose`` (megarlhf.core.quiet: the environment is set before torch is imported)."""
 import sys
 
-from megarlhf.cli import main
+from megarlhf.core.quiet import quiet_environment, route_logs
+
+
+def run() -> int:
+    verbose = "--verbose" in sys.argv[1:]
+    if not verbose:
+        quiet_environment()
+    from megarlhf.cli import main
+
+    if not verbose:
+        route_logs()
+    return main()
+
 
 # The guard matters: Megatron's checkpoint saver starts a multiprocessing Manager, whose child process
 # re-imports the main module.
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

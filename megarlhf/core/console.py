@@ -17,12 +17,22 @@ import traceback
 from pathlib import Path
 
 _log_dir: Path | None = None
+_log_dir_listeners: list = []
+
+
+def on_log_dir(listener) -> None:
+    """Calls ``listener(path)`` when the run's log directory is set (at once if it is already)."""
+    _log_dir_listeners.append(listener)
+    if _log_dir is not None:
+        listener(_log_dir)
 
 
 def set_log_dir(path: Path) -> None:
-    """Where the run keeps its logs (tracebacks of internal errors go there)."""
+    """Where the run keeps its logs (this rank's log, tracebacks of internal errors)."""
     global _log_dir
     _log_dir = Path(path)
+    for listener in _log_dir_listeners:
+        listener(_log_dir)
 
 
 def _rank() -> int:

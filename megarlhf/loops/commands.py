@@ -95,6 +95,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Evaluates ``model.path`` on ``data.eval_path``, prints the metrics as one JSON line and keeps them, with
     every sample (prompt, response, reward), in its own directory (:func:`eval_output_dir`): an evaluation
     never writes into the run directory's own records."""
+    from megarlhf.core.console import set_log_dir
     from megarlhf.learner import build_frozen
     from megarlhf.loops.evaluate import eval_output_dir, evaluate, write_eval_results
     from megarlhf.records.sample_log import SampleLog
@@ -108,6 +109,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if config.eval_reward is None:
         raise ConfigError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
     out = eval_output_dir(config, args.out)
+    set_log_dir(out / "logs")
     run = start_run(config, trains=False)
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)

@@ -164,8 +164,6 @@ class RunContext:
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
-        if dataset.num_dropped:
-            self.log(f"{path}: dropped {dataset.num_dropped} prompts longer than data.max_prompt_length")
         return dataset
 
 

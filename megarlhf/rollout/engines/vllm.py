@@ -98,7 +98,8 @@ def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
                   tensor_parallel_size=config.tensor_parallel_size, enable_sleep_mode=on_gpu,
                   # A prompt whose prefill is split over scheduler steps makes vLLM rewind the seeded
                   # request's generator offset, which CPU generators cannot do: on CPU prompts go whole.
-                  enable_chunked_prefill=on_gpu)
+                  enable_chunked_prefill=on_gpu,
+                  use_tqdm_on_load=False)  # a progress bar per weight reload; the run has its own progress
     if config.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if config.lora_rank:  # one adapter slot: the policy's current adapter (megarlhf.rollout.sync.adapters)
