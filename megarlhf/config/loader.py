@@ -110,8 +110,20 @@ def _convert_scalar(value: Any, annotation: Any, path: str) -> Any:
     raise ConfigError(f"{_where(path)}: expected {annotation.__name__}, got {value!r} ({type(value).__name__})")
 
 
+# Keys earlier versions of megarlhf accepted, and what replaced them: a recipe written for one of those versions
+# is refused with the replacement named.
+REMOVED_KEYS = {
+    "logging.tensorboard": "logging.backends: [tensorboard]",
+    "rollout.weight_sync_bucket_mb": "rollout.weight_sync.bucket_mb",
+    "rollout.weight_sync.probe_longest": "rollout.weight_sync.probe_max_length (0: no long probe sequence)",
+    "parallel.ref": "nothing: every model of a run shares the parallel.* layout",
+}
+
+
 def _unknown_key_error(key: str, known: list[str], path: str) -> ConfigError:
     full = f"{path}.{key}" if path else key
+    if full in REMOVED_KEYS:
+        return ConfigError(f"config key '{full}' was removed; use {REMOVED_KEYS[full]}")
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean '{path + '.' if path else ''}{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config key '{full}'{hint}; allowed keys under {_where(path)}: {', '.join(known)}")

@@ -15,18 +15,15 @@ with its line number, which ``datasets``' JSON builder does not do.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from megarlhf.core.errors import DataError
-
-
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+from megarlhf.core.hub import looks_like_hub_name
 
 
 def _missing_path_error(path: str) -> FileNotFoundError:
-    if _HUB_NAME.match(path):
+    if looks_like_hub_name(path):
         return FileNotFoundError(f"data path {path!r} does not exist; it looks like a Hugging Face hub name, "
                                  f"but megarlhf reads local files only (no hub access): download the "
                                  f"dataset and save it as JSONL, Parquet or a save_to_disk directory")

@@ -20,6 +20,7 @@ from megarlhf.config import to_dict
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.console import set_log_dir
 from megarlhf.core.errors import CheckpointError, ConfigError, DataError
+from megarlhf.core.hub import looks_like_hub_name
 from megarlhf.core.outputs import check_replaceable
 from megarlhf.data.prompts import PromptDataset, load_prompt_dataset
 from megarlhf.data.sampler import PromptSampler
@@ -172,7 +173,11 @@ def load_tokenizer(model_path: str):
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={model_path!r} is not an HF model directory (no config.json there)")
+        hint = (" it looks like a Hugging Face hub name, but megarlhf reads local directories only: download it "
+                "(huggingface-cli download NAME --local-dir DIR) or, for the models it knows, megarlhf fetch"
+                if looks_like_hub_name(model_path) else "")
+        raise FileNotFoundError(f"model.path={model_path!r} is not an HF model directory (no config.json there);"
+                                f"{hint}".rstrip(";"))
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:  # e.g. no tokenizer files: transformers' message, one line

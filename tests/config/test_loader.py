@@ -2,6 +2,7 @@
 dataclasses, overrides and every error path."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -119,3 +120,16 @@ def test_round_trip(tmp_path):
     assert again == config
     assert save_config(again, tmp_path / "again.yaml").read_text() == saved.read_text()
     assert from_dict(Root, {"path": "/x"}) == Root(path="/x")
+
+
+@pytest.mark.parametrize("override, replacement", [
+    ("logging.tensorboard=true", "use logging.backends: [tensorboard]"),
+    ("rollout.weight_sync_bucket_mb=64", "use rollout.weight_sync.bucket_mb"),
+    ("rollout.weight_sync.probe_longest=false", "use rollout.weight_sync.probe_max_length"),
+])
+def test_a_removed_key_is_refused_naming_its_replacement(override, replacement):
+    from megarlhf.config import RunConfig, load_config
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^config key '{key}' was removed; {re.escape(replacement)}"):
+        load_config(RunConfig, None, ["model.path=m", override])

@@ -48,11 +48,17 @@ def test_load_from_disk(tmp_path):
         read_records(str(tmp_path / "dd"))
 
 
-def test_missing_paths_and_hub_names(tmp_path):
+def test_missing_paths_and_hub_names(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist$"):
         read_records(str(tmp_path / "nope.jsonl"))
     with pytest.raises(FileNotFoundError, match="looks like a Hugging Face hub name.*no hub access"):
         read_records("openai/gsm8k")
+    # a typo in a local path gets no hub hint: a file extension, or a first folder that exists here
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for local in ("data/nope.jsonl", "data/nope", "x/train.parquet"):
+        with pytest.raises(FileNotFoundError, match="does not exist$"):
+            read_records(local)
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported extension '.csv'"):
         read_records(str(tmp_path / "d.csv"))
