@@ -114,7 +114,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return 0
-    prompts = run.load_prompts(config.data.eval_path)
+    prompts = run.load_prompts(config.data.eval_path, config.eval_reward)
     run.actor = build_frozen(config, run.runtime, "policy")  # the engine is synced from it and verified
     run.eval_reward = CombinedReward(config.eval_reward)  # held-out accuracy is the task's, never a learned proxy's
     run.rollout = build_rollout_phase(config, run.actor, [], run.tokenizer)

@@ -24,7 +24,7 @@ import math
 import re
 from fractions import Fraction
 
-from megarlhf.rewards.api import REWARDS, RewardInput, in_process, preload
+from megarlhf.rewards.api import REWARDS, RewardInput, in_process, needs_ground_truth, preload
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS = re.compile(r"(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -81,6 +81,7 @@ def parse_number(text: str) -> Fraction | float | None:
 
 
 @REWARDS.register("exact_match")
+@needs_ground_truth
 @in_process
 def exact_match(sample: RewardInput) -> float:
     answer = extract_final_answer(sample.response)
@@ -90,6 +91,7 @@ def exact_match(sample: RewardInput) -> float:
 
 
 @REWARDS.register("numeric")
+@needs_ground_truth
 @in_process
 def numeric(sample: RewardInput, rel_tol: float = 1e-9, abs_tol: float = 1e-9) -> float:
     answer = extract_final_answer(sample.response)
@@ -109,6 +111,7 @@ def _is_number_literal(parsed: list) -> bool:
 
 
 @REWARDS.register("math_verify")
+@needs_ground_truth
 @preload("math_verify")
 def math_verify(sample: RewardInput, require_number: bool = True) -> float:
     from math_verify import parse, verify

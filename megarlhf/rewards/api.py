@@ -44,6 +44,17 @@ def in_process(fn: RewardFn) -> RewardFn:
     return fn
 
 
+def needs_ground_truth(fn: RewardFn) -> RewardFn:
+    """Declares a reward function that scores against the row's answer (``sample.ground_truth``): a run
+    whose prompts lack it is refused before its first step instead of training on rewards of 0."""
+    fn.megarlhf_needs_ground_truth = True
+    return fn
+
+
+def wants_ground_truth(fn: RewardFn) -> bool:
+    return getattr(fn, "megarlhf_needs_ground_truth", False) is True
+
+
 def preload(*modules: str):
     """Declares modules a reward function imports when called (e.g. a heavy parser), which a worker process
     imports before it takes calls, so that no call's time limit pays for the import."""

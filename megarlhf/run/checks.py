@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
+from megarlhf.config.reward import RewardConfig
 from megarlhf.config.schema import RunConfig
-from megarlhf.core.errors import ConfigError
+from megarlhf.data.prompts import PromptDataset
+from megarlhf.core.errors import ConfigError, DataError
 from megarlhf.envs import ENVIRONMENTS, PARSERS
 from megarlhf.records.tracking import TRACKERS
 from megarlhf.rewards import REWARDS
+from megarlhf.rewards.api import resolve_reward, wants_ground_truth
 from megarlhf.rollout.engines import ENGINES
 
 
@@ -78,3 +81,14 @@ def _check_preference(config: RunConfig) -> None:
     if not PREFERENCE_LOSSES.get(preference.loss).label_smoothing and preference.params.label_smoothing != 0:
         raise ConfigError(f"preference.loss={preference.loss!r} has no label smoothing; set "
                           f"preference.params.label_smoothing=0 (got {preference.params.label_smoothing})")
+
+
+def check_ground_truths(dataset: PromptDataset, rewards: RewardConfig | None, answer_key: str) -> None:
+    """Refuses prompts without an answer when a reward function of ``rewards`` scores against it."""
+    needing = [spec.name for spec in (rewards.functions if rewards is not None else [])
+               if wants_ground_truth(resolve_reward(spec.name))]
+    missing = [example.index for example in dataset.examples if example.ground_truth is None]
+    if needing and missing:
+        raise DataError(f"{dataset.source}: {len(missing)} of {len(dataset)} prompts have no {answer_key!r} field "
+                        f"(data.answer_key; first: row {missing[0]}), which the reward {needing[0]} scores against; "
+                        f"set data.answer_key to the field holding the answers")

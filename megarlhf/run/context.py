@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from megarlhf.config import to_dict
+from megarlhf.config.reward import RewardConfig
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.console import set_log_dir
 from megarlhf.core.errors import CheckpointError, ConfigError, DataError
@@ -34,7 +35,7 @@ from megarlhf.records.sample_log import SampleLog
 from megarlhf.records.tracking import open_trackers
 from megarlhf.rewards import CombinedReward
 from megarlhf.run.checkpointer import RunCheckpointer
-from megarlhf.run.checks import check_config
+from megarlhf.run.checks import check_config, check_ground_truths
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
@@ -155,16 +156,19 @@ class RunContext:
 
     def train_and_eval_prompts(self) -> tuple[PromptDataset, PromptDataset | None]:
         """The prompts of ``data.train_path`` and of ``data.eval_path`` (None when unset)."""
-        data = self.config.data
-        return self.load_prompts(data.train_path), (self.load_prompts(data.eval_path) if data.eval_path else None)
+        config = self.config
+        train = self.load_prompts(config.data.train_path, config.reward)
+        return train, (self.load_prompts(config.data.eval_path, config.eval_reward) if config.data.eval_path else None)
 
-    def load_prompts(self, path: str) -> PromptDataset:
+    def load_prompts(self, path: str, rewards: RewardConfig | None) -> PromptDataset:
+        """The prompts at ``path``, refused when ``rewards`` score against answers some of them lack."""
         env = self.config.rollout.env
         describe = None if env is None else tool_describer(env, self.tokenizer)
         dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe)
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
+        check_ground_truths(dataset, rewards, self.config.data.answer_key)
         return dataset
 
 

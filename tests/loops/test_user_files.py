@@ -39,8 +39,8 @@ def megarlhf(*args: str, umask: int = 0o022) -> subprocess.CompletedProcess:
 
 
 def refused(result: subprocess.CompletedProcess, *fragments: str) -> str:
-    """The one line of a refused command, checked to name every fragment."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    """The one error line of a refused command (warnings aside), checked to name every fragment."""
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("megarlhf: warning:")]
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
     assert all(f in lines[0] for f in fragments), lines[0]
     return lines[0]
@@ -161,3 +161,12 @@ def test_a_resume_with_the_other_kind_of_optimizer_is_refused_naming_the_key(tra
     recipe, run = trained  # saved with the distributed optimizer
     refused(megarlhf("sft", str(recipe), "train.steps=5", "optim.use_distributed_optimizer=false"),
             "resume with optim.use_distributed_optimizer=true")
+
+
+def test_rl_prompts_without_the_answers_the_reward_needs_are_refused_before_training(trained, rl_assets, tmp_path):
+    recipe, _ = trained
+    _, data = rl_assets
+    refused(megarlhf("train", str(recipe), f"data.train_path={data / 'train.jsonl'}", "data.answer_key=solution",
+                     f"logging.run_dir={tmp_path / 'run'}"),
+            "prompts have no 'solution' field", "which the reward exact_match scores against")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
