@@ -110,7 +110,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError("megarlhf eval needs a verifier: reward.functions is empty, set eval.reward_functions")
     out = eval_output_dir(config, args.out)
     set_log_dir(out / "logs")
-    run = start_run(config, trains=False)
+    run = start_run(config, "eval")
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return 0
@@ -143,7 +143,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out).absolute()
     for target in [out] + ([adapter_dir(out)] if config.model.lora is not None else []):
         check_replaceable(target, args.overwrite, "--out" if target == out else "the adapter directory")
-    run = start_run(config, trains=False)
+    run = start_run(config, "export")
     run.actor = build_actor(config, run.runtime)
     if estimator_needs(config.algorithm.estimator).critic:  # a PPO run's checkpoint holds its critic, loaded whole
         run.critic = build_critic(config, run.runtime)

@@ -190,7 +190,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
     """Runs ``config.train.steps`` rounds of ``mode`` ("rs" or "online-dpo"; resuming if asked); returns the
     exported HF directory (None on the engine ranks of the disaggregated placement)."""
     check_iterative_config(config, mode)
-    run = start_run(config)
+    run = start_run(config, mode)
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return None

@@ -26,7 +26,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, **recorder_options
     offloaded = [m for m in (run.critic, run.reference, run.reward_model) if m is not None]
     calibration = Calibration.of_run(config, prompts.examples, run.stop_token_ids)
     run.rollout = build_rollout_phase(config, run.actor, offloaded, run.tokenizer, calibration)
-    run.checkpointer = RunCheckpointer(config, run.trained_models())
+    run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)
     sampler, first_step = run.resume(len(prompts))
     run.open_recorder(first_step, **recorder_options)
     return sampler, first_step

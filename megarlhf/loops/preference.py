@@ -99,7 +99,7 @@ def _desirable(dataset: PreferenceDataset, indices, device) -> torch.Tensor | No
 
 
 def _run_pairs(config: RunConfig, mode: str) -> Path:
-    run = start_run(config)
+    run = start_run(config, mode)
     runtime = run.runtime
     train = _load(run, config.data.train_path, mode)
     held_out = _load(run, config.data.eval_path, mode) if config.data.eval_path else None
@@ -110,7 +110,7 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
                                       run.actor)
     else:
         run.actor = build_reward_model(config, runtime, config.model.path, total_steps=config.train.steps)
-    run.checkpointer = RunCheckpointer(config, run.trained_models())
+    run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)
     sampler, first_step = run.resume(len(train))
     keys = _console_keys(config, mode)
     run.open_recorder(first_step, console_keys=(*keys, "eval/" + keys[1], "time/step_s"))

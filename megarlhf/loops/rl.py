@@ -46,7 +46,7 @@ from megarlhf.run.context import RunContext, start_run
 def train_rl(config: RunConfig) -> Path | None:
     """Runs ``config.train.steps`` RL steps (resuming if asked); returns the exported HF directory
     (None on the engine ranks of the disaggregated placement, which only serve rollouts)."""
-    run = start_run(config)
+    run = start_run(config, "train")
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return None

@@ -19,10 +19,10 @@ from megarlhf.learner import build_actor, export_policy, sft_step
 
 def train_sft(config: RunConfig) -> Path:
     """Runs ``config.train.steps`` SFT steps (resuming if asked); returns the exported HF directory."""
-    run = start_run(config)
+    run = start_run(config, "sft")
     dataset = load_sft_dataset(config.data.train_path, run.tokenizer, config.data)
     run.actor = build_actor(config, run.runtime, total_steps=config.train.steps)
-    run.checkpointer = RunCheckpointer(config, run.trained_models())
+    run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)
     sampler, first_step = run.resume(len(dataset))
     run.open_recorder(first_step, console_keys=("sft/loss", "sft/grad_norm", "sft/lr", "time/step_s"))
     for step in range(first_step, config.train.steps):

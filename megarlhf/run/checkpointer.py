@@ -94,7 +94,9 @@ def step_of(path: Path) -> int | None:
 class RunCheckpointer:
     """Saves and resumes the whole state of a run (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, models: dict[str, TrainModel]):
+    def __init__(self, config: RunConfig, models: dict[str, TrainModel], kind: str | None = None):
+        """``kind``: the command whose state this is (``sft``, ``dpo``, ...): saved with every checkpoint, and
+        a checkpoint of another kind is refused on resume (None: any kind, e.g. for ``megarlhf export``)."""
         if MAIN_ROLE not in models:
             raise ValueError(f"RunCheckpointer: models must include {MAIN_ROLE!r}, got {sorted(models)}")
         frozen = [role for role, m in models.items() if not m.trainable]
@@ -102,6 +104,7 @@ class RunCheckpointer:
             raise ValueError(f"RunCheckpointer: {frozen} have no optimizer; pass only trainable models (the frozen "
                              "reference is rebuilt from model.path, never checkpointed)")
         self.config = config
+        self.kind = kind
         self.models = dict(models)
         self.directory = Path(config.checkpoint.dir or Path(config.logging.run_dir) / "checkpoints").absolute()
         self.writer: AsyncCheckpointWriter | None = None  # made by the first save with checkpoint.async_save
@@ -131,12 +134,21 @@ class RunCheckpointer:
         checkpoint_metadata(path)  # a clear error when it is missing, incomplete or not a checkpoint
         return path
 
+    def _check_kind(self, path: Path) -> None:
+        saved = checkpoint_metadata(path)["metadata"].get("kind")  # None: saved before kinds were recorded
+        if self.kind is not None and saved is not None and saved != self.kind:
+            raise CheckpointError(f"{path} holds the state of a `megarlhf {saved}` run and this is a `megarlhf "
+                                  f"{self.kind}` run, which resumes only its own: choose another logging.run_dir "
+                                  "(or checkpoint.dir), or start from that run's export (model.path=<its run_dir>/hf)")
+
     def resume(self) -> dict | None:
         """Loads the checkpoint that ``checkpoint.resume`` names into the models (weights, optimizer state,
         lr schedule) and this rank's RNG streams; returns the saved ``extra_state`` (None: nothing to
         resume). Collective."""
         try:
             found = self._resume_path() if _rank() == 0 else None
+            if found is not None:
+                self._check_kind(found)
             error = None
         except CheckpointError as err:
             found, error = None, f"checkpoint.resume={self.config.checkpoint.resume!r}: {err}"
@@ -182,7 +194,9 @@ class RunCheckpointer:
         actor = self.models[MAIN_ROLE]
         training = TrainingState(actor.optimizer, actor.scheduler, self._companions(), capture_rng_state())
         path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state, overwrite=True,
-                               metadata={"step": step, "models": sorted(self.models)}, training=training,
+                               metadata={"step": step, "models": sorted(self.models),
+                                         **({"kind": self.kind} if self.kind is not None else {})},
+                               training=training,
                                writer=self.writer)
         if not self.config.checkpoint.async_save:
             self._after_publish([path])

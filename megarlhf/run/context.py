@@ -48,6 +48,7 @@ class RunContext:
     runtime: Runtime
     run_dir: Path
     tokenizer: object
+    command: str  # the megarlhf command running (its checkpoints are of this kind)
     resumed: dict | None = None  # the driver state of the checkpoint resume() loaded
     actor: TrainModel | None = None  # the trained model: the policy (a value-head model for ``megarlhf rm``)
     reference: TrainModel | None = None
@@ -189,6 +190,9 @@ def load_tokenizer(model_path: str):
                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
 
 
+READ_ONLY_COMMANDS = ("eval", "export")  # they read logging.run_dir and write elsewhere
+
+
 def check_export_targets(config: RunConfig, run_dir: Path) -> None:
     """Refuses, before any work, a run whose final export would have to replace a directory megarlhf did
     not write (``<run_dir>/hf``, and with LoRA its adapter beside it)."""
@@ -197,9 +201,10 @@ def check_export_targets(config: RunConfig, run_dir: Path) -> None:
         check_replaceable(target.absolute(), overwrite=True, what="the run's export directory")
 
 
-def start_run(config: RunConfig, trains: bool = True) -> RunContext:
-    """Initialises the ranks for ``config`` and returns the run's context. ``trains``: the run trains and
-    exports into ``logging.run_dir`` (False for ``eval`` and ``export``, which only read it).
+def start_run(config: RunConfig, command: str) -> RunContext:
+    """Initialises the ranks for ``config`` and returns the run's context. ``command``: the megarlhf command
+    (``train``, ``sft``, ...); all but ``eval`` and ``export``, which only read ``logging.run_dir``, train
+    and export into it.
 
     With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
     ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
@@ -213,13 +218,13 @@ def start_run(config: RunConfig, trains: bool = True) -> RunContext:
         placement.validate(world)
         runtime = init_parallel(config.parallel, seed=config.seed)
     run_dir = Path(config.logging.run_dir)
-    if trains:
+    if command not in READ_ONLY_COMMANDS:
         check_export_targets(config, run_dir)
         if runtime.launch.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
         set_log_dir(run_dir / "logs")  # tracebacks of errors inside megarlhf
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run = RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer)
+    run = RunContext(config=config, runtime=runtime, run_dir=run_dir, tokenizer=tokenizer, command=command)
     notice = None if runtime.is_engine_rank else prefix_sharing_notice(config, runtime)
     if notice:
         run.log(notice)

@@ -170,3 +170,14 @@ def test_rl_prompts_without_the_answers_the_reward_needs_are_refused_before_trai
                      f"logging.run_dir={tmp_path / 'run'}"),
             "prompts have no 'solution' field", "which the reward exact_match scores against")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_run_of_another_command_in_the_run_directory_is_refused_naming_both(trained, tmp_path):
+    """Before: `megarlhf dpo` on an SFT run's directory tried to resume its checkpoint and failed with an
+    unrelated message."""
+    recipe, run = trained
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "chosen": f" {i + 1}", "rejected": f" {i}"}) + "\n"
+                             for i in range(8)))
+    refused(megarlhf("dpo", str(recipe), f"data.train_path={pairs}", "data.eval_path=null"),
+            "holds the state of a `megarlhf sft` run and this is a `megarlhf dpo` run", "model.path=")
