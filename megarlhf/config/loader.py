@@ -117,6 +117,9 @@ REMOVED_KEYS = {
     "rollout.weight_sync_bucket_mb": "rollout.weight_sync.bucket_mb",
     "rollout.weight_sync.probe_longest": "rollout.weight_sync.probe_max_length (0: no long probe sequence)",
     "parallel.ref": "nothing: every model of a run shares the parallel.* layout",
+    "rollout.gpu_memory_utilization": "rollout.kv_cache_mb (the engine's KV cache in MiB, on CPU and GPU)",
+    "train.step0_logprob_tolerance": "gates.step0_max and gates.step0_mean (null: calibrated)",
+    "algorithm.policy.clip_eps": "algorithm.policy.clip_eps_low and algorithm.policy.clip_eps_high",
 }
 
 

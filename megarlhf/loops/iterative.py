@@ -208,11 +208,11 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
         metrics = scheduled_eval(run, eval_prompts, step)
         metrics.update(_round(run, mode, collect(run, sampler, prompts, step), step, kept_log))
         metrics["time/step_s"] = time.perf_counter() - start
-        run.recorder.log(step, metrics)
+        run.log_step(step, metrics)
         run.save(step + 1, lambda: {"sampler": sampler.state_dict()})
     run.checkpointer.close()
     if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
-        run.recorder.log(steps, scheduled_eval(run, eval_prompts, steps, last=True))
+        run.log_step(steps, scheduled_eval(run, eval_prompts, steps, last=True))
     return run.finish_policy_run(CONSOLE_KEYS[mode][:4])
 
 

@@ -120,11 +120,11 @@ def _run_pairs(config: RunConfig, mode: str) -> Path:
         metrics = _evaluate_pairs(run, held_out, reference, step)
         metrics.update(_pair_step(run, mode, train, sampler.next_batch(), reference))
         metrics["time/step_s"] = time.perf_counter() - start
-        run.recorder.log(step, metrics)
+        run.log_step(step, metrics)
         run.save(step + 1, lambda: {"sampler": sampler.state_dict()})
     run.checkpointer.close()
     if held_out is not None and config.eval.every:  # also after resuming a finished run (as in rl.py)
-        run.recorder.log(config.train.steps, _evaluate_pairs(run, held_out, reference, config.train.steps))
+        run.log_step(config.train.steps, _evaluate_pairs(run, held_out, reference, config.train.steps))
     run.close()
     out = run.run_dir / "hf"
     if mode == "dpo":

@@ -73,11 +73,11 @@ def train_rl(config: RunConfig) -> Path | None:
         metrics.update(rl_update(run, got, batch, step, baseline))  # 7-9
         metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                         "time/step_s": time.perf_counter() - start})
-        run.recorder.log(step, metrics)  # 10
+        run.log_step(step, metrics)  # 10
         run.save(step + 1, lambda: {"sampler": sampler.state_dict(), **batches.state(step + 1)})
     run.checkpointer.close()
     if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone
-        run.recorder.log(config.train.steps, scheduled_eval(run, eval_prompts, config.train.steps, last=True))
+        run.log_step(config.train.steps, scheduled_eval(run, eval_prompts, config.train.steps, last=True))
     return run.finish_policy_run()
 
 

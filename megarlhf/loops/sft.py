@@ -31,7 +31,7 @@ def train_sft(config: RunConfig) -> Path:
         examples = [dataset[i] for i in sampler.next_batch()]
         metrics = sft_step(run.actor, examples, config, on_nonfinite=config.train.on_nonfinite, pad_id=run.pad_id)
         metrics["time/step_s"] = time.perf_counter() - start
-        run.recorder.log(step, metrics)
+        run.log_step(step, metrics)
         run.save(step + 1, lambda: {"sampler": sampler.state_dict()})  # checkpoints are named by completed steps
     run.checkpointer.close()
     run.close()

@@ -127,6 +127,15 @@ class RunContext:
                                         log_every=settings.log_every, **options)
         return self.recorder
 
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Records ``step``'s metrics (:class:`MetricsRecorder`) with the trainer ranks' resident memory:
+        ``memory/rss_gb_max`` (the largest rank's), ``memory/rss_gb_mean``, ``memory/rss_gb_rank0``.
+        Collective over the trainer ranks."""
+        resident = self.runtime.all_gather_objects(resident_gb(), over="trainers")
+        memory = {"memory/rss_gb_max": max(resident), "memory/rss_gb_mean": sum(resident) / len(resident),
+                  "memory/rss_gb_rank0": resident[0]}
+        self.recorder.log(step, {**metrics, **memory})
+
     def save(self, completed_steps: int, state: Callable[[], dict]) -> None:
         """A checkpoint after ``completed_steps`` steps when ``checkpoint.every`` (or the end) says so, holding
         the driver's ``state()`` (asked for only then: taking it can be collective)."""
@@ -171,6 +180,13 @@ class RunContext:
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
         check_ground_truths(dataset, rewards, self.config.data.answer_key)
         return dataset
+
+
+def resident_gb() -> float:
+    """This process's resident memory in GiB (the engine runs in it; worker processes are not counted)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def load_tokenizer(model_path: str):

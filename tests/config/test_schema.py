@@ -225,8 +225,10 @@ def test_kl_is_on_has_one_definition(recipe):
     assert not load_config(RunConfig, recipe, ["algorithm.kl_mode=none", "algorithm.kl.coef=0.1"]).algorithm.uses_reference
 
 
-def test_removed_settings_are_unknown_keys(recipe):
-    for key in ("rollout.gpu_memory_utilization=0.5", "rollout.weight_sync_bucket_mb=1",
-                "train.step0_logprob_tolerance=1e-3", "algorithm.policy.clip_eps=0.2"):
-        with pytest.raises(ConfigError, match="unknown config key"):
+def test_removed_settings_are_refused_naming_their_replacement(recipe):
+    for key, replacement in (("rollout.gpu_memory_utilization=0.5", "rollout.kv_cache_mb"),
+                             ("rollout.weight_sync_bucket_mb=1", "rollout.weight_sync.bucket_mb"),
+                             ("train.step0_logprob_tolerance=1e-3", "gates.step0_max"),
+                             ("algorithm.policy.clip_eps=0.2", "algorithm.policy.clip_eps_low")):
+        with pytest.raises(ConfigError, match=f"was removed; use {replacement}"):
             load_config(RunConfig, recipe, [key])

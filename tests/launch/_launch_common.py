@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "examples" / "recipes" / "tiny_ppo.yaml"
 # Keys that measure time, not training; every other metric must match across launchers.
-TIMING = ("time/", "throughput/", "perf/")
+TIMING = ("time/", "throughput/", "perf/", "memory/")
 
 
 def overrides(assets, run_dir) -> list[str]:

@@ -96,7 +96,7 @@ def test_evaluate_accuracy_and_pass_at_k_on_a_scripted_rollout():
     examples = [PromptExample(i, f"p{i}", [tok], None) for i, tok in enumerate(correct)]
     config = RunConfig(model=ModelConfig(path="unused"), eval=EvalConfig(n_samples=4, pass_at_k=[1, 2, 4]))
     phase = _Phase(correct)
-    run = RunContext(config, _runtime(), Path("unused"), _Tokenizer(), eval_reward=_reward, rollout=phase)
+    run = RunContext(config, _runtime(), Path("unused"), _Tokenizer(), "eval", eval_reward=_reward, rollout=phase)
     metrics = evaluate(run, examples, 0)
     assert metrics["eval/prompts"] == 3 and metrics["eval/accuracy"] == pytest.approx(5 / 12)
     for k in (1, 2, 4):

@@ -15,7 +15,7 @@ from megarlhf.testing.launch import run_torchrun
 from _rl_recipe import kill_after_checkpoint, write_recipe
 
 CLI = Path(megarlhf.__file__).with_name("__main__.py")
-TIMING = ("time/", "weight_sync/bytes_per_s")
+TIMING = ("time/", "weight_sync/bytes_per_s", "memory/")  # measured, not computed
 REWARD_MODULE = '''
 def digits(sample):
     """A graded reward: the number of digits in the response, in tenths (capped at 1)."""

@@ -26,7 +26,7 @@ REWARDS = {"PYTHONPATH": str(Path(__file__).parent)}  # the test reward module '
 
 LORA = ["model.lora={rank: 4, alpha: 8.0}"]
 SIGNAL = ["reward.functions=[{name: '_rewards:even_length'}]", "optim.lr=1.0e-2", "eval.every=0"]
-TIMING = ("time/", "weight_sync/bytes_per_s")
+TIMING = ("time/", "weight_sync/bytes_per_s", "memory/")  # measured, not computed
 
 
 def _logits(model, ids):

@@ -21,7 +21,7 @@ CLI = Path(megarlhf.__file__).with_name("__main__.py")
 REWARDS = {"PYTHONPATH": str(Path(__file__).parent)}  # the test reward module '_rewards'
 MOE = ["parallel.expert_model_parallel_size=2", "reward.functions=[{name: '_rewards:digit_fraction'}]",
        "optim.lr=1.0e-2", "eval.every=0", "train.global_batch_size=8"]
-TIMING = ("time/", "weight_sync/bytes_per_s")
+TIMING = ("time/", "weight_sync/bytes_per_s", "memory/")  # measured, not computed
 
 
 @pytest.fixture(scope="module")

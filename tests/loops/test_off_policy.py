@@ -13,7 +13,7 @@ from _rl_recipe import WORKER, kill_after_checkpoint, write_recipe
 OFF_POLICY = ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}", "rollout.max_staleness=1",
               "reward.functions=[{name: '_rewards:even_length'}]", "optim.lr=1.0e-3", "eval.every=0",
               "train.steps=4", "checkpoint.every=2"]
-TIMING = ("time/", "weight_sync/bytes_per_s")
+TIMING = ("time/", "weight_sync/bytes_per_s", "memory/")  # measured, not computed
 
 
 def _run(tmp_path, name, *extra):

@@ -2,6 +2,7 @@
 megarlhf's own lines only: the progress, the export, and each warning of megarlhf's once; what vLLM,
 Megatron and torch log is in ``<run_dir>/logs/rank<N>.log``. (Before: ~106 lines for 2 steps, 60+ of them
 vLLM's INFO on both ranks, progress bars and library deprecation warnings.)"""
+import json
 import os
 import subprocess
 import sys
@@ -24,3 +25,7 @@ def test_an_rl_run_prints_only_megarlhf_lines_and_logs_the_rest(rl_assets, tmp_p
     logs = {path.name: path.read_text() for path in (tmp_path / "run" / "logs").iterdir()}
     assert set(logs) == {"rank0.log", "rank1.log"}
     assert all(" INFO vllm" in text for text in logs.values())  # vLLM's lines are kept, not lost
+    # every record carries the ranks' resident memory (the largest, the mean, rank 0's)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(0.2 < r["memory/rss_gb_rank0"] <= r["memory/rss_gb_max"] < 20 for r in records)
+    assert all(r["memory/rss_gb_mean"] <= r["memory/rss_gb_max"] for r in records)

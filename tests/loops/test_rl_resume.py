@@ -12,7 +12,7 @@ from megarlhf.testing.launch import run_torchrun
 
 from _rl_recipe import WORKER, kill_after_checkpoint, write_recipe
 
-TIMING = ("time/", "weight_sync/bytes_per_s")
+TIMING = ("time/", "weight_sync/bytes_per_s", "memory/")  # measured, not computed
 
 
 def _recipe(tmp_path, assets, run_dir):
