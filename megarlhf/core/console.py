@@ -13,6 +13,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -61,12 +62,29 @@ def first_to_report(message: str) -> bool:
     digest = hashlib.sha256(message.encode("utf-8", "replace")).hexdigest()[:16]
     try:
         directory.mkdir(mode=0o700, exist_ok=True)
+        if directory.is_symlink() or directory.stat().st_uid != os.getuid():
+            return True  # not ours: print rather than trust it
+    except OSError:  # a file in the way, no temp directory: print
+        return True
+    try:
         os.close(os.open(directory / f"{key}-{digest}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         return False
     except OSError:
         return True
+    _forget_old_markers(directory)
     return True
+
+
+def _forget_old_markers(directory: Path, max_age_s: float = 86400.0) -> None:
+    """Markers of launches that ended long ago (only a running launch's markers matter)."""
+    now = time.time()
+    for marker in directory.iterdir():
+        try:
+            if now - marker.stat().st_mtime > max_age_s:
+                marker.unlink()
+        except OSError:
+            pass
 
 
 def report_error(command: str, message: str, where: str = "") -> None:
@@ -82,7 +100,8 @@ def report_internal_error(command: str, err: BaseException) -> None:
     path = directory / f"traceback-{command}-rank{_rank()}-{os.getpid()}.txt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(traceback.format_exception(err)))
+        with os.fdopen(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "w") as f:  # may hold paths, values
+            f.write("".join(traceback.format_exception(err)))
         where = f"an error inside megarlhf: traceback in {path}, or run with --verbose"
     except OSError:
         where = "an error inside megarlhf: run with --verbose for the traceback"

@@ -32,6 +32,15 @@ logging: {run_dir: RUN}
 """
 
 
+def megarlhf_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """A command refused before it starts ranks, run in this process (a subprocess costs ~6 s of imports)."""
+    from megarlhf import cli
+
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
 def megarlhf(*args: str, umask: int = 0o022) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "megarlhf", *args], capture_output=True, text=True, env=env,
@@ -91,7 +100,7 @@ def test_the_run_record_is_written_once_and_a_changed_resume_is_recorded_beside_
     assert again.returncode == 0 and sorted(p.name for p in run.glob("config*")) == ["config.step-2.yaml", "config.yaml"]
 
 
-def test_eval_keeps_its_results_and_samples_in_a_directory_of_its_own(trained):
+def test_eval_keeps_its_results_and_samples_in_a_directory_of_its_own(trained, capsys):
     recipe, run = trained
     record, metrics = (run / "config.yaml").read_text(), (run / "metrics.jsonl").read_text()
     done = megarlhf("eval", str(recipe), f"model.path={run / 'hf'}")
@@ -104,17 +113,18 @@ def test_eval_keeps_its_results_and_samples_in_a_directory_of_its_own(trained):
     assert len(samples) == 4 and all({"prompt", "response", "reward", "ground_truth"} <= s.keys() for s in samples)
     assert yaml.safe_load((out / "config.yaml").read_text())["model"]["path"] == str(run / "hf")
     mine = user_dir(run.parent / "mine")
-    refused(megarlhf("eval", str(recipe), f"model.path={run / 'hf'}", "--out", str(run.parent / "mine")),
+    refused(megarlhf_here(capsys, "eval", str(recipe), f"model.path={run / 'hf'}", "--out", str(run.parent / "mine")),
             "not written by megarlhf")
     assert intact(run.parent / "mine", mine)
 
 
-def test_exports_refuse_the_users_directories_and_get_the_umask_modes(trained, tmp_path):
+def test_exports_refuse_the_users_directories_and_get_the_umask_modes(trained, tmp_path, capsys):
     recipe, run = trained
     mine = user_dir(tmp_path / "mine")
     for extra in ([], ["--overwrite"]):
-        refused(megarlhf("export", str(run), "--out", str(tmp_path / "mine"), *extra), "not written by megarlhf")
-        refused(megarlhf("convert", "megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2"),
+        refused(megarlhf_here(capsys, "export", str(run), "--out", str(tmp_path / "mine"), *extra),
+                "not written by megarlhf")
+        refused(megarlhf_here(capsys, "convert", "megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2"),
                          "--out", str(tmp_path / "mine"), *extra), "not written by megarlhf")
     assert intact(tmp_path / "mine", mine)
 
@@ -123,7 +133,7 @@ def test_exports_refuse_the_users_directories_and_get_the_umask_modes(trained, t
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "model.safetensors").read_bytes() == (run / "hf" / "model.safetensors").read_bytes()
     assert modes(out) == {0o640} and modes(run / "hf") == {0o644}
-    refused(megarlhf("export", str(run), "--out", str(out)), "already exists", "--overwrite")
+    refused(megarlhf_here(capsys, "export", str(run), "--out", str(out)), "already exists", "--overwrite")
     assert megarlhf("export", str(run), "--out", str(out), "--overwrite").returncode == 0
 
 
