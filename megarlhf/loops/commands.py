@@ -26,7 +26,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a run directory (its recorded config is used) or the run's YAML recipe")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. parallel.tensor_model_parallel_size=2")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. parallel.tensor_model_parallel_size=2")
     parser.add_argument("--out", required=True, help="HF directory to write (a new or empty one)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out when it is an earlier export (never a directory megarlhf did not write)")
@@ -38,6 +39,9 @@ def _config(args: argparse.Namespace, needs_train_data: bool = False):
 
     recipe, overrides = args.recipe, list(args.overrides)
     if Path(recipe).is_dir():  # a run directory: the config it recorded, found where the directory is now
+        if args.command != "export":  # the record is redacted: a run needs the recipe that holds its secrets
+            raise ConfigError(f"{recipe} is a directory: megarlhf {args.command} takes a YAML recipe (only "
+                              "export takes a run directory)")
         record = newest_record(Path(recipe))
         if record is None:
             raise ConfigError(f"{recipe} is a directory without a recorded config.yaml: give the run's directory "

@@ -34,7 +34,8 @@ def eval_output_dir(config: RunConfig, out: str | None) -> Path:
     if out is not None:
         check_replaceable(Path(out), overwrite=False, what="eval --out")
         return Path(out)
-    base = Path(config.logging.run_dir) / "eval" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    base = Path(config.logging.run_dir) / "eval" / now.strftime("%Y%m%d-%H%M%S")
     path, n = base, 1
     while path.exists():
         n += 1

@@ -123,7 +123,8 @@ class MetricsRecorder:
         bar = "#" * filled + "." * (width - filled)
         label = f"step {step}" if step < self.total_steps else "final eval"
         ran = done - self._first_step
-        eta = f", {_duration(elapsed / ran * (self.total_steps - done))} left" if ran > 0 and done < self.total_steps else ""
+        left = self.total_steps - done
+        eta = f", {_duration(elapsed / ran * left)} left" if ran > 0 and left > 0 else ""
         print(f"[{bar}] {label} ({done}/{self.total_steps} done)  {figures}  ({_duration(elapsed)}{eta})",
               file=self.stream, flush=True)
 

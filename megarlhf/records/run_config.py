@@ -5,8 +5,8 @@ checkpoint, if any, loaded), so a command that fails before that (a misspelt dat
 leaves the record as it was. The first successful start writes ``config.yaml``; a later start with the same
 config as the latest start's writes nothing; one with a different config (a resume with another learning
 rate, a longer schedule) keeps the records and writes its own as ``config.step-N.yaml`` (N: the step it
-starts from), and the difference from the latest start's is returned for the log. Both are redacted (:mod:`megarlhf.config.redact`)
-and get the modes the umask gives.
+starts from), and the difference from the latest start's is returned for the log. Every record is
+redacted (:mod:`megarlhf.config.redact`) and gets the modes the umask gives.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ import pytest
 from megarlhf.config import RunConfig, load_config, to_dict
 from megarlhf.config.redact import REDACTED, is_secret_key, redact, redact_text
 
-RECIPES = sorted(p for p in (Path(__file__).parents[2] / "examples" / "recipes").glob("*.yaml") if p.name != "layouts.yaml")
+RECIPES = sorted(p for p in (Path(__file__).parents[2] / "examples" / "recipes").glob("*.yaml")
+                 if p.name != "layouts.yaml")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -24,7 +25,8 @@ def test_the_shipped_recipes_have_nothing_to_redact(recipe):
                                  "aws_secret_key", "credentials", "access_key", "auth"])
 def test_secret_like_keys(key):
     assert is_secret_key(key)
-    assert redact({"kwargs": {key: "v", "nested": [{key: 3}]}}) == {"kwargs": {key: REDACTED, "nested": [{key: REDACTED}]}}
+    assert redact({"kwargs": {key: "v", "nested": [{key: 3}]}}) == {
+        "kwargs": {key: REDACTED, "nested": [{key: REDACTED}]}}
 
 
 @pytest.mark.parametrize("key", ["max_new_tokens", "pad_token_id", "tokenizer", "token_budget", "keep_last",

@@ -21,7 +21,8 @@ def test_an_rl_run_prints_only_megarlhf_lines_and_logs_the_rest(rl_assets, tmp_p
     assert len(err) == len(set(err))  # each once, not once per rank
     progress = [line for line in out if line.startswith("[")]
     assert len(progress) == 3 and "step 0 (1/2 done)" in progress[0] and "final eval" in progress[2]
-    assert [line for line in out if not line.startswith("[")] == [f"exported the trained policy to {tmp_path / 'run' / 'hf'}"]
+    others = [line for line in out if not line.startswith("[")]
+    assert others == [f"exported the trained policy to {tmp_path / 'run' / 'hf'}"]
     logs = {path.name: path.read_text() for path in (tmp_path / "run" / "logs").iterdir()}
     assert set(logs) == {"rank0.log", "rank1.log"}
     assert all(" INFO vllm" in text for text in logs.values())  # vLLM's lines are kept, not lost

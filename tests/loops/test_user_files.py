@@ -1,8 +1,8 @@
 """Nothing a user made is deleted or overwritten, through the command line as a user runs it (one process,
 the tiny Qwen2 model): a run's ``config.yaml`` is written once, by its first successful start; a failed
 command leaves it; a resume with another config keeps it and records its own beside it, naming the
-changes, and its learning rate and schedule take effect; ``eval`` writes into a directory of its own with every sample; ``export``, ``convert`` and a
-run's own final export refuse a directory megarlhf did not write, ``--overwrite`` or not; what megarlhf
+changes, and its learning rate and schedule take effect; ``eval`` writes into a directory of its own with
+every sample; ``export``, ``convert`` and a run's own final export refuse a directory megarlhf did not write, ``--overwrite`` or not; what megarlhf
 writes for the user has the modes the umask gives.
 """
 import json
@@ -97,7 +97,8 @@ def test_the_run_record_is_written_once_and_a_changed_resume_is_recorded_beside_
     assert yaml.safe_load((run / "config.step-2.yaml").read_text())["train"]["steps"] == 3
     assert "differs from" in resumed.stdout and "train.steps: 2 -> 3" in resumed.stdout
     again = megarlhf("sft", str(recipe), "train.steps=3")  # the same config again: nothing new
-    assert again.returncode == 0 and sorted(p.name for p in run.glob("config*")) == ["config.step-2.yaml", "config.yaml"]
+    records = sorted(p.name for p in run.glob("config*"))
+    assert again.returncode == 0 and records == ["config.step-2.yaml", "config.yaml"]
 
 
 def test_eval_keeps_its_results_and_samples_in_a_directory_of_its_own(trained, capsys):

@@ -25,10 +25,10 @@ def test_prompts_without_answers_are_refused_when_a_reward_scores_against_them()
             for i, answer in enumerate(["5", None, None])]
     dataset = PromptDataset(rows, 0, "train.jsonl")
     for name in ("exact_match", "numeric", "math_verify"):
-        with pytest.raises(DataError, match=rf"^train.jsonl: 2 of 3 prompts have no 'solution' field \(data.answer_key; "
-                                            rf"first: row 1\), which the reward {name} scores against"):
-            check_ground_truths(dataset, RewardConfig(functions=[RewardSpec("test_context:length_reward"), RewardSpec(name)]),
-                                "solution")
+        rewards = RewardConfig(functions=[RewardSpec("test_context:length_reward"), RewardSpec(name)])
+        with pytest.raises(DataError, match=rf"^train.jsonl: 2 of 3 prompts have no 'solution' field "
+                                            rf"\(data.answer_key; first: row 1\), which the reward {name} scores"):
+            check_ground_truths(dataset, rewards, "solution")
     # a function that does not declare it (a user's, a length reward) and no reward at all: accepted
     check_ground_truths(dataset, RewardConfig(functions=[RewardSpec("test_context:length_reward")]), "answer")
     check_ground_truths(dataset, None, "answer")
