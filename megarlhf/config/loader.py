@@ -233,10 +233,15 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
 
 
 def save_config(config: Any, path: str | os.PathLike) -> Path:
-    """Writes the resolved config as YAML (atomically: a partial file is never left behind), with the umask's modes."""
+    """Writes the resolved config as YAML (:func:`save_yaml`)."""
+    return save_yaml(to_dict(config), path)
+
+
+def save_yaml(tree: Any, path: str | os.PathLike) -> Path:
+    """Writes plain data as YAML, atomically (a partial file is never left behind), with the umask's modes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+    text = yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)

@@ -11,17 +11,14 @@ redacted (:mod:`megarlhf.config.redact`) and gets the modes the umask gives.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from megarlhf.config import to_dict
+from megarlhf.config.loader import save_yaml, to_dict
 from megarlhf.config.redact import redact
-from megarlhf.core.outputs import apply_umask
 
 RECORD = "config.yaml"
 MAX_CHANGES_SHOWN = 6
@@ -44,15 +41,6 @@ def config_changes(before: Any, after: Any) -> list[str]:
     return [f"{key}: {json.dumps(old.get(key, missing)) if key in old else '(absent)'} -> "
             f"{json.dumps(new[key]) if key in new else '(absent)'}"
             for key in sorted(old.keys() | new.keys()) if old.get(key, missing) != new.get(key, missing)]
-
-
-def write_yaml(tree: Any, path: Path) -> None:
-    """Writes ``tree`` as YAML at ``path`` atomically, with the umask's modes."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(tree, f, sort_keys=False, default_flow_style=False)
-    apply_umask(Path(tmp))
-    os.replace(tmp, path)
 
 
 def _read_record(path: Path) -> Any:
@@ -84,7 +72,7 @@ def record_run_config(config: Any, run_dir: Path, first_step: int) -> str | None
     tree = redact(to_dict(config))
     record = run_dir / RECORD
     if not record.exists():
-        write_yaml(tree, record)
+        save_yaml(tree, record)
         return None
     latest = newest_record(run_dir)  # the previous start's config
     recorded = _read_record(latest)
@@ -95,7 +83,7 @@ def record_run_config(config: Any, run_dir: Path, first_step: int) -> str | None
         n += 1
         path = run_dir / f"config.step-{first_step}.{n}.yaml"
     if not path.exists():
-        write_yaml(tree, path)
+        save_yaml(tree, path)
     changes = config_changes(recorded, tree)
     shown = "; ".join(changes[:MAX_CHANGES_SHOWN]) + (f"; and {len(changes) - MAX_CHANGES_SHOWN} more"
                                                      if len(changes) > MAX_CHANGES_SHOWN else "")
