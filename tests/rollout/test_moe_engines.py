@@ -2,7 +2,9 @@
 greedy tokens equal transformers'; an in-place weight load (as the weight sync does it) leaves the engine's
 fused expert parameters bit-identical to the sync's prediction and its log-probs equal to transformers' on
 the new weights. vLLM's CPU experts were computing with stale prepacked weights after such a load (a 0.23
-log-prob gap) until megarlhf re-ran their preparation (megarlhf.rollout.engines.weights.repack_experts)."""
+log-prob gap) until megarlhf re-ran their preparation (megarlhf.rollout.engines.weights.prepare_experts); with
+an expert ffn size the CPU kernel pads (48 -> 64) the in-place load stopped with vLLM's bare "size of tensor a
+(128) must match the size of tensor b (96)" ("qwen3_moe_ffn48")."""
 from __future__ import annotations
 
 import json
@@ -22,17 +24,22 @@ def moe_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("moe_engines")
     for seed, arch in enumerate(("qwen3_moe", "qwen2_moe", "mixtral")):
         make_tiny_model(arch, root / arch, seed=20 + seed)
+    make_tiny_model("qwen3_moe", root / "qwen3_moe_ffn48", seed=23, moe_intermediate_size=48)
     return root
+
+
+MODELS = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_moe_ffn48"]
 
 
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_moe_engine_generates_loads_and_verifies(moe_models, tmp_path, backend):
-    proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(moe_models), str(tmp_path)], capture_output=True,
-                          text=True, timeout=900, env={"OMP_NUM_THREADS": "2", **__import__("os").environ})
+    proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(moe_models), str(tmp_path), *MODELS],
+                          capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "2", **__import__("os").environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["arch"] for r in results] == ["qwen3_moe", "qwen2_moe", "mixtral"]
-    experts = {"qwen3_moe": 2 * 8 * 3, "qwen2_moe": 2 * 6 * 3, "mixtral": 2 * 6 * 3}  # MoE layers x experts x 3
+    assert [r["arch"] for r in results] == MODELS
+    # MoE layers x experts x 3
+    experts = {"qwen3_moe": 2 * 8 * 3, "qwen2_moe": 2 * 6 * 3, "mixtral": 2 * 6 * 3, "qwen3_moe_ffn48": 2 * 8 * 3}
     for r in results:
         assert r["greedy_equal"] is True, r
         assert r["fingerprint_problems"] == [], r

@@ -16,7 +16,7 @@ from megarlhf.rollout.engines.fingerprint import fingerprint
 from megarlhf.rollout.engines.shared_tensor import open_shared
 from megarlhf.rollout.engines.weights import (ExpectedReloadNotices, ProcessingCapture, adapter_report,
                                               arrival_report, expert_placement, fused_parameters, parameter_report,
-                                              repack_experts, reprocess_tied, tied_modules)
+                                              reprocess_tied, tied_modules)
 
 
 def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], sharded: bool) -> dict:
@@ -34,10 +34,9 @@ def reload_and_report(worker, weights: Iterable[tuple[str, torch.Tensor]], shard
     with ProcessingCapture(model) as capture, ExpectedReloadNotices(model):
         worker.reload_weights(weights_iterator=arriving())
         reprocess_tied(tied)
-    report = arrival_report(arrived, capture) if sharded else \
-        parameter_report(model, capture, worker.model_runner.model_config.dtype)
-    repack_experts(model)  # after the report: see weights.repack_experts
-    return report
+    if sharded:
+        return arrival_report(arrived, capture)
+    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
 
 
 def reload_checkpoint_and_report(worker, sharded: bool) -> dict:
@@ -92,9 +91,7 @@ def finish_session(worker) -> dict:
     finally:
         capture.__exit__(None, None, None)
         worker.megarlhf_notices.__exit__(None, None, None)
-    report = parameter_report(model, capture, worker.model_runner.model_config.dtype)
-    repack_experts(model)
-    return report
+    return parameter_report(model, capture, worker.model_runner.model_config.dtype)
 
 
 def layout(worker) -> tuple[dict[str, list[str]], dict[str, tuple[str, int]]]:

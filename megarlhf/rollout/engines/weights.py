@@ -13,7 +13,10 @@ kernel keeps of a parameter of the model's lower-precision dtype (vLLM's AMX pat
 upcasts the bias) is fingerprinted in the model's dtype when that holds its values exactly (the kernel
 reads the same values), else as it is (:func:`as_model_dtype`). A layer with such
 processing that did not run during this reload (a tied LM head vLLM's reload skips, a bucket that never
-arrived) is reported as a problem: its kernels may still use the previous weights.
+arrived) is reported as a problem: its kernels may still use the previous weights. The routed experts of
+an MoE layer, stacked in two parameters that the MoE kernel pads and prepacks, are reported one HF tensor at
+a time, as the loader wrote them (:func:`expert_slices`), so any padding of the engine's layout is its own
+business; their preparation for the kernel is then re-run (:func:`prepare_experts`).
 
 With LoRA enabled (adapter-only sync, :mod:`megarlhf.rollout.sync.adapters`) vLLM wraps each linear layer
 as ``<layer>.base_layer``; reports name parameters without that segment, as the HF checkpoint does, and
@@ -92,51 +95,67 @@ def reprocess_tied(modules: list[torch.nn.Module]) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
-def repack_experts(model: torch.nn.Module) -> None:
-    """Re-runs the MoE kernel's own weight preparation of every expert layer after an in-place reload.
-
-    vLLM (0.32) prepares the experts' weights for its kernel (on CPU: prepacked into the grouped-GEMM
-    layout, in place) only at the first load; after a reload the parameters hold the checkpoint layout
-    again while the kernel still reads them as prepacked, and the engine computes with scrambled experts
-    (the probe of the weight sync saw a 0.2 log-prob gap on a tiny Qwen3-MoE). Call it after the report:
-    the fingerprints are of the checkpoint layout the trainer predicts, the preparation a deterministic
-    function of it. Does nothing for layers without such a kernel (dense models)."""
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None and hasattr(module, "w13_weight"):
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
 def fused_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
     """vLLM's fused modules and their HF parts in order, e.g. ``{"qkv_proj": ["q_proj", "k_proj",
     "v_proj"]}`` (the model class's ``packed_modules_mapping``; empty where nothing is fused)."""
     return {fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
 
 
-def expert_placement(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
-    """Where vLLM keeps each routed expert's HF tensors: ``hf_name -> (parameter, element offset)``.
+def is_expert_layer(module: torch.nn.Module) -> bool:
+    """A layer holding an MoE block's routed experts stacked (vLLM's ``w13_weight`` / ``w2_weight``)."""
+    return hasattr(module, "get_expert_mapping") and hasattr(module, "w13_weight")
 
-    vLLM stacks an MoE layer's experts in two parameters, ``w13_weight`` [experts, 2 x ffn, hidden] (each
-    expert's gate rows, then its up rows) and ``w2_weight`` [experts, hidden, ffn]; each expert module's
-    ``get_expert_mapping()`` names the checkpoint tensor of every (expert, shard), relative to the module
-    that holds the experts (``<block>.experts.<e>.<gate>.``). Empty for a dense model.
-    """
-    placement = {}
-    for name, module in model.named_modules():
-        if not (hasattr(module, "get_expert_mapping") and hasattr(module, "w13_weight")):
+
+def expert_slices(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each routed expert's HF tensors as views of the layer's stacked parameters, in the layout vLLM's
+    weight loader writes them (before the MoE kernel prepares them): ``w13_weight`` [experts, 2 x ffn,
+    hidden] holds an expert's gate rows from row 0 and its up rows from row ffn, ``w2_weight`` [experts,
+    hidden, ffn] its down projection. ``ffn`` and ``hidden`` are the sizes the layer allocated, which may
+    exceed the model's when a kernel wants aligned shapes (a GPU build rounds them up at allocation, the
+    CPU kernel pads after loading); the checkpoint tensor is the leading block. ``get_expert_mapping()``
+    names the checkpoint tensor of every (expert, shard) relative to the MoE block; an expert another engine
+    rank holds (``expert_map`` -1) is left out."""
+    block = name.split(".experts.")[0]
+    config = module.moe_config
+    w13, w2 = module.w13_weight, module.w2_weight
+    ffn = getattr(config, "intermediate_size_per_partition_unpadded", None) or w2.shape[2]
+    hidden = getattr(config, "hidden_dim_unpadded", None) or w2.shape[1]
+    up_start = w13.shape[1] // 2
+    slot = module.expert_map.tolist() if getattr(module, "expert_map", None) is not None else None
+    slices = {}
+    for _, weight_name, expert, shard in module.get_expert_mapping():
+        local = expert if slot is None else slot[expert]
+        if local < 0:
             continue
-        block = name.split(".experts.")[0]
-        slot = module.expert_map.tolist() if getattr(module, "expert_map", None) is not None else None
-        w13, w2 = module.w13_weight, module.w2_weight
-        ffn = w13.shape[1] // 2
-        for param_prefix, weight_name, expert, shard in module.get_expert_mapping():
-            local = expert if slot is None else slot[expert]
-            if local < 0:  # another engine rank's expert
-                continue
-            param = w2 if shard == "w2" else w13
-            offset = local * param[0].numel() + (ffn * w13.shape[2] if shard == "w3" else 0)
-            placement[f"{block}.{weight_name}weight"] = (f"{name}.{param_prefix.split('.')[-1]}weight", offset)
-    return placement
+        if shard == "w2":
+            view = w2[local, :hidden, :ffn]
+        else:
+            start = up_start if shard == "w3" else 0
+            view = w13[local, start:start + ffn, :hidden]
+        slices[f"{block}.{weight_name}weight"] = view
+    return slices
+
+
+def prepare_experts(layer: torch.nn.Module) -> None:
+    """Runs the MoE kernel's own preparation of a reloaded expert layer's weights.
+
+    vLLM (0.32) prepares the experts for its kernel (on CPU: zero-padded to an aligned ffn size, then
+    prepacked into the grouped-GEMM layout) only at the first load; a reload leaves the layer in the
+    loader's layout and then copies it into the kernel's tensors, which fails when the kernel padded them
+    (``The size of tensor a (128) must match the size of tensor b (96)``) and scrambles the experts when it
+    only prepacked them. Called on the reloaded layer before that copy, the copy receives the kernel's
+    layout. A kernel without such a step (the GPU's fused MoE) leaves the weights as they are."""
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    if kernel is not None:
+        kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def expert_placement(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    """``hf_name -> (hf_name, 0)`` for every routed expert's tensor: the engine reports each one on its own
+    (its slice of the stacked parameters: :func:`expert_slices`), so the trainer fingerprints it as sent,
+    whatever padding the engine's layout has. Empty for a dense model."""
+    return {hf: (hf, 0) for name, module in model.named_modules() if is_expert_layer(module)
+            for hf in expert_slices(name, module)}
 
 
 def _processed_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -146,10 +165,12 @@ def _processed_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 class ProcessingCapture:
-    """While active, records which layers vLLM processes after loading and fingerprints the parameters
-    that processing leaves empty (packed away) as the quant method's ``process_weights_after_loading``
-    receives them (module docstring); restores the methods on exit. Create it before the reload starts:
-    the parameters that are empty then are the packed ones."""
+    """While active, records which layers vLLM processes after loading and fingerprints what that
+    processing turns into a kernel's form, as the quant method's ``process_weights_after_loading`` receives
+    it (module docstring): the parameters it leaves empty (packed away), and each routed expert's tensors
+    (:func:`expert_slices`; their stacked parameters are then prepared for the MoE kernel:
+    :func:`prepare_experts`). Restores the methods on exit. Create it before the reload starts: the
+    parameters that are empty then are the packed ones."""
 
     def __init__(self, model: torch.nn.Module):
         self.seconds = 0.0  # spent fingerprinting (host time: on a GPU, the kernels' launch)
@@ -157,9 +178,23 @@ class ProcessingCapture:
         self.names = {id(m): name for name, m in self.modules.items()}
         self.packed = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items()
                        for pname, p in m.named_parameters(recurse=False) if p.numel() == 0}
+        # engine parameters reported through their HF parts instead (the stacked experts)
+        self.covered = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items() if is_expert_layer(m)
+                        for pname in ("w13_weight", "w2_weight")}
         self.fingerprints: dict[str, torch.Tensor] = {}
         self.processed: set[str] = set()
         self._wrapped: list[object] = []
+
+    def _capture(self, name: str, layer: torch.nn.Module) -> None:
+        start = time.perf_counter()
+        for pname, param in layer.named_parameters(recurse=False):
+            full = checkpoint_name(f"{name}.{pname}")
+            if full in self.packed:
+                self.fingerprints[full] = fingerprint(param)
+        if is_expert_layer(layer):
+            slices = expert_slices(checkpoint_name(name), layer)
+            self.fingerprints.update(zip(slices, fingerprint_many([(view, 0) for view in slices.values()])))
+        self.seconds += time.perf_counter() - start
 
     def __enter__(self) -> "ProcessingCapture":
         for module in self.modules.values():
@@ -172,13 +207,12 @@ class ProcessingCapture:
                 name = self.names.get(id(layer))
                 if name is not None:
                     self.processed.add(name)
-                    start = time.perf_counter()
-                    for pname, param in layer.named_parameters(recurse=False):
-                        full = checkpoint_name(f"{name}.{pname}")
-                        if full in self.packed:
-                            self.fingerprints[full] = fingerprint(param)
-                    self.seconds += time.perf_counter() - start
-                return _original(layer)
+                    self._capture(name, layer)
+                reload = getattr(layer.quant_method, "moe_kernel", None) is not None  # a first load prepares
+                result = _original(layer)
+                if reload and is_expert_layer(layer):
+                    prepare_experts(layer)
+                return result
 
             method.process_weights_after_loading = process  # an instance attribute shadows the method
             self._wrapped.append(method)
@@ -213,6 +247,8 @@ def parameter_report(model: torch.nn.Module, capture: ProcessingCapture | None, 
             aliases[name] = owner[id(param)]
             continue
         owner[id(param)] = name
+        if capture is not None and name in capture.covered:  # reported through its HF parts
+            continue
         if param.numel() > 0:  # an emptied parameter was packed: see the capture
             held[name] = as_model_dtype(param.detach(), model_dtype)
     parameters = dict(zip(held, fingerprint_many([(tensor, 0) for tensor in held.values()])))
