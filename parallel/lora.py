@@ -194,6 +194,7 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
     tp = TPGroup(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                  ps.get_tensor_model_parallel_group())
     tp_size = tp.size
+    _refuse_expert_targets(layers, config.targets)
     found = {t: 0 for t in config.targets}
     new = []
     for layer in layers:
@@ -228,6 +229,19 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
     if getattr(model, "embedding", None) is not None:
         model.embedding.register_forward_hook(_require_grad)
     return len(new)
+
+
+def _refuse_expert_targets(layers, targets: list[str]) -> None:
+    """LoRA adapts the dense MLP's ``linear_fc1``/``linear_fc2``, not the experts of a mixture-of-experts
+    block (routed experts run as grouped GEMMs, a shared expert beside them): targeting them on a model
+    with MoE blocks is refused, naming the layers, rather than adapting only its dense layers."""
+    mlp_targets = [t for t in targets if TARGET_BLOCKS[t] == "mlp"]
+    moe_layers = [layer.layer_number - 1 for layer in layers if hasattr(getattr(layer, "mlp", None), "experts")]
+    if mlp_targets and moe_layers:
+        attention = [t for t in TARGET_KINDS if TARGET_BLOCKS[t] == "self_attention"]
+        raise LoRAError(f"LoRA targets {mlp_targets}: layers {moe_layers} of this model are mixture-of-experts "
+                        f"blocks, whose experts LoRA does not adapt; set model.lora.targets={attention} "
+                        f"(the attention layers) or train without LoRA")
 
 
 def _require_grad(module, args, output):

@@ -106,6 +106,13 @@ def error_messages(model_dir: Path) -> dict:
         attach_lora(model, LoRAConfig(targets=["linear_fc2"]), seed=0)
     except ValueError as err:
         messages["no_match"] = str(err)
+    _, moe = load_hf_model(model_dir.parent / "moe")  # Qwen3-MoE: layer 0 dense, layers 1-2 MoE
+    try:
+        attach_lora(moe, LoRAConfig(), seed=0)
+    except ValueError as err:
+        messages["moe_mlp_targets"] = str(err)
+    _, moe = load_hf_model(model_dir.parent / "moe")
+    messages["moe_attention_adapters"] = attach_lora(moe, LoRAConfig(targets=["linear_qkv", "linear_proj"]), seed=0)
     return messages
 
 

@@ -47,6 +47,7 @@ def reference(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora")
     model_dir = make_tiny_model("qwen2", root / "model", seed=3)
+    make_tiny_model("qwen3_moe", root / "moe", seed=4)
     peft_model = _peft_model(model_dir)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -161,3 +162,8 @@ def test_lora_bad_settings_are_named(layouts):
     assert "alpha must be > 0" in errors["alpha"]
     assert "rank 10000 is larger than layer decoder.layers.0.self_attention.linear_qkv" in errors["rank_too_large"]
     assert "['linear_fc2'] match no layer" in errors["no_match"]
+    # LoRA on an MoE model adapted only its dense layer 0 while claiming linear_fc1/fc2: now refused by name
+    assert ("LoRA targets ['linear_fc1', 'linear_fc2']: layers [1, 2] of this model are mixture-of-experts "
+            "blocks" in errors["moe_mlp_targets"]), errors["moe_mlp_targets"]
+    assert "model.lora.targets=['linear_qkv', 'linear_proj']" in errors["moe_mlp_targets"]
+    assert errors["moe_attention_adapters"] == 3 * 2  # attention-only LoRA on every layer works
