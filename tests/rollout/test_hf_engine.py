@@ -313,7 +313,7 @@ def test_bad_input_is_named(engine, tiny_qwen2, tmp_path):
         HFEngine(str(tiny_qwen2), dtype=torch.float32, device="cpu", seed=0, max_model_len=1000)
     with pytest.raises(ValueError, match="rollout prompt 1 is empty"):
         engine.generate([[1], []], greedy(4))
-    with pytest.raises(ValueError, match=r"rollout prompt 0 has token ids \[384\] outside \[0, 384\)"):
+    with pytest.raises(ValueError, match=r"sequence to score 0 has token ids \[384\] outside \[0, 384\)"):
         engine.prompt_logprobs([[1, 384]])
     with pytest.raises(ValueError, match="SamplingConfig.n=0"):
         engine.generate([[1]], sampled(0, 4, seed=1))

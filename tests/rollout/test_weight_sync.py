@@ -163,6 +163,25 @@ def test_the_probe_reaches_the_runs_longest_sequence_and_catches_a_late_fault(tm
     assert problems and "(gates.probe_max)" in problems[0] and "probe sequence 4 of 159 tokens" in problems[0]
 
 
+def test_the_probe_fits_engines_shorter_than_its_sequences(tmp_path):
+    """A run of 16-token prompts and 16-token responses has engines of 32 positions: the 64-token probe used
+    to exceed them and stop the run at start-up, blaming "rollout prompt 0". The probe's sequences now stop
+    at the run's longest, and a sequence too long to score is named as such."""
+    import torch
+
+    from megarlhf.rollout.engines.hf import HFEngine
+    from megarlhf.rollout.sync.weights import probe_sequences
+    from model_providers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model("qwen2", tmp_path / "qwen2", seed=0)
+    engine = HFEngine(str(model_dir), dtype=torch.float32, device="cpu", seed=0, max_model_len=32)
+    probe = probe_sequences(384, WeightSyncConfig(), longest=31)
+    assert [len(s) for s in probe] == [31] * 4
+    assert [len(row) for row in engine.prompt_logprobs(probe)] == [30] * 4
+    with pytest.raises(ValueError, match="sequence to score 1 has 32 tokens; max_model_len=32"):
+        engine.prompt_logprobs([[1, 2], [3] * 32])
+
+
 def test_the_reload_logger_is_the_one_vllm_warns_on():
     from _worker_rollout import ReloadWarnings
 

@@ -124,11 +124,11 @@ class HFEngine(RolloutEngine):
         return engine
 
     # ---- generation ---------------------------------------------------------------------------------
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
+    def _check_prompts(self, prompts: list[list[int]], what: str = "rollout prompt") -> None:
         # like vLLM: a prompt must leave room for at least one generated token
         if self._asleep:
             raise RuntimeError("HF rollout engine is asleep: wake_up(['weights']) before using it")
-        check_prompt_ids(prompts, self.vocab_size, self.max_model_len)
+        check_prompt_ids(prompts, self.vocab_size, self.max_model_len, what)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Samples ``sampling.n`` responses for each prompt (token ids)."""
@@ -288,7 +288,7 @@ class HFEngine(RolloutEngine):
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens 1..L-1 of each sequence given its prefix (teacher forcing, temperature 1)."""
-        self._check_prompts(sequences)
+        self._check_prompts(sequences, "sequence to score")
         return self.teacher_forced(sequences, 1.0)
 
     @torch.inference_mode()

@@ -33,17 +33,18 @@ class RolloutBatch:
         return sum(len(r) for r in self.response_ids)
 
 
-def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None) -> None:
-    """Raises naming the prompt: an empty prompt, token ids outside the vocabulary, or (with
-    ``max_model_len``) no room left for a generated token."""
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None,
+                     what: str = "rollout prompt") -> None:
+    """Raises naming the prompt (``what`` and its index): an empty prompt, token ids outside the vocabulary,
+    or (with ``max_model_len``) no room left for a generated token."""
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise ValueError(f"rollout prompt {i} is empty")
+            raise ValueError(f"{what} {i} is empty")
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(f"rollout prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
+            raise ValueError(f"{what} {i} has token ids {bad[:5]} outside [0, {vocab_size})")
         if max_model_len is not None and len(p) >= max_model_len:
-            raise ValueError(f"rollout prompt {i} has {len(p)} tokens; max_model_len={max_model_len} "
+            raise ValueError(f"{what} {i} has {len(p)} tokens; max_model_len={max_model_len} "
                              "leaves no room for a generated token")
 
 

@@ -212,7 +212,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        check_prompt_ids(sequences, self.vocab_size)
+        check_prompt_ids(sequences, self.vocab_size, self.config.max_model_len, "sequence to score")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
                                     use_tqdm=False, lora_request=self.lora_request)

@@ -153,11 +153,13 @@ def verdict_error(lines: list[str], what: str) -> WeightSyncError:
 def probe_sequences(vocab_size: int, config: WeightSyncConfig, longest: int) -> list[list[int]]:
     """The probe's fixed random sequences (token ids): ``probe_sequences`` of ``probe_length`` tokens and one
     of ``longest`` tokens (the run's longest sequence) capped at ``probe_max_length``, so that the probe
-    reaches the positions the run uses. Empty without ``probe_sequences``."""
+    reaches the positions the run uses. No sequence is longer than ``longest``, the most an engine of the
+    run can score (a run with short prompts and responses has engines shorter than ``probe_length``).
+    Empty without ``probe_sequences``."""
     if not config.probe_sequences:
         return []
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    shape = (config.probe_sequences, config.probe_length)
+    shape = (config.probe_sequences, min(config.probe_length, longest))
     sequences = torch.randint(0, vocab_size, shape, generator=gen).tolist()  # host: ids
     long = min(longest, config.probe_max_length)
     if long > config.probe_length:
