@@ -10,7 +10,7 @@ import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty
 from megarlhf.config.schema import RunConfig
-from megarlhf.rollout.sync.gates import Tolerances, gap_problems
+from megarlhf.rollout.sync.gates import Tolerances, gap_problems, routing_flips
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
@@ -54,12 +54,14 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
     if critic is not None:
         fields["values"] = compute_values(critic, batch, config)
     if gate_step0:
-        metrics.update(_step0_gate(fields["old_logprobs"], batch, gates, actor.runtime))
+        flips = routing_flips(config, actor.provider.is_moe, replayed=config.algorithm.routing_replay == "r3")
+        metrics.update(_step0_gate(fields["old_logprobs"], batch, gates, actor.runtime, flips))
     return batch.replace(**fields), metrics
 
 
 def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, tolerances: Tolerances,
-                runtime: Runtime) -> dict[str, float]:
+                runtime: Runtime, likely_cause: str | None) -> dict[str, float]:
+    """The step-0 gate; ``likely_cause``: what a gap points to besides a wrong engine (MoE routing flips)."""
     gap = (logprobs - batch.rollout_logprobs).abs()[batch.response_mask]
     count, total = runtime.all_reduce([gap.numel(), gap.double().sum()])
     worst = runtime.all_reduce([gap.max() if gap.numel() else 0.0], op="max")[0]
@@ -67,8 +69,9 @@ def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, tolerances: Tole
     problems = gap_problems("step-0 gate", worst, mean, tolerances.step0_max, tolerances.step0_mean,
                             ("step0_max", "step0_mean"))
     if problems:
+        cause = likely_cause or "the engine does not run the model being trained"
         raise Step0GateError(f"{'; '.join(problems)}: the actor's log-probs of the first rollout differ from the "
-                             f"engine's, so the engine does not run the model being trained")
+                             f"engine's: {cause}")
     return {"mismatch/step0_logprob_gap_max": worst, "mismatch/step0_logprob_gap_mean": mean}
 
 

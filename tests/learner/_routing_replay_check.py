@@ -114,6 +114,13 @@ def main() -> None:
 
     plain = with_mode(actor, config, "none")
     result["gap_none"] = gap(old_policy_logprobs(plain, batch, config)[0])
+    from megarlhf.loops.experience import Step0GateError, score
+    from megarlhf.rollout.sync.gates import FLOORS
+
+    try:  # the step-0 gate of a freely routed run: the flips fail it, and its message says so
+        score(batch, config, plain, None, None, gates=FLOORS["float32"])
+    except Step0GateError as err:
+        result["step0_gate_none"] = str(err)
     replayed = with_mode(actor, config, "r3")
     maps = routing_maps(replayed)
     scored, metrics = old_policy_logprobs(replayed, batch, config)

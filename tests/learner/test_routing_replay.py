@@ -44,6 +44,11 @@ def test_r3_routes_as_the_engine_did_and_closes_the_step0_gap(replay):
     none_max, none_mean = replay["gap_none"]
     r3_max, r3_mean = replay["gap_r3"]
     assert none_max > 1e-2 and r3_max < 5e-6 and r3_mean < none_mean / 100
+    # without replay the step-0 gate names routing flips, not a wrong engine (seen failing: "the engine does
+    # not run the model being trained")
+    message = replay["step0_gate_none"]
+    assert "routed freely (algorithm.routing_replay='none')" in message and "'r3'" in message, message
+    assert "does not run the model" not in message
     # the gates' calibration measures the same replayed gap (seen failing: it measured the flipped one, 0.065)
     assert replay["calibration_gap_r3"][0] < 5e-6
 

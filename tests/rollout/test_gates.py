@@ -48,6 +48,14 @@ def test_calibration_scales_with_the_measured_noise_and_overrides_win():
     config = load_config(RunConfig, None, ["model.path=/m", "model.dtype=bfloat16"])
     assert calibration_problems(config, 0.08) == []
     assert "does not run the model the trainer loaded" in calibration_problems(config, 0.7)[0]
+    # a freely routed MoE model's gap points to routing flips (its weights were compared bit for bit), not
+    # to "a conversion error"; under r3 the replay is on and the general cause stands
+    moe = calibration_problems(config, 0.7, is_moe=True)[0]
+    assert "routed freely (algorithm.routing_replay='none')" in moe and "conversion error" not in moe
+    replayed = load_config(RunConfig, None, ["model.path=/m", "model.dtype=bfloat16", "algorithm.routing_replay=r3"])
+    assert "conversion error" in calibration_problems(replayed, 0.7, "the natural samples", True, replayed=True)[0]
+    # ... except for the probe, whose random tokens no rollout routed
+    assert "r3 does not reach the probe's random tokens" in calibration_problems(replayed, 0.7, is_moe=True)[0]
     with pytest.raises(ConfigError, match=r"gates\.step0_max must be > 0 or null"):
         load_config(RunConfig, None, ["model.path=/m", "gates.step0_max=0"])
 

@@ -80,7 +80,7 @@ class RemoteEngines:
             batch = self.receive(self.launch(list(prompts), natural_sampling(self.config, stop_token_ids)))[0]
             natural = worst_of(self.runtime.all_gather_objects(natural_gap(self.actor, batch, self.config),
                                                                over="trainers"))
-        problems = floor_problems(self.config, floor, natural)
+        problems = floor_problems(self.config, floor, natural, self.actor.provider.is_moe)
         if problems:
             raise verdict_error(problems, FLOORS_CHECK)
         self.tolerances = run_tolerances(self.config, floor, natural)

@@ -101,9 +101,13 @@ def worst_of(gaps: list[tuple[float, float] | None]) -> tuple[float, float] | No
     return max(g[0] for g in measured), max(g[1] for g in measured)
 
 
-def floor_problems(config, floor: tuple[float, float] | None, natural: tuple[float, float] | None) -> list[str]:
-    problems = calibration_problems(config, floor[1], "the probe") if floor is not None else []
-    return problems + (calibration_problems(config, natural[1], "the natural samples") if natural is not None else [])
+def floor_problems(config, floor: tuple[float, float] | None, natural: tuple[float, float] | None,
+                   is_moe: bool) -> list[str]:
+    problems = calibration_problems(config, floor[1], "the probe", is_moe) if floor is not None else []
+    if natural is not None:  # replayed under r3 (natural_gap)
+        problems += calibration_problems(config, natural[1], "the natural samples", is_moe,
+                                         replayed=config.algorithm.routing_replay == "r3")
+    return problems
 
 
 def calibration_metrics(floor: tuple[float, float] | None, natural: tuple[float, float] | None,
@@ -135,6 +139,6 @@ def calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_i
         natural = natural_gap(sync.actor, batch, config)
     floor = worst_of(runtime.all_gather_objects(floor, over="trainers"))
     natural = worst_of(runtime.all_gather_objects(natural, over="trainers"))
-    sync.agree(floor_problems(config, floor, natural), FLOORS_CHECK)
+    sync.agree(floor_problems(config, floor, natural, sync.actor.provider.is_moe), FLOORS_CHECK)
     sync.tolerances = run_tolerances(config, floor, natural)
     return calibration_metrics(floor, natural, checked, sync.tolerances)

@@ -33,6 +33,16 @@ A floor mean above :data:`CALIBRATION_CAPS` stops the run at start-up: with bitw
 engine and the trainer compute different functions (an architecture feature one side ignores). Any
 tolerance set in the ``gates`` section of a recipe is used as given. Calibrations of real models:
 docs/MEASUREMENTS.md.
+
+Mixture-of-experts models. A token whose router scores are near-tied can go to other experts in the
+trainer than in the engine (their roundings differ), and its log-prob then moves by far more than rounding
+(hundredths, in fp32). Routing replay r3 (``algorithm.routing_replay``) gives the trainer the engine's
+routing for the step-0 gate and the natural floor, which then sit at the dtype's floor; the probe's random
+tokens were routed by no rollout, so the probe is never replayed and its floor includes such flips: on a
+model with near-tied routers its calibrated fp32 tolerance rises from 1e-4 to what the flips measure (about
+0.09 on a tiny near-tied Qwen3-MoE). The weight sync still compares every parameter bit for bit
+(fingerprints), which is what catches a broken sync there. Without replay a gap from flips fails the
+step-0 gate, and its message says so (:func:`routing_flips`) instead of blaming the engine.
 """
 from __future__ import annotations
 
@@ -87,16 +97,36 @@ def run_tolerances(config, floor: tuple[float, float] | None = None,
                               floor, natural)
 
 
-def calibration_problems(config, floor_mean: float, what: str = "the probe") -> list[str]:
-    """Why a calibration floor (``what`` measured it) is implausible: the engine and the trainer disagree
-    on the checkpoint."""
+def routing_flips(config, is_moe: bool, replayed: bool) -> str | None:
+    """Why a mixture-of-experts model gaps where its weights agree: a token whose router scores are
+    near-tied goes to other experts in the trainer than in the engine (their roundings differ), which moves
+    its log-prob far more than rounding does. ``replayed``: the measure replays the engine's routing (the
+    step-0 gate and the natural samples under r3; never the probe, whose random tokens no rollout routed).
+    None for a dense model or a replayed measure."""
+    if not is_moe or replayed:
+        return None
+    flips = ("a token with near-tied router scores goes to other experts in the trainer than in the engine, "
+             "which moves its log-prob far more than rounding does")
+    if config.algorithm.routing_replay == "r3":
+        return f"routing replay r3 does not reach the probe's random tokens (no rollout routed them): {flips}"
+    return (f"this mixture-of-experts model is routed freely (algorithm.routing_replay="
+            f"'{config.algorithm.routing_replay}'): {flips}; algorithm.routing_replay='r3' replays the engine's "
+            f"routing")
+
+
+def calibration_problems(config, floor_mean: float, what: str = "the probe", is_moe: bool = False,
+                         replayed: bool = False) -> list[str]:
+    """Why a calibration floor (``what`` measured it, replaying the engine's routing or not) is implausible:
+    the engine and the trainer compute different functions of the checkpoint (or, for an MoE model, route
+    some tokens apart: :func:`routing_flips`)."""
     dtype = coarser_dtype(config.model.dtype, config.rollout.engine_dtype(config.model.dtype))
     cap = CALIBRATION_CAPS[dtype]
     if floor_mean <= cap:
         return []
+    cause = routing_flips(config, is_moe, replayed) or ("the engine does not run the model the trainer loaded (an "
+                                                        "unsupported architecture feature or a conversion error)")
     return [f"calibration: with the checkpoint each side loaded itself, the mean |trainer - engine| log-prob "
-            f"gap of {what} is {floor_mean:.3g} > {cap:g} ({dtype}): the engine does not run the model the "
-            f"trainer loaded (an unsupported architecture feature or a conversion error)"]
+            f"gap of {what} is {floor_mean:.3g} > {cap:g} ({dtype}): {cause}"]
 
 
 def gap_problems(what: str, max_gap: float, mean_gap: float, max_tolerance: float, mean_tolerance: float,
