@@ -5,7 +5,9 @@ The adapter table is derived from the architecture's own weight table: the entry
 layer names its HF projections (``linear_qkv`` -> ``q_proj, k_proj, v_proj``) and its kind, which lays
 out B exactly as it lays out the weight (fused QKV groups, per-rank gate/up halves). A of a fused
 column-parallel layer is one tensor that PEFT stores once per projection (:class:`Shared`); A of a
-row-parallel layer is split over TP like its weight. :func:`iter_hf_weights` then gathers adapters over
+row-parallel layer is split over TP like its weight. With ``model.lora.canonical`` a fused layer holds one
+adapter per projection (``parallel.lora.CanonicalAdapter``): each part's A is its projection's A, and its
+B is split over TP by rows like a column-parallel weight. :func:`iter_hf_weights` then gathers adapters over
 TP and pipeline stages as it gathers weights, so there is one gathering path.
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch.distributed as dist
 from model_providers.base import ModelProvider
 from model_providers.hf_checkpoint import (HFCheckpoint, _bind, _replace_dir, _tp_context, iter_hf_weights, load_bound,
                                           unwrap)
-from model_providers.mapping import REPLICATED, ROW, Shared, WeightMapping
-from parallel.lora import SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAError
+from model_providers.mapping import COLUMN, REPLICATED, ROW, Shared, WeightMapping
+from parallel.lora import CANONICAL_PARTS, SUFFIX, TARGET_BLOCKS, TARGET_KINDS, LoRAError
 from megarlhf.config.model import LoRAConfig
 from megarlhf.core.outputs import check_replaceable, write_output_marker
 
@@ -50,8 +52,13 @@ def adapter_table(provider: ModelProvider, lora: LoRAConfig) -> tuple[list[Weigh
         b_names = tuple(f"{PEFT_PREFIX}{m}.lora_B.weight" for m in modules)
         adapter = base.megatron.removesuffix(".weight") + SUFFIX
         column = TARGET_KINDS[target] == "column"
-        mappings.append(WeightMapping(adapter + ".A", a_names, Shared(len(modules)) if column else ROW))
-        mappings.append(WeightMapping(adapter + ".B", b_names, base.kind if column else REPLICATED))
+        if lora.canonical and len(modules) > 1:  # one adapter per projection: parallel.lora.CanonicalAdapter
+            for part, a_name, b_name in zip(CANONICAL_PARTS[target], a_names, b_names, strict=True):
+                mappings.append(WeightMapping(f"{adapter}.parts.{part}.A", (a_name,), REPLICATED))
+                mappings.append(WeightMapping(f"{adapter}.parts.{part}.B", (b_name,), COLUMN))
+        else:
+            mappings.append(WeightMapping(adapter + ".A", a_names, Shared(len(modules)) if column else ROW))
+            mappings.append(WeightMapping(adapter + ".B", b_names, base.kind if column else REPLICATED))
         for layer in range(provider.hf_config.num_hidden_layers):
             for module, a_name, b_name in zip(modules, a_names, b_names):
                 out_features, in_features = base_shapes[f"{module}.weight".format(layer=layer)]
@@ -118,12 +125,32 @@ def export_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: L
     return out
 
 
+def _check_shared_factors(path: Path, mappings: list[WeightMapping]) -> None:
+    """A fused layer's projections share one A: refuses, naming them, an adapter whose A factors differ."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as source:
+        held = set(source.keys())
+        for mapping in mappings:
+            if not isinstance(mapping.kind, Shared):
+                continue
+            for layer in range(10**6):
+                names = mapping.hf_names(layer)
+                if not all(n in held for n in names):
+                    break
+                first = source.get_tensor(names[0])
+                if any(not torch.equal(first, source.get_tensor(n)) for n in names[1:]):
+                    raise LoRAError(f"PEFT adapter {path}: {', '.join(names)} differ, but model.lora shares one A "
+                                    f"across them (a fused Megatron layer); set model.lora.canonical=true to "
+                                    f"hold one adapter per projection, as PEFT does")
+
+
 @torch.no_grad()
 def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoRAConfig, adapter: str | Path) -> None:
     """Copies a PEFT LoRA adapter directory into this rank's adapters of ``model`` (attached with
     ``lora``) through the HF loader (:func:`load_bound`: each rank reads its TP slice). Errors name what
     does not fit: a different rank or scale, a missing tensor or shape, q/k/v (or gate/up) A factors that
-    differ (Megatron's fused layers hold one)."""
+    differ where the fused layers hold one (not ``lora.canonical``)."""
     path = Path(adapter)
     config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_file.is_file() or not weights.is_file():
@@ -141,5 +168,7 @@ def load_peft_adapter(model: torch.nn.Module, provider: ModelProvider, lora: LoR
         raise LoRAError(f"PEFT adapter {path}: r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}, but "
                         f"model.lora has rank={lora.rank}, alpha={lora.alpha}")
     mappings, shapes = adapter_table(provider, lora)
+    if not lora.canonical:
+        _check_shared_factors(path, mappings)
     with HFCheckpoint(path, single_file=ADAPTER_WEIGHTS) as ckpt:
         load_bound(ckpt, _bind(unwrap(model), mappings), shapes, _tp_context(provider))

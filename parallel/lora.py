@@ -21,6 +21,12 @@ factors once. A is initialised as PEFT does (Kaiming-uniform, bound ``1/sqrt(in)
 seeded by the run seed and the layer's *global* name, drawn at full size and then sliced: the same
 adapters at every TP/PP layout. B starts at zero, so a fresh adapter leaves the model unchanged.
 
+Canonical layout (``model.lora.canonical``). By default a fused column-parallel layer holds one adapter,
+so q, k and v (gate and up) share one A: fewer parameters, but a PEFT adapter trained elsewhere, with an A
+per projection, cannot be loaded exactly. :class:`CanonicalAdapter` holds one adapter per HF projection,
+as PEFT does, and lays their updates out in the fused layer's row order (per query group ``[q; k; v]``,
+or ``[gate; up]``): any PEFT adapter of those projections loads and exports exactly.
+
 Placement. An adapter is a sibling of its layer (``self_attention.linear_qkv`` ->
 ``self_attention.linear_qkv_lora``, called from a forward hook on the layer), not a child: Megatron's
 linear layers build their checkpoint entries from their whole state dict with a fixed axis map, while a
@@ -50,6 +56,8 @@ TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "
 TARGET_BLOCKS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp",
                  "linear_fc2": "mlp"}
 SUFFIX = "_lora"
+# the HF projections a fused column-parallel layer holds, in its row order: one adapter each when canonical
+CANONICAL_PARTS = {"linear_qkv": ("query", "key", "value"), "linear_fc1": ("gate", "up")}
 # the Megatron layer classes whose parallel layout the adapters above are written for
 _COLUMN_CLASSES = ("ColumnParallelLinear", "TEColumnParallelLinear")
 _ROW_CLASSES = ("RowParallelLinear", "TERowParallelLinear")
@@ -130,19 +138,24 @@ class LoRAAdapter(torch.nn.Module):
         out, bias = output
         return out + self.forward(x).to(out.dtype), bias
 
+    def delta(self) -> torch.Tensor:
+        """This rank's shard of the update ``scale * B @ A`` in fp32."""
+        return torch.mm(self.B.float(), self.A.float()).mul_(self.scale)
+
+    def update_norm_sq(self) -> torch.Tensor:
+        """``||scale B A||^2 = scale^2 <B^T B, A A^T>``, from rank x rank products (no full-size tensor)."""
+        b, a = self.B.float(), self.A.float()
+        return (b.T @ b * (a @ a.T)).sum() * self.scale ** 2
+
     @torch.no_grad()
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``W + scale * B @ A`` in W's dtype (fp32 arithmetic, one rounding).
 
         Records ``merge_stats`` (device tensor): the squared norm of what rounding to W's dtype dropped
-        from the update, and the update's squared norm (from rank x rank products: no second full-size
-        tensor). In bf16 an update entry below half a unit of W's last place is lost to the engine."""
+        from the update, and the update's squared norm. In bf16 an update entry below half a unit of W's
+        last place is lost to the engine."""
         exact = torch.addmm(weight.float(), self.B.float(), self.A.float(), alpha=self.scale)
-        merged = exact.to(weight.dtype)
-        lost = exact.sub_(merged).square().sum() if merged.dtype != exact.dtype else exact.new_zeros(())
-        b, a = self.B.float(), self.A.float()
-        update = (b.T @ b * (a @ a.T)).sum() * self.scale ** 2  # ||s B A||^2 = s^2 <B^T B, A A^T>
-        self.merge_stats = torch.stack([lost, update])
+        merged, self.merge_stats = _round_merged(exact, weight.dtype, self.update_norm_sq())
         return merged
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -162,6 +175,91 @@ class LoRAAdapter(torch.nn.Module):
                                                       metadata.get("singleton_local_shards", False),
                                                       tp_group=self.tp_group, dp_group=metadata["dp_cp_group"])
         return state
+
+
+def _round_merged(exact: torch.Tensor, dtype: torch.dtype, update_sq: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exact`` (fp32) rounded to ``dtype``, and the merge stats [lost squared norm, update squared norm]."""
+    merged = exact.to(dtype)
+    lost = exact.sub_(merged).square().sum() if merged.dtype != exact.dtype else exact.new_zeros(())
+    return merged, torch.stack([lost, update_sq])
+
+
+class CanonicalAdapter(torch.nn.Module):
+    """One :class:`LoRAAdapter` per HF projection of a fused column-parallel layer (``parts``: q, k, v of
+    ``linear_qkv``; gate, up of a gated ``linear_fc1``), each with its own A and B as PEFT holds them. The
+    parts' updates are laid out in the fused layer's row order: this rank's ``groups`` blocks, each the
+    parts' rows of that block in order (query groups for QKV, one block for gate/up)."""
+
+    def __init__(self, name: str, rows: dict[str, int], in_features: int, groups: int, config: LoRAConfig, *,
+                 tp: TPGroup, like: torch.Tensor, seed: int):
+        """``rows``: each part's full output features, in the fused layer's order."""
+        super().__init__()
+        self.name, self.kind, self.groups, self.enabled = name, "column", groups, True
+        self.parts = torch.nn.ModuleDict({part: LoRAAdapter(f"{name}.{part}", "column", (out, in_features), config,
+                                                            tp=tp, like=like, seed=seed)
+                                          for part, out in rows.items()})
+
+    def _fuse(self, tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The parts' ``tensors`` (split along ``dim``) interleaved block by block into the fused order."""
+        dim %= tensors[0].dim()
+        blocks = [t.unflatten(dim, (self.groups, -1)) for t in tensors]
+        return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fuse([part(x) for part in self.parts.values()], dim=-1)
+
+    hook = LoRAAdapter.hook
+
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``W`` plus every part's update in the fused order (fp32, one rounding)."""
+        exact = weight.float() + self._fuse([part.delta() for part in self.parts.values()], dim=0)
+        update_sq = torch.stack([part.update_norm_sq() for part in self.parts.values()]).sum()
+        merged, self.merge_stats = _round_merged(exact, weight.dtype, update_sq)
+        return merged
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The parts' checkpoint entries (each B split over TP by rows, as a column layer's)."""
+        return {key: value for name, part in self.parts.items()
+                for key, value in part.sharded_state_dict(f"{prefix}parts.{name}.", sharded_offsets,
+                                                          metadata).items()}
+
+
+def _canonical_rows(target: str, model_config, out_features: int, tp: int) -> tuple[dict[str, int], int] | None:
+    """(full rows of each part, fused blocks per TP rank) of a canonical adapter on ``target``; None where
+    the layer fuses nothing (a non-gated ``linear_fc1``)."""
+    if target == "linear_qkv":
+        heads = model_config.num_attention_heads
+        groups = model_config.num_query_groups or heads
+        head_dim = model_config.kv_channels
+        rows = dict(zip(CANONICAL_PARTS[target], (heads * head_dim, groups * head_dim, groups * head_dim)))
+        blocks = groups // tp
+    elif target == "linear_fc1" and model_config.gated_linear_unit:
+        rows, blocks = dict.fromkeys(CANONICAL_PARTS[target], out_features // 2), 1
+    else:
+        return None
+    if sum(rows.values()) != out_features:
+        raise LoRAError(f"canonical LoRA on {target}: parts {rows} do not add up to the layer's {out_features} rows")
+    return rows, blocks
+
+
+def _make_adapter(name: str, target: str, linear: torch.nn.Module, model_config, config: LoRAConfig,
+                  tp: TPGroup, seed: int) -> torch.nn.Module:
+    """The adapter of one targeted layer: canonical (one per HF projection) where asked and fused."""
+    kind = _layer_kind(name, linear, target)
+    out_features, in_features = _full_shape(linear, kind, tp.size)
+    canonical = _canonical_rows(target, model_config, out_features, tp.size) if config.canonical else None
+    smallest = min(in_features, *(canonical[0].values() if canonical else (out_features,)))
+    if config.rank > smallest:
+        raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} ({out_features} x {in_features}"
+                        f"{', canonical parts ' + str(canonical[0]) if canonical else ''}): a low-rank update "
+                        f"needs rank <= {smallest}")
+    if canonical:
+        return CanonicalAdapter(name, canonical[0], in_features, canonical[1], config, tp=tp, like=linear.weight,
+                                seed=seed)
+    return LoRAAdapter(name, kind, (out_features, in_features), config, tp=tp, like=linear.weight, seed=seed,
+                       gated=target == "linear_fc1" and model_config.gated_linear_unit)
 
 
 def _layer_kind(name: str, layer: torch.nn.Module, target: str) -> str:
@@ -193,7 +291,6 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     tp = TPGroup(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                  ps.get_tensor_model_parallel_group())
-    tp_size = tp.size
     _refuse_expert_targets(layers, config.targets)
     found = {t: 0 for t in config.targets}
     new = []
@@ -204,14 +301,7 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int, traina
             if linear is None:
                 continue
             name = f"decoder.layers.{layer.layer_number - 1}.{TARGET_BLOCKS[target]}.{target}"
-            kind = _layer_kind(name, linear, target)
-            out_features, in_features = _full_shape(linear, kind, tp_size)
-            if config.rank > min(in_features, out_features):
-                raise LoRAError(f"LoRA rank {config.rank} is larger than layer {name} "
-                                f"({out_features} x {in_features}): a low-rank update needs rank <= "
-                                f"{min(in_features, out_features)}")
-            adapter = LoRAAdapter(name, kind, (out_features, in_features), config, tp=tp, like=linear.weight,
-                                  seed=seed, gated=target == "linear_fc1" and model.config.gated_linear_unit)
+            adapter = _make_adapter(name, target, linear, model.config, config, tp, seed)
             new.append((block, target, linear, adapter))
             found[target] += 1
     # every stage holds layers, so a target that matches nothing here matches nothing anywhere
@@ -255,13 +345,20 @@ def _require_grad(module, args, output):
 
 
 def adapters_of(model: torch.nn.Module) -> list[LoRAAdapter]:
+    """Every pair of LoRA factors (a canonical adapter's parts one by one)."""
     return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
+
+
+def layer_adapters(model: torch.nn.Module) -> list[LoRAAdapter | CanonicalAdapter]:
+    """The adapter of each adapted layer (what its forward hook applies and what a merge uses)."""
+    parts = {id(p) for m in model.modules() if isinstance(m, CanonicalAdapter) for p in m.parts.values()}
+    return [m for m in model.modules() if isinstance(m, (LoRAAdapter, CanonicalAdapter)) and id(m) not in parts]
 
 
 def merge_rounding(model: torch.nn.Module) -> float | None:
     """How much of the adapters' update the last merge lost to rounding, ``||lost|| / ||update||`` over this
     rank's adapters (0 in fp32; None without adapters or merges). One host read."""
-    stats = [a.merge_stats for a in adapters_of(model) if getattr(a, "merge_stats", None) is not None]
+    stats = [a.merge_stats for a in layer_adapters(model) if getattr(a, "merge_stats", None) is not None]
     if not stats:
         return None
     lost, update = torch.stack(stats).double().sum(0).tolist()  # host: one read per sync
@@ -270,15 +367,17 @@ def merge_rounding(model: torch.nn.Module) -> float | None:
 
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module):
-    """Inside: the model computes as its frozen base (every adapter off)."""
-    adapters = adapters_of(model)
+    """Inside: the model computes as its frozen base (every adapter off); each adapter's state is restored
+    on exit (so the contexts nest)."""
+    adapters = layer_adapters(model)
+    before = [adapter.enabled for adapter in adapters]
     for adapter in adapters:
         adapter.enabled = False
     try:
         yield
     finally:
-        for adapter in adapters:
-            adapter.enabled = True
+        for adapter, enabled in zip(adapters, before):
+            adapter.enabled = enabled
 
 
 def merged_weight(model: torch.nn.Module, param_name: str, param: torch.Tensor) -> torch.Tensor:
@@ -293,7 +392,7 @@ def merged_weight(model: torch.nn.Module, param_name: str, param: torch.Tensor) 
     except AttributeError:
         return param.detach()
     adapter = getattr(parent, child + SUFFIX, None)
-    if isinstance(adapter, LoRAAdapter) and adapter.enabled:
+    if isinstance(adapter, (LoRAAdapter, CanonicalAdapter)) and adapter.enabled:
         return adapter.merged(param.detach())
     return param.detach()
 

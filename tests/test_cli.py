@@ -149,6 +149,8 @@ def test_internal_errors_are_one_line_naming_their_traceback_file(monkeypatch, c
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"megarlhf plan: error: {type(error).__name__}: "), err
         assert "an error inside megarlhf: traceback in " in err and "--verbose" in err
+        if "second line" in str(error):  # a verdict lists its problems below its first line: kept (were dropped)
+            assert "engine died second line" in err
         path = err.split("traceback in ")[1].split(",")[0]
         assert f"raise error" in open(path).read() and path.startswith(str(tmp_path / "logs"))
         with pytest.raises(type(error)) as raised:

@@ -18,6 +18,13 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input, as PEFT's lora_dropout
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # Megatron layer names
+    # one adapter per HF projection of a fused layer (q, k, v of linear_qkv; gate, up of linear_fc1), as PEFT
+    # holds them: any PEFT adapter loads and exports exactly. False: the fused layer's projections share one
+    # A (fewer parameters; a PEFT adapter loads only if its q/k/v, gate/up A factors are equal)
+    canonical: bool = False
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the actor's adapters start
+    # from; its rank, alpha and target projections must be these (None: fresh adapters, B = 0)
+    adapter_path: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -31,6 +38,8 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.targets: {unknown or 'an empty list'} "
                              f"{'name no layer kind LoRA supports' if unknown else 'targets nothing'}; "
                              f"known: {', '.join(LORA_TARGETS)}")
+        if not isinstance(self.canonical, bool):
+            raise ValueError(f"LoRAConfig.canonical must be true or false, got {self.canonical!r}")
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRAConfig.targets lists a layer twice: {self.targets}")
 

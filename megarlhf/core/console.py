@@ -94,6 +94,9 @@ def report_error(command: str, message: str, where: str = "") -> None:
         print(f"{line} ({where})" if where else line, file=sys.stderr, flush=True)
 
 
+MAX_SUMMARY = 1500  # characters of an internal error's message on its line (all of it in the traceback file)
+
+
 def report_internal_error(command: str, err: BaseException) -> None:
     """One line for an error inside megarlhf, naming the file that holds this rank's traceback."""
     directory = _log_dir or Path(tempfile.gettempdir())
@@ -105,5 +108,7 @@ def report_internal_error(command: str, err: BaseException) -> None:
         where = f"an error inside megarlhf: traceback in {path}, or run with --verbose"
     except OSError:
         where = "an error inside megarlhf: run with --verbose for the traceback"
-    summary = str(err).splitlines()[0] if str(err) else ""
+    summary = str(err)  # every line of the message (a verdict lists its problems below its first line)
+    if len(summary) > MAX_SUMMARY:
+        summary = summary[:MAX_SUMMARY] + " ..."
     report_error(command, f"{type(err).__name__}: {summary}", where)

@@ -171,7 +171,8 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
 
     provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
-    _attach_lora(model, config, runtime)
+    adapter = config.model.lora.adapter_path if config.model.lora is not None else None
+    _attach_lora(model, config, runtime, start_from=(provider, adapter) if adapter is not None else None)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
     actor = _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
     return dataclasses.replace(actor, routing_replay=_routing_replay(model, provider, config, runtime))
@@ -200,18 +201,27 @@ def build_critic(config: RunConfig, runtime: Runtime, total_steps: int | None = 
     return _wrap_trainable("critic", model, provider, config, runtime, lr, steps)
 
 
-def _attach_lora(model, config: RunConfig, runtime: Runtime, trainable: tuple[str, ...] = ()) -> None:
+def _attach_lora(model, config: RunConfig, runtime: Runtime, trainable: tuple[str, ...] = (),
+                 start_from: tuple | None = None) -> None:
+    """LoRA adapters on ``model`` per ``model.lora``; ``start_from``: (provider, PEFT adapter directory) the
+    adapters are loaded from (the actor's ``model.lora.adapter_path``)."""
     from parallel.lora import attach_lora
 
     lora = config.model.lora
     if lora is None:
         return
     count = attach_lora(model, lora, seed=config.seed, trainable=trainable)
+    if start_from is not None:
+        from model_providers.peft_adapter import load_peft_adapter
+
+        load_peft_adapter(model, start_from[0], lora, start_from[1])
     if runtime.launch.rank == 0:
         params = list(model.parameters())
         train = sum(p.numel() for p in params if p.requires_grad)
-        print(f"LoRA: {count} adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.targets)}; "
-              f"{train:,} of {sum(p.numel() for p in params):,} parameters of this rank train", flush=True)
+        layout = "canonical, " if lora.canonical else ""
+        source = f"; loaded from {start_from[1]}" if start_from is not None else ""
+        print(f"LoRA: {count} adapters ({layout}rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.targets)}"
+              f"{source}; {train:,} of {sum(p.numel() for p in params):,} parameters of this rank train", flush=True)
 
 
 def build_reference(config: RunConfig, runtime: Runtime, actor: TrainModel) -> TrainModel:

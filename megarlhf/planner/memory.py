@@ -258,7 +258,7 @@ def _trainable(shape: ModelShape, config: RunConfig, stage: int, d: int, shards:
     trained = params
     if lora is not None:
         adapters = (shape.check_layout(tp, pp, **par.uneven_stages)[stage]
-                    * shape.lora_layer_params(lora.rank, lora.targets, tp))
+                    * shape.lora_layer_params(lora.rank, lora.targets, tp, lora.canonical))
         value_head = shape.hidden_size if head == "value" and stage == par.pipeline_model_parallel_size - 1 else 0
         params, trained = params + adapters, adapters + value_head
     master = 4 if d < 4 else 0  # bf16 weights get an fp32 master copy; fp32 weights are their own

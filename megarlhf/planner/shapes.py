@@ -151,13 +151,15 @@ class ModelShape:
         """The routed experts' parameters of one rank of ``stage`` (part of :meth:`params_per_rank`)."""
         return self.stage_moe_layers(tp, pp, stage, **uneven_stages)[1] * self.routed_expert_params(tp, ep)
 
-    def lora_layer_params(self, rank: int, targets, tp: int) -> int:
+    def lora_layer_params(self, rank: int, targets, tp: int, canonical: bool = False) -> int:
         """One layer's LoRA factors on one TP rank (parallel.lora: column layers hold A whole and B split,
-        row layers A split and B whole)."""
+        row layers A split and B whole; ``canonical``: an A per projection of the fused q/k/v and gate/up)."""
         h, f = self.hidden_size, self.ffn_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_target = {"linear_qkv": rank * h + (q + 2 * kv) // tp * rank, "linear_proj": rank * q // tp + h * rank,
-                      "linear_fc1": rank * h + 2 * f // tp * rank, "linear_fc2": rank * f // tp + h * rank}
+        qkv_a, fc1_a = (3, 2) if canonical else (1, 1)
+        per_target = {"linear_qkv": qkv_a * rank * h + (q + 2 * kv) // tp * rank,
+                      "linear_proj": rank * q // tp + h * rank,
+                      "linear_fc1": fc1_a * rank * h + 2 * f // tp * rank, "linear_fc2": rank * f // tp + h * rank}
         return sum(per_target[t] for t in targets)
 
     def params_per_rank(self, tp: int, pp: int, stage: int, head: str = "lm", ep: int = 1, **uneven_stages: int) -> int:

@@ -173,3 +173,43 @@ def test_grpo_with_adapter_only_sync_disaggregated(rl_assets, tmp_path):
     assert records[2]["actor/kl_loss"] > 0.0
     adapter = load_file(str(tmp_path / "run" / "hf-adapter" / "adapter_model.safetensors"))
     assert records[0]["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in adapter.values())
+
+
+def _peft_adapter(base: Path, out: Path) -> Path:
+    """A PEFT adapter of ``base`` trained elsewhere, as it were: random factors, a different A for each of
+    q, k, v (gate, up) projection, no entry near 0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"]))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_" in name:  # |entries| >= 0.02: an fp32 ulp there (~2e-9) dwarfs a 1e-12 step
+                values = torch.randn(param.shape, generator=gen)
+                param.copy_(values.sign() * (0.02 + 0.03 * values.abs()))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow  # one 2-rank run (~1 min): make test-slow
+def test_a_peft_adapter_starts_a_canonical_lora_run_at_tp2_with_adapter_only_sync(rl_assets, tmp_path):
+    """``model.lora.canonical`` + ``adapter_path``: a PEFT adapter with an A per projection starts the run
+    exactly, at TP2, with the engines receiving the adapters alone (vLLM keeps one A per q/k/v slice). With
+    lr 1e-12 Adam's first step (~lr per entry) is below half an fp32 ulp of every factor, so the run's
+    exported adapter must equal the starting one bit for bit: loaded, sharded over TP2, gathered and
+    written back exactly."""
+    start = _peft_adapter(rl_assets[0], tmp_path / "start")
+    recipe = write_recipe(tmp_path / "grpo.yaml", rl_assets, "grpo", tmp_path / "run")
+    lora = f"model.lora={{rank: 4, alpha: 8.0, canonical: true, adapter_path: {start}}}"
+    run_torchrun(CLI, 2, ["train", str(recipe), lora, *SIGNAL, "optim.lr=1.0e-12", "train.steps=1",
+                          "parallel.tensor_model_parallel_size=2", *ADAPTER_SYNC], timeout_s=900, env=REWARDS)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records[0]["actor/kl_loss"] > 0.0  # the policy starts from the adapter, the reference is the base
+    assert records[0]["weight_sync/probe_max_abs_diff"] < 1e-4  # the engine generates with those adapters
+    exported = load_file(str(tmp_path / "run" / "hf-adapter" / "adapter_model.safetensors"))
+    source = load_file(str(start / "adapter_model.safetensors"))
+    assert exported.keys() == source.keys() and all(torch.equal(exported[k], source[k]) for k in source)
+    _check_exports(rl_assets[0], tmp_path / "run")

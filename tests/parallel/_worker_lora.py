@@ -1,8 +1,9 @@
-"""Rank script of the LoRA tests. Usage: _worker_lora.py TP PP MODEL_DIR ADAPTER_DIR OUT_DIR [OPTION]
+"""Rank script of the LoRA tests. Usage: _worker_lora.py TP PP MODEL_DIR ADAPTER_DIR OUT_DIR [OPTION[,OPTION]]
 
 OPTION: ``recompute`` (Megatron's full activation recomputation, every layer), ``save`` (also writes a
-distributed checkpoint of the model with its adapters to OUT_DIR/ckpt) or ``load=DIR`` (the adapters come
-from that checkpoint, saved at another layout, instead of ADAPTER_DIR).
+distributed checkpoint of the model with its adapters to OUT_DIR/ckpt), ``load=DIR`` (the adapters come
+from that checkpoint, saved at another layout, instead of ADAPTER_DIR) or ``canonical`` (one adapter per
+projection of the fused q/k/v and gate/up layers: ``model.lora.canonical``).
 
 Builds the tiny model at (TP, PP), attaches LoRA (rank 4, alpha 8, every target), loads the PEFT adapter
 of ADAPTER_DIR, and runs one forward + backward of ``sum(logits * W)`` (W seeded) through Megatron's
@@ -66,7 +67,7 @@ def run(model, ids, pos, weights, vocab: int, backward: bool):
     return kept.get("logits") if ps.is_pipeline_last_stage() else None
 
 
-def gradients_as_peft(model, provider) -> dict:
+def gradients_as_peft(model, provider, lora: LoRAConfig) -> dict:
     """The adapters' gradients, gathered and named as PEFT names the factors."""
     from model_providers.hf_checkpoint import iter_hf_weights
     from model_providers.peft_adapter import adapter_table
@@ -76,7 +77,7 @@ def gradients_as_peft(model, provider) -> dict:
     for p in params:
         p.data = p.grad
     try:
-        return {n: t.clone() for n, t in iter_hf_weights(model, provider, table=adapter_table(provider, LORA))}
+        return {n: t.clone() for n, t in iter_hf_weights(model, provider, table=adapter_table(provider, lora))}
     finally:
         for p, data in zip(params, saved):
             p.data = data
@@ -84,6 +85,7 @@ def gradients_as_peft(model, provider) -> dict:
 
 def error_messages(model_dir: Path) -> dict:
     from model_providers.hf_checkpoint import load_hf_model
+    from model_providers.peft_adapter import load_peft_adapter
     from parallel.lora import attach_lora
 
     messages = {}
@@ -106,6 +108,12 @@ def error_messages(model_dir: Path) -> dict:
         attach_lora(model, LoRAConfig(targets=["linear_fc2"]), seed=0)
     except ValueError as err:
         messages["no_match"] = str(err)
+    provider, model = load_hf_model(model_dir)
+    attach_lora(model, LORA, seed=0)
+    try:  # a PEFT adapter with an A per projection does not fit the fused layers' shared A
+        load_peft_adapter(model, provider, LORA, model_dir.parent / "adapter_canonical")
+    except ValueError as err:
+        messages["unshared_into_fused"] = str(err)
     _, moe = load_hf_model(model_dir.parent / "moe")  # Qwen3-MoE: layer 0 dense, layers 1-2 MoE
     try:
         attach_lora(moe, LoRAConfig(), seed=0)
@@ -134,7 +142,8 @@ def replicated_grads_agree(model) -> bool:
 def main() -> None:
     tp, pp = int(sys.argv[1]), int(sys.argv[2])
     model_dir, adapter_dir, out = Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5])
-    option = sys.argv[6] if len(sys.argv) > 6 else ""
+    options = (sys.argv[6] if len(sys.argv) > 6 else "").split(",")
+    load_from = next((o.removeprefix("load=") for o in options if o.startswith("load=")), None)
     init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     from megatron.core import parallel_state as ps
 
@@ -145,16 +154,17 @@ def main() -> None:
     from megarlhf.checkpoint.distributed import load_checkpoint, save_checkpoint
 
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    provider, model = load_hf_model(model_dir, **(recompute if option == "recompute" else {}))
+    provider, model = load_hf_model(model_dir, **(recompute if "recompute" in options else {}))
     model.config.variable_seq_lengths = True
-    count = attach_lora(model, LORA, seed=0)
+    lora = LoRAConfig(rank=LORA.rank, alpha=LORA.alpha, canonical="canonical" in options)
+    count = attach_lora(model, lora, seed=0)
     source = load_file(str(model_dir / "model.safetensors"))  # a fresh adapter (B = 0) merges to W exactly
     fresh_merged_equal = all(torch.equal(t, source[n]) for n, t in iter_hf_weights(model, provider))
-    if option.startswith("load="):
-        load_checkpoint(option.removeprefix("load="), model)
+    if load_from is not None:
+        load_checkpoint(load_from, model)
     else:
-        load_peft_adapter(model, provider, LORA, adapter_dir)
-    if option == "save":
+        load_peft_adapter(model, provider, lora, adapter_dir)
+    if "save" in options:
         save_checkpoint(out / "ckpt", model)
     vocab = provider.hf_config.vocab_size
     ids, pos, weights = inputs(vocab)
@@ -164,8 +174,8 @@ def main() -> None:
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     frozen_have_no_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
     agree = replicated_grads_agree(model)
-    grads = gradients_as_peft(model, provider)
-    export_peft_adapter(model, provider, LORA, out / "adapter", base_model=str(model_dir))
+    grads = gradients_as_peft(model, provider, lora)
+    export_peft_adapter(model, provider, lora, out / "adapter", base_model=str(model_dir))
     export_hf_checkpoint(model, provider, out / "merged", source_dir=model_dir)
     rank = dist.get_rank()
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:

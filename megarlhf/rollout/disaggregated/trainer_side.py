@@ -35,7 +35,7 @@ from megarlhf.rollout.sync.weights import (SYNC_CHECK, ExpectedFingerprints, lay
                                            weight_buckets)
 from model_providers.hf_checkpoint import iter_hf_weights
 from model_providers.peft_adapter import peft_config, peft_tensors
-from parallel.lora import merge_rounding
+from parallel.lora import adapters_disabled, merge_rounding
 
 
 class RemoteEngines:
@@ -62,7 +62,12 @@ class RemoteEngines:
     def calibrate(self, prompts: list[list[int]] = (), stop_token_ids: tuple[int, ...] = ()) -> dict[str, float]:
         """The gates' calibration (:mod:`megarlhf.rollout.sync.calibration`) against every engine while it
         holds the checkpoint it loaded itself; ``prompts`` (token ids, the same on every rank) are sampled for
-        the natural floor. Returns the calibration metrics."""
+        the natural floor. Returns the calibration metrics. The actor computes with its LoRA adapters off (the
+        engines hold model.path, the base)."""
+        with adapters_disabled(self.actor.model):
+            return self._calibrate(prompts, stop_token_ids)
+
+    def _calibrate(self, prompts, stop_token_ids) -> dict[str, float]:
         channel, checked = self.channel, checks_checkpoint(self.config)
         if checked:
             expected = trainer_fingerprints(self.actor, self._engine_layout(), self.engine_dtype)  # collective

@@ -123,7 +123,14 @@ def calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_i
                         ) -> dict[str, float]:
     """Calibrates ``sync``'s gates (sets ``sync.tolerances``) against its colocated engine, which must still
     hold the checkpoint it loaded; ``prompts``: the run's first prompts (token ids), sampled for the natural
-    floor. Returns the calibration metrics. Collective over the trainer ranks."""
+    floor. Returns the calibration metrics. Collective over the trainer ranks. The actor computes with its
+    LoRA adapters off (they may start from ``model.lora.adapter_path`` or a checkpoint)."""
+    with adapters_disabled(sync.actor.model):  # the engine holds model.path: the base, whatever adapters start
+        return _calibrate_colocated(sync, prompts, stop_token_ids)
+
+
+def _calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_ids: tuple[int, ...]
+                         ) -> dict[str, float]:
     config, runtime = sync.config, sync.runtime
     checked = checks_checkpoint(config)
     if checked:
