@@ -143,7 +143,7 @@ def make_shard_plan(cu_seqlens: Tensor | Sequence[int], cp_size: int, cp_rank: i
     padded = [0]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         padded.append(padded[-1] + -(-(hi - lo) // multiple) * multiple)
-    host = torch.device("cpu")  # the plan is made on the host and moved once (.to)
+    host = "cpu"  # the plan is made on the host and moved once (.to)
     index = _rank_token_index(tuple(padded), cp_size, cp_rank, host)
     return CPShardPlan(cp_size, cp_rank, torch.tensor(bounds, dtype=torch.int32, device=host),
                        torch.tensor(padded, dtype=torch.int32, device=host), index, bounds, tuple(padded))

@@ -91,7 +91,7 @@ def _processor(outputs: Outputs, mb: MicroBatch, runtime: Runtime):
             hidden, weight = mask_padded_vocab(hidden, weight, vocab_size, tp.rank)
         # check_targets=False: run_schedule checked every micro-batch at once
         options = LogprobOptions(tp_group=tp.group, temperature=outputs.temperature, compute_entropy=entropy,
-                                 check_targets=False)
+                                 check_targets=False, selected=mb.wanted_tokens)
         lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, options)
         out = {"logprobs": lp.view(b, s)}
         if entropy:
@@ -112,11 +112,15 @@ def _processor(outputs: Outputs, mb: MicroBatch, runtime: Runtime):
 
 def check_token_ids(micro_batches: list[MicroBatch], vocab_size: int) -> None:
     """Raises unless every token whose log-prob is wanted lies in the model's vocabulary ``[0, vocab_size)``
-    (a tokenizer with more tokens than the model, or an engine that sampled a padded-vocab row). One
-    device read for all the micro-batches of a pass, instead of one per micro-batch in the log-prob op."""
-    bad = torch.stack([(((mb.labels < 0) | (mb.labels >= vocab_size)) & mb.label_mask).any()
-                       for mb in micro_batches])
-    if not bool(bad.any()):  # host: the one read
+    (a tokenizer with more tokens than the model, or an engine that sampled a padded-vocab row), and sets
+    each micro-batch's ``wanted_tokens`` (the log-prob op then picks its rows without a read of its own).
+    One device read for all the micro-batches of a pass, instead of two per micro-batch in the op."""
+    stats = torch.stack([torch.stack([(((mb.labels < 0) | (mb.labels >= vocab_size)) & mb.label_mask).sum(),
+                                      mb.label_mask.sum()]) for mb in micro_batches])
+    host = stats.tolist()  # host: the one read
+    for mb, (_, wanted) in zip(micro_batches, host):
+        mb.wanted_tokens = wanted
+    if not any(bad for bad, _ in host):
         return
     labels = torch.cat([mb.labels[mb.label_mask] for mb in micro_batches])
     outside = labels[(labels < 0) | (labels >= vocab_size)]

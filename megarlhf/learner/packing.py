@@ -118,6 +118,8 @@ class MicroBatch:
     # shape of ``tokens``, True on the padding segment that makes the row split evenly over sequence-parallel
     # ranks (module docstring; None: no such segment)
     padding: Tensor | None = None
+    # how many positions ``label_mask`` wants, on the host once the schedule has read it (None: not yet)
+    wanted_tokens: int | None = None
 
     @property
     def packed(self) -> bool:
@@ -359,13 +361,18 @@ def build_micro_batches(input_ids: Tensor, lengths: Tensor, wanted: Tensor, pack
     plan_rows = plan_micro_batches(host_lengths, packing.budget, packing.packed, [t.rows for t in trees],
                                    [t.shared for t in trees] if packing.packed else None)
     batch = _Batch(input_ids, lengths, host_lengths, wanted, routing)
-    result = []
-    for bin_rows in plan_rows:
-        bin_trees = list(dict.fromkeys(tree_of[r] for r in bin_rows))  # in order of first row
+    bins = [list(dict.fromkeys(tree_of[r] for r in bin_rows)) for bin_rows in plan_rows]  # trees in row order
+    orders = [[r for tree in trees for r in tree.rows] for trees in bins] if packing.packed else plan_rows
+    # every micro-batch's rows in one host-to-device copy per pass (not one small tensor per row or tree)
+    all_rows = torch.tensor([r for order in orders for r in order], dtype=torch.long, device=device)
+    result, start = [], 0
+    for trees, order in zip(bins, orders):
+        rows = all_rows[start:start + len(order)]
+        start += len(order)
         if packing.packed:
-            result.append(_packed_micro_batch(batch, bin_trees, packing))
+            result.append(_packed_micro_batch(batch, trees, packing, rows))
         else:
-            result.append(_padded_micro_batch(batch, bin_rows, packing))
+            result.append(_padded_micro_batch(batch, order, packing, rows))
     return result
 
 
@@ -379,18 +386,18 @@ def _host_rows(input_ids: Tensor, lengths: Tensor, wanted: Tensor, with_tokens: 
     return [r[0] for r in rows], [r[2:] for r in rows], [r[1] for r in rows]
 
 
-def _packed_micro_batch(batch: _Batch, trees: list[_Tree], packing: Packing) -> MicroBatch:
-    """One packed row of ``trees`` (its rows in tree order), sharded for this CP rank."""
+def _packed_micro_batch(batch: _Batch, trees: list[_Tree], packing: Packing, rows: Tensor) -> MicroBatch:
+    """One packed row of ``trees`` (its rows in tree order; ``rows``: their indices, on the device), sharded
+    for this CP rank."""
     input_ids, lengths, host_lengths, wanted, routing = batch
     cp_size, cp_rank, cp_group = packing.cp_size, packing.cp_rank, packing.cp_group
     device = input_ids.device
     order = [r for tree in trees for r in tree.rows]
-    rows = torch.tensor(order, dtype=torch.long, device=device)
     lens = tuple(host_lengths[r] for r in order)
     width = max(lens)
-    row = _Segments()
+    row, first = _Segments(), 0
     for tree in trees:
-        index = torch.tensor(tree.rows, dtype=torch.long, device=device)
+        index, first = rows[first:first + len(tree.rows)], first + len(tree.rows)
         row.add_tree(input_ids[index], [host_lengths[r] for r in tree.rows], wanted[index], tree.shared, width,
                      None if routing is None else routing[index])
     padded = row.pad_to(packing.sequence_multiple, cp_size, routing)
@@ -415,12 +422,12 @@ def _packed_micro_batch(batch: _Batch, trees: list[_Tree], packing: Packing) -> 
                       source, local_routing, padding)
 
 
-def _padded_micro_batch(batch: _Batch, bin_rows: list[int], packing: Packing) -> MicroBatch:
-    """One right-padded [n, width] micro-batch, each row sharded for this CP rank."""
+def _padded_micro_batch(batch: _Batch, bin_rows: list[int], packing: Packing, rows: Tensor) -> MicroBatch:
+    """One right-padded [n, width] micro-batch (``rows``: ``bin_rows`` on the device), each row sharded for
+    this CP rank."""
     input_ids, lengths, host_lengths, wanted, routing = batch
     cp_size, cp_rank, cp_group = packing.cp_size, packing.cp_rank, packing.cp_group
     device = input_ids.device
-    rows = torch.tensor(bin_rows, dtype=torch.long, device=device)
     lens = tuple(host_lengths[r] for r in bin_rows)
     ids = input_ids[rows]
     labels, masks = _next_token_fields(ids, lens, wanted[rows])

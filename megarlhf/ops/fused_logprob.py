@@ -34,6 +34,8 @@ logit such as -1e30 (it contributes exactly 0); -inf would turn the entropy term
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +61,9 @@ class LogprobOptions:
     compute_entropy: bool = True
     check_targets: bool = True
     backend: str = "auto"
+    # how many mask entries are true, when the caller knows it on the host: the rows are then picked without
+    # waiting for the device (nonzero_static instead of nonzero)
+    selected: int | None = None
 
 
 class Saved(NamedTuple):
@@ -107,15 +112,17 @@ def tp_rank_and_size(tp_group) -> tuple[int, int]:
 
 
 def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
-                 vocab_start: int, vocab_local: int, vocab_total: int, check_targets: bool = True):
-    """Picks the unmasked rows; returns (rows index or None, hidden rows, local targets, in-shard).
+                 vocab_start: int, vocab_local: int, vocab_total: int, check_targets: bool = True,
+                 selected: int | None = None):
+    """Picks the unmasked rows (``selected`` of them, when known on the host); returns (rows index or None,
+    hidden rows, local targets, in-shard).
 
     Local targets are ``target - vocab_start``, set to 0 where the target lives on another rank;
     ``in_shard`` says which rows own their target here.
     """
     idx = None
     if mask is not None:
-        idx = mask.nonzero().squeeze(1)
+        idx = (mask.nonzero() if selected is None else torch.nonzero_static(mask, size=selected)).squeeze(1)
         hidden, targets = hidden[idx], targets[idx]
     # a host read: a caller that checked its targets already (the trainer, once per pass) turns it off
     if check_targets and targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_total):
@@ -144,7 +151,7 @@ def apply_on_selected_rows(apply, hidden, weight, targets, mask, options: Logpro
     rank, tp_size = tp_rank_and_size(options.tp_group)
     v_local = weight.shape[0]
     idx, x, local_t, in_shard = _select_rows(hidden, targets, mask, rank * v_local, v_local,
-                                             v_local * tp_size, check_targets)
+                                             v_local * tp_size, check_targets, options.selected)
     n = hidden.shape[0]
     if x.shape[0] == 0:   # nothing selected (identical on all TP ranks): no work, no collectives
         # zeros that still hang off the graph, so a loss built only from them can backward (to 0)
@@ -234,15 +241,15 @@ def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: 
     need_x, need_w = needs
     grad_x = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
     grad_w = torch.empty_like(weight) if need_w else None
-    rows = torch.arange(xs.shape[0], device=xs.device)
     g_lp32 = None if g_lp is None else g_lp.float()
     g_ent32 = None if g_ent is None else g_ent.float()
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
         grad = _grad_logits_(_chunk_logits(xs, weight, lo, hi), logz, g_lp32, g_ent32, ent)
-        if g_lp32 is not None:
+        if g_lp32 is not None:  # each row's target column gets +g_lp (a scatter: no boolean mask, no sync)
             hit = in_shard & (local_t >= lo) & (local_t < hi)
-            grad[rows[hit], local_t[hit] - lo] += g_lp32[hit]
+            column = torch.where(hit, local_t - lo, 0)[:, None]
+            grad.scatter_add_(1, column, torch.where(hit, g_lp32, 0.0)[:, None])
         grad = grad.to(weight.dtype)
         if need_x:
             grad_x += torch.mm(grad, weight[lo:hi]).float()
@@ -277,6 +284,12 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+def normalised_options(options: LogprobOptions) -> LogprobOptions:
+    """``options`` with plain Python numbers (an autograd function keeps them; a tensor there would be read)."""
+    return dataclasses.replace(options, temperature=float(options.temperature), chunk_size=int(options.chunk_size),
+                               compute_entropy=bool(options.compute_entropy))
+
+
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           mask: torch.Tensor | None = None, options: LogprobOptions = LogprobOptions()):
     """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
@@ -287,8 +300,7 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     Under TP the hidden gradient is all-reduced inside the op (see module docstring).
     """
     check_inputs(hidden, weight, targets, mask, options)
-    options = LogprobOptions(options.tp_group, float(options.temperature), int(options.chunk_size),
-                             bool(options.compute_entropy), options.check_targets, options.backend)
+    options = normalised_options(options)
 
     def apply(x, local_t, in_shard, tp_size):
         return _FusedLogprobEntropy.apply(x, weight, local_t, in_shard, tp_size, options)

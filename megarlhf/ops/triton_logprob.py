@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from megarlhf.ops.fused_logprob import (NEG_BIG, LogprobOptions, Saved, apply_on_selected_rows, check_inputs,
-                                        chunked_grads, combine_partials)
+                                        chunked_grads, combine_partials, normalised_options)
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,7 @@ def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     the forward's tiles. ``options.chunk_size``: vocab rows per chunk of the backward (its peak memory: a
     [tokens, chunk_size] fp32 gradient block)."""
     check_inputs(hidden, weight, targets, mask, options)
-    options = LogprobOptions(options.tp_group, float(options.temperature), int(options.chunk_size),
-                             bool(options.compute_entropy), options.check_targets, options.backend)
+    options = normalised_options(options)
 
     def apply(x, local_t, in_shard, tp_size):
         return _TritonLogprobEntropy.apply(x, weight, local_t, in_shard, tp_size, options, blocks)

@@ -4,8 +4,8 @@ Also counts, apart, a GRPO actor update whose old log-probs come from its own fo
 for the rollout's log-probs (truncated IS weights per micro-batch), the default GRPO path.
 Usage: _worker_host_syncs.py WORK_DIR OUT_DIR
 
-Every device-to-host read torch offers (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
-``float/int/bool(tensor)``) is counted while one step runs: the actor's and the reference's scoring, the
+Every host synchronisation (:mod:`megarlhf.records.host_syncs`: scalar reads, data-dependent ops,
+host <-> device copies) is counted while one step runs: the actor's and the reference's scoring, the
 critic's values, one actor update and one critic update (PPO with a KL loss and an entropy bonus). The
 step runs at two model sizes (2 layers / hidden 64 and 4 layers / hidden 128) and two micro-batch budgets
 (one micro-batch per pass and five, which also changes the number of packed segments per
@@ -13,13 +13,12 @@ micro-batch), with shared prompt prefixes on. Records the count of each run and 
 """
 from __future__ import annotations
 
-import collections
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 
+from megarlhf.records.host_syncs import HostSyncCounter as HostReadCounter  # noqa: E402
 from megarlhf.testing.launch import write_rank_result
 from model_providers.tiny_models import make_tiny_model
 from megarlhf.config.parallel import ParallelConfig
@@ -28,55 +27,9 @@ from parallel.runtime import init_parallel
 sys.path.insert(0, str(Path(__file__).parent))
 from _batch import VOCAB, experience, run_config  # noqa: E402
 
-READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 SIZES = {"small": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128),
          "large": dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256)}
 BUDGETS = {"one_micro_batch": 4096, "five_micro_batches": 24}
-
-
-class HostReadCounter:
-    """Counts the outermost calls of :data:`READS` on tensors (the CPU compatibility layer's torch-function
-    mode re-dispatches a Tensor method through itself, so nested calls are one read), with where each
-    came from (the first frame outside torch).
-
-    Reads inside ``torch.optim`` are counted apart (``host_steps``): torch's Adam keeps its step counters
-    as host tensors (unless capturable or fused), so its per-parameter ``.item()`` reads the host, never
-    the GPU; on CPU the two cannot be told apart by device."""
-
-    def __init__(self):
-        self.count, self.depth, self.where = 0, 0, collections.Counter()
-        self.host_steps = collections.Counter()
-        self.saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def _wrap(self, name):
-        original = self.saved[name]
-
-        def read(tensor, *args, **kwargs):
-            if self.depth == 0:
-                stack = traceback.extract_stack()[:-1]
-                frame = next((f for f in reversed(stack) if "/torch/" not in f.filename), None)
-                where = f"{name} {Path(frame.filename).name}:{frame.lineno}" if frame else name
-                if any("/torch/optim/" in f.filename for f in stack):
-                    self.host_steps[where] += 1
-                else:
-                    self.count += 1
-                    self.where[where] += 1
-            self.depth += 1
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                self.depth -= 1
-
-        return read
-
-    def __enter__(self):
-        for name in READS:
-            setattr(torch.Tensor, name, self._wrap(name))
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
 
 
 def one_step(model_dir: Path, budget: int, runtime) -> dict:

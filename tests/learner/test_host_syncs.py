@@ -1,12 +1,16 @@
 """Host synchronisations of the trainer's part of an RL step do not grow with the model or the batch
 layout (issue 21, item 3).
 
-The worker (:mod:`_worker_host_syncs`) counts every device-to-host read (``.item()``, ``.tolist()``,
-``.cpu()``, ``.numpy()``, ``float/int/bool(tensor)``) while the actor and reference score a batch, the
-critic values it, and the actor and critic each take one optimizer step, at 2 and 4 layers and at one
-and five micro-batches per pass. On a GPU each read stalls the host until the device's queue drains;
-before this change the count grew with every layer (the attention's segment boundaries and the rotary
-table), every micro-batch (metrics, packing, the target check) and every segment (331 to 1135 reads).
+The worker (:mod:`_worker_host_syncs`) counts every host synchronisation
+(:class:`megarlhf.records.host_syncs.HostSyncCounter`: scalar reads, ``nonzero``, boolean-mask indexing,
+``unique``, ``equal``, copies to the host and host data copied to the device) while the actor and reference
+score a batch, the critic values it, and the actor and critic each take one optimizer step, at 2 and 4
+layers and at one and five micro-batches per pass. On a GPU each one stalls the host until the device's
+queue drains. Issue 21 took the count from 331-1135 reads (growing with layers, micro-batches and
+segments) to a constant; the wider counter of issue 45 then found 68 (one micro-batch) vs 170 (five):
+the log-prob op's ``nonzero`` and the backward's boolean-mask scatter per micro-batch, one small device
+tensor per packed row and per micro-batch, and the metric sums copied to the device per micro-batch. Now
+32 at every layout.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def test_host_reads_per_step_do_not_grow_with_layers_parameters_micro_batches_or
     per_run = {name: run["count"] for name, run in counts.items()}
     assert len(set(per_run.values())) == 1, (per_run, {name: run["where"] for name, run in counts.items()})
     # a handful per optimizer step and per scoring pass (metrics, non-finite verdict, normaliser, plan)
-    assert per_run["small/one_micro_batch"] <= 25, counts["small/one_micro_batch"]["where"]
+    assert per_run["small/one_micro_batch"] <= 35, counts["small/one_micro_batch"]["where"]
     grpo = {name: run["grpo_count"] for name, run in counts.items()}
     assert len(set(grpo.values())) == 1, (grpo, {name: run["grpo_where"] for name, run in counts.items()})
 
