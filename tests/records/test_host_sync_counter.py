@@ -50,7 +50,7 @@ def test_every_syncing_idiom_is_counted_once(idiom):
     with HostSyncCounter() as counter:
         SYNCING[idiom]()
     assert counter.count == 1, (idiom, dict(counter.where))
-    assert all("test_host_syncs.py" in where for where in counter.where), counter.where
+    assert all("test_host_sync_counter.py" in where for where in counter.where), counter.where
 
 
 @pytest.mark.parametrize("idiom", sorted(QUIET))
