@@ -1,6 +1,6 @@
-"""Replacements for two of Megatron-Core's unfused fallbacks that read the device in a Python loop.
+"""Replacements for three pieces of Megatron-Core that make the host wait for the device on every call.
 
-Both are installed on every device by :func:`install` (idempotent, called by
+All are installed on every device by :func:`install` (idempotent, called by
 :func:`parallel.runtime.init_distributed`); each computes the same numbers as the code it replaces.
 
 1. **Gradient norm.** Where neither Transformer Engine nor apex is installed (CPU, and a GPU without them),
@@ -18,6 +18,11 @@ Both are installed on every device by :func:`install` (idempotent, called by
    no device read; a per-sequence table is gathered per token by its position within its sequence. On CPU
    it is also 5.5x faster on 64 packed sequences (``bench/bench_rope_thd.py``). Calls under context
    parallelism (CP > 1) go to Megatron's function unchanged.
+3. **The vocab-parallel embedding at TP > 1** masks the token ids outside this rank's vocabulary shard,
+   and then their embeddings, by boolean-mask assignment (``x[mask] = 0``): two index-by-mask ops per
+   forward of every micro-batch, each a ``nonzero`` that waits for the device.
+   :func:`_embedding_without_mask_indexing` does the same with ``torch.where`` / ``masked_fill``. Megatron's
+   other variants (deterministic mode, GTP rematerialisation, reduce-scattered embeddings) keep its code.
 """
 from __future__ import annotations
 
@@ -63,15 +68,41 @@ def _rope_thd_vectorised(original):
     return apply
 
 
+def _embedding_without_mask_indexing(original):
+    """``VocabParallelEmbedding.forward`` at TP > 1 with the out-of-shard masking done without boolean-mask
+    indexing (module docstring, 3); anything else goes to ``original``."""
+    import functools
+
+    import torch.nn.functional as F
+
+    @functools.wraps(original)
+    def forward(self, input_):
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        if (self.tp_group.size() == 1 or self.deterministic_mode or getattr(self, "gtp_remat_size", 1) > 1
+                or self.reduce_scatter_embeddings):
+            return original(self, input_)
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        masked_input = torch.where(outside, 0, input_ - self.vocab_start_index)
+        output_parallel = F.embedding(masked_input, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    return forward
+
+
 def install() -> dict[str, bool]:
-    """Applies both replacements (once); returns which of them are in place."""
+    """Applies the replacements (once); returns which of them are in place."""
     from megatron.core import utils
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = l2_norm
     if not hasattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__"):
         rope_utils._apply_rotary_pos_emb_thd = _rope_thd_vectorised(rope_utils._apply_rotary_pos_emb_thd)
+    if not hasattr(VocabParallelEmbedding.forward, "__wrapped__"):
+        VocabParallelEmbedding.forward = _embedding_without_mask_indexing(VocabParallelEmbedding.forward)
     return {"l2_norm": clip_grads.l2_norm_impl is l2_norm,
-            "rope_thd": hasattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__")}
+            "rope_thd": hasattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__"),
+            "embedding": hasattr(VocabParallelEmbedding.forward, "__wrapped__")}

@@ -136,6 +136,9 @@ class LoggingConfig:
     mlflow_tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI (mlflow needs one or the other)
     log_every: int = 1  # steps between metric records (RL and SFT; the last step and evaluations always)
     samples_per_step: int = 4  # RL: decoded samples per step and per evaluation in samples.jsonl (0: off)
+    # performance work: count every RL step's host synchronisations (megarlhf.records.host_syncs) into
+    # <run_dir>/logs/host_syncs-rank<N>.jsonl with where each came from (slows the step: off in real runs)
+    count_host_syncs: bool = False
 
     def __post_init__(self):
         positive_ints(self, "log_every")
@@ -143,6 +146,8 @@ class LoggingConfig:
               f"LoggingConfig.samples_per_step must be an int >= 0, got {self.samples_per_step!r}")
         check(len(set(self.backends)) == len(self.backends),
               f"LoggingConfig.backends names a backend twice: {self.backends}")
+        check(isinstance(self.count_host_syncs, bool),
+              f"LoggingConfig.count_host_syncs must be true or false, got {self.count_host_syncs!r}")
 
 
 @dataclass

@@ -63,17 +63,17 @@ def reduce_metric_sums(per_micro_batch: list[dict], names: list[str], runtime: R
     """Sums ``names`` over the micro-batches of the last pipeline stage and over the data-parallel
     group; every rank gets the result. A metric may be a device tensor (0-dim) or a number: the sums
     stay on the device until the one host read at the end."""
-    columns, host = [[] for _ in names], [0.0] * len(names)
+    columns, host, numbers = [[] for _ in names], [0.0] * len(names), False
     for metrics in per_micro_batch if runtime.is_last_stage else ():
-        for column, total, name in zip(columns, range(len(names)), names):
+        for index, name in enumerate(names):
             value = metrics[name]
             if isinstance(value, torch.Tensor):
-                column.append(value.double().reshape(()))
+                columns[index].append(value.double().reshape(()))
             else:
-                host[total] += float(value)
+                host[index], numbers = host[index] + float(value), True
     zero = torch.zeros((), dtype=torch.float64, device=runtime.device)
     sums = torch.stack([torch.stack(column).sum() if column else zero for column in columns])
-    if any(host):  # numbers known on the host: one copy to the device per pass, not one per micro-batch
+    if numbers:  # metrics known on the host: one copy to the device per pass, not one per micro-batch
         sums += torch.tensor(host, dtype=torch.float64, device=runtime.device)
     runtime.all_reduce_on_device(sums, over="dp")
     if runtime.pp.size > 1:  # the other stages hold zeros: the last stage's sums reach them

@@ -37,6 +37,7 @@ from megarlhf.loops.experience import build_experience, compute_advantages, scor
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
 from megarlhf.loops.rewarding import score_rewards
+from megarlhf.records.host_syncs import StepSyncLog
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.rollout.engines.sampling import greedy_sampling
 from megarlhf.rollout.phase import serve_engine_rank
@@ -59,21 +60,23 @@ def train_rl(config: RunConfig) -> Path | None:
     batches.restore(run.resumed, first_step)
     run.samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
                             runtime=run.runtime, resume_after_step=first_step - 1)
+    syncs = StepSyncLog(config.logging.run_dir, run.runtime.launch.rank, config.logging.count_host_syncs)
     for step in range(first_step, config.train.steps):
         run.checkpointer.poll()  # publishes a background save (checkpoint.async_save) whose write has finished
         start = time.perf_counter()
         metrics = scheduled_eval(run, eval_prompts, step)
-        rollout_start = time.perf_counter()
-        got = batches.next(step)  # 1-6
-        run.samples.write(step, "train", got.examples, got.rollout, got.rewards)
-        baseline = greedy_baseline(run, got, step)
-        rollout_s = time.perf_counter() - rollout_start
-        batch = build_experience(got.rollout, got.group_offset, run.pad_id, run.runtime.device)
-        train_start = time.perf_counter()
-        metrics.update(rl_update(run, got, batch, step, baseline))  # 7-9
-        metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
-                        "time/step_s": time.perf_counter() - start})
-        run.log_step(step, metrics)  # 10
+        with syncs.step(step):
+            rollout_start = time.perf_counter()
+            got = batches.next(step)  # 1-6
+            run.samples.write(step, "train", got.examples, got.rollout, got.rewards)
+            baseline = greedy_baseline(run, got, step)
+            rollout_s = time.perf_counter() - rollout_start
+            batch = build_experience(got.rollout, got.group_offset, run.pad_id, run.runtime.device)
+            train_start = time.perf_counter()
+            metrics.update(rl_update(run, got, batch, step, baseline))  # 7-9
+            metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
+                            "time/step_s": time.perf_counter() - start})
+            run.log_step(step, metrics)  # 10
         run.save(step + 1, lambda: {"sampler": sampler.state_dict(), **batches.state(step + 1)})
     run.checkpointer.close()
     if config.eval.every:  # also after resuming a finished run: the recorder cut the final record, it is redone

@@ -21,6 +21,8 @@ first frame outside torch). Counting costs a Python call per aten op: for measur
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import traceback
 from pathlib import Path
 
@@ -93,3 +95,22 @@ class HostSyncCounter(TorchFunctionMode):
     def report(self) -> dict:
         return {"count": self.count, "where": dict(self.where), "host_steps": sum(self.host_steps.values()),
                 "host_step_sites": sorted(self.host_steps)}
+
+
+class StepSyncLog:
+    """``logging.count_host_syncs``: each RL step's count, one JSON line per step in
+    ``<run_dir>/logs/host_syncs-rank<N>.jsonl`` (``{"step", "count", "where", "host_steps", ...}``)."""
+
+    def __init__(self, run_dir: str | Path, rank: int, enabled: bool):
+        self.path = Path(run_dir) / "logs" / f"host_syncs-rank{rank}.jsonl" if enabled else None
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        if self.path is None:
+            yield
+            return
+        with HostSyncCounter() as counter:
+            yield
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **counter.report()}) + "\n")

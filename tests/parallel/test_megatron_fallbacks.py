@@ -78,3 +78,35 @@ def test_packed_rope_patch_equals_megatron_loop(interleaved):
         assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
         assert not torch.equal(outs[0], t.detach())
     assert not dist.is_initialized()
+
+
+def test_the_tp_embedding_masks_without_waiting_for_the_device(monkeypatch):
+    """Megatron's vocab-parallel embedding at TP > 1 (here: rank 1 of 2, vocab rows 8-15) masks by boolean
+    indexing, two host waits per forward (seen: 2); the replacement gives the same output and gradient
+    bitwise, with none."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    from megarlhf.records.host_syncs import HostSyncCounter
+
+    monkeypatch.setattr(mappings, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
+    monkeypatch.setattr(layers, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
+    megatron_fallbacks.install()
+    original = layers.VocabParallelEmbedding.forward.__wrapped__
+    embedding = layers.VocabParallelEmbedding.__new__(layers.VocabParallelEmbedding)
+    torch.nn.Module.__init__(embedding)
+    embedding.weight = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+    embedding.vocab_start_index, embedding.vocab_end_index = 8, 16
+    embedding.tp_group = type("TwoRanks", (), {"size": lambda self: 2})()
+    embedding.deterministic_mode, embedding.gtp_remat_size, embedding.reduce_scatter_embeddings = False, 1, False
+    ids = torch.tensor([[3, 8, 15, 16, 9], [12, 0, 11, 8, 20]])
+    results = []
+    for forward in (original, layers.VocabParallelEmbedding.forward):
+        embedding.weight.grad = None
+        with HostSyncCounter() as counter:
+            out = forward(embedding, ids)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), embedding.weight.grad.clone(), counter.count))
+    (theirs, their_grad, their_syncs), (ours, our_grad, our_syncs) = results
+    assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad)
+    assert (ours[ids < 8] == 0).all() and (ours[ids >= 16] == 0).all() and (ours[(ids >= 8) & (ids < 16)] != 0).any()
+    assert their_syncs == 2 and our_syncs == 0
