@@ -55,13 +55,28 @@ def test_dpo_and_reward_model_steps_bf16(runtime, tiny_llama, tmp_path, report):
     config = run_config(tiny_llama, "bfloat16", "optim.clip_grad=0.0")
     batch = _pairs(384, runtime.device)
     logps = _hf_summed_logps(tiny_llama, batch)
-    ref = (logps + 0.5 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    # reference log-probs 8 nats from the policy's, so margins stand well above bf16's error in summed
+    # log-probs; checked: the loss (rel 3e-2) and the mean reward margin beta * (...) (rel 1e-1), which is
+    # linear in beta. With 0.5 nats and the loss alone, beta x2, beta / 2 and a dropped reference passed.
+    ref = (logps + 8.0 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
     beta = config.preference.params.beta
-    expected = -F.logsigmoid(beta * ((logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2]))).mean()
+
+    def loss_and_margin(beta_used, reference):
+        margins = beta_used * ((logps[0::2] - reference[0::2]) - (logps[1::2] - reference[1::2]))
+        return float(-F.logsigmoid(margins).mean()), float(margins.mean())
+
+    expected, margin = loss_and_margin(beta, ref)
+    faults = {"beta x2": loss_and_margin(2 * beta, ref), "beta / 2": loss_and_margin(beta / 2, ref),
+              "no reference": loss_and_margin(beta, torch.zeros_like(ref))}
+    # the check's power: every fault lies outside three times a tolerance
+    assert all(abs(loss - expected) > 3 * 3e-2 * expected or abs(m - margin) > 3 * 1e-1 * abs(margin)
+               for loss, m in faults.values()), (expected, margin, faults)
     dpo = preference_step(build_actor(config, runtime), batch, config, ref.float().to(runtime.device))
-    report("DPO step bf16: loss vs HF fp32", f"{dpo['dpo/loss']:.4f}/{float(expected):.4f}", "",
+    report("DPO step bf16: loss, margin vs HF fp32",
+           f"{dpo['dpo/loss']:.4f}/{expected:.4f}, {dpo['rewards/margin']:.4f}/{margin:.4f}", "",
            f"grad norm {dpo['dpo/grad_norm']:.3f}")
-    assert dpo["dpo/loss"] == pytest.approx(float(expected), rel=3e-2)
+    assert dpo["dpo/loss"] == pytest.approx(expected, rel=3e-2)
+    assert dpo["rewards/margin"] == pytest.approx(margin, rel=1e-1)
     rm_dir, hf_rm = _reward_model_dir(tiny_llama, tmp_path / "rm")
     with torch.no_grad():  # the score at each row's last token, fp32 on the host
         hidden = hf_rm.model(input_ids=batch.input_ids.cpu()).last_hidden_state

@@ -113,3 +113,43 @@ def test_flex_packed_attention_matches_the_per_segment_loop(dtype, bounds, prefi
     diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(outs["flex"], outs["loop"])]
     report(f"flex vs loop attention {dtype}, {n} tokens: rel. max |d| out/dq/dk/dv", "/".join(f"{d:.1e}" for d in diffs))
     assert max(diffs) < (1e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_cudas_own_sync_detection_sees_no_more_than_the_host_sync_counter(runtime, tiny_llama, report):
+    """An actor's scoring pass and GRPO update in bf16 under ``torch.cuda.set_sync_debug_mode("warn")``:
+    every synchronisation CUDA reports must be one the CPU-side counter (megarlhf.records.host_syncs, which
+    the CPU tests use to hold the step's count flat) also counts, so a sync the counter cannot see shows
+    here as CUDA's count exceeding it."""
+    import warnings
+
+    import torch
+
+    from megarlhf.learner import ExperienceBatch, actor_update, build_actor, compute_logprobs
+    from megarlhf.records.host_syncs import HostSyncCounter
+
+    if not ON_GPU:
+        pytest.skip("CUDA's sync detection needs CUDA")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 384, (24,), generator=gen).tolist() for _ in range(8)]
+    responses = [torch.randint(0, 384, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen).tolist()
+                 for _ in range(8)]
+    config = run_config(tiny_llama, "bfloat16", "train.micro_batch_tokens=128")
+    actor = build_actor(config, runtime)
+    batch = ExperienceBatch.from_sequences(prompts, responses, device=runtime.device, group_ids=list(range(8)))
+    batch = batch.replace(rollout_logprobs=torch.zeros_like(batch.response_mask, dtype=torch.float32),
+                          advantages=torch.randn(batch.response_mask.shape, generator=gen).to(runtime.device))
+    actor_update(actor, batch, config)  # warm-up: lazily built state is not the step's
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as counter:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            compute_logprobs(actor, batch, config)
+            actor_update(actor, batch, config)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    cuda = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    report("host syncs of scoring + update: CUDA vs counter", f"{len(cuda)}/{counter.count}", "",
+           "; ".join(sorted({f'{w.filename.rsplit("/", 1)[-1]}:{w.lineno}' for w in cuda}))[:200])
+    assert len(cuda) <= counter.count, (len(cuda), dict(counter.where))
