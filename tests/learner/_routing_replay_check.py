@@ -80,6 +80,18 @@ def chosen_equal_recorded(actor, batch, config, maps) -> tuple[bool, int]:
     return ok, checked
 
 
+def step0_gate_message(actor, batch, config) -> str | None:
+    """The step-0 gate's error for a freely routed run, whose flips fail it (None: it passed)."""
+    from megarlhf.loops.experience import Step0GateError, score
+    from megarlhf.rollout.sync.gates import FLOORS
+
+    try:
+        score(batch, config, actor, None, None, gates=FLOORS["float32"])
+    except Step0GateError as err:
+        return str(err)
+    return None
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     runtime = init_parallel(ParallelConfig())
@@ -114,13 +126,7 @@ def main() -> None:
 
     plain = with_mode(actor, config, "none")
     result["gap_none"] = gap(old_policy_logprobs(plain, batch, config)[0])
-    from megarlhf.loops.experience import Step0GateError, score
-    from megarlhf.rollout.sync.gates import FLOORS
-
-    try:  # the step-0 gate of a freely routed run: the flips fail it, and its message says so
-        score(batch, config, plain, None, None, gates=FLOORS["float32"])
-    except Step0GateError as err:
-        result["step0_gate_none"] = str(err)
+    result["step0_gate_none"] = step0_gate_message(plain, batch, config)
     replayed = with_mode(actor, config, "r3")
     maps = routing_maps(replayed)
     scored, metrics = old_policy_logprobs(replayed, batch, config)
