@@ -102,7 +102,7 @@ def _scratch(work: Path) -> dict[str, Path]:
     recipe = work / "recipe.yaml"
     recipe.write_text(f"""model: {{path: {work / 'model'}, dtype: float32}}
 data: {{train_path: {work / 'data' / 'train.jsonl'}, eval_path: {work / 'data' / 'heldout.jsonl'},
-       max_prompt_length: 96, max_sequence_length: 256, chat_template: never}}
+       max_prompt_length: 512, max_sequence_length: 1024, chat_template: never}}
 rollout: {{n_samples: 2, max_new_tokens: 8, kv_cache_mb: 64, backend: fake}}
 train: {{steps: 1, global_batch_size: 4, micro_batch_tokens: 512}}
 reward: {{functions: [{{name: exact_match}}]}}
