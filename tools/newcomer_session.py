@@ -12,7 +12,7 @@ written. The training commands run for as long as the README says they do.
 ``--bad-inputs`` makes a tiny model and task, then runs each mistake through ``python -m megarlhf``: a
 typo'd data path, an unknown key, a removed key, a hub name, a wrong type, a missing recipe, a broken YAML,
 an unknown backend or reward, a checkpoint to resume that is not there, prompts without the answers their
-reward needs, an export / convert / fetch into a directory of the user's files, an eval whose recipe names a
+reward needs, a prompt + response budget beyond the model's positions, an export / convert / fetch into a directory of the user's files, an eval whose recipe names a
 run directory, a dpo run in an sft run's directory. Every one must exit non-zero with exactly one line on
 stderr that starts with ``megarlhf`` and holds no traceback (the eval must succeed and leave the run's
 ``config.yaml`` as it was), and the user's directory must keep its file. Prints one row per case; exits 1 if
@@ -99,10 +99,13 @@ def _scratch(work: Path) -> dict[str, Path]:
     no_answer = work / "data" / "no_answer.jsonl"
     no_answer.write_text("".join(json.dumps({"prompt": row["prompt"]}) + "\n" for row in
                                  map(json.loads, (work / "data" / "train.jsonl").read_text().splitlines())))
+    pairs = work / "data" / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": row["prompt"], "chosen": row["answer"], "rejected": "no"}) + "\n"
+                             for row in map(json.loads, (work / "data" / "train.jsonl").read_text().splitlines())))
     recipe = work / "recipe.yaml"
     recipe.write_text(f"""model: {{path: {work / 'model'}, dtype: float32}}
 data: {{train_path: {work / 'data' / 'train.jsonl'}, eval_path: {work / 'data' / 'heldout.jsonl'},
-       max_prompt_length: 512, max_sequence_length: 1024, chat_template: never}}
+       max_prompt_length: 240, max_sequence_length: 256, chat_template: never}}
 rollout: {{n_samples: 2, max_new_tokens: 8, kv_cache_mb: 64, backend: fake}}
 train: {{steps: 1, global_batch_size: 4, micro_batch_tokens: 512}}
 reward: {{functions: [{{name: exact_match}}]}}
@@ -114,7 +117,7 @@ logging: {{run_dir: {work / 'sft-run'}, backends: []}}
     done = _megarlhf(["sft", str(recipe), f"data.train_path={work / 'data' / 'sft_train.jsonl'}"], work)
     if done.returncode != 0:
         raise RuntimeError(f"the scratch SFT run failed: {done.stderr[-2000:]}")
-    return {"recipe": recipe, "run": work / "sft-run", "user": work / "user", "no_answer": no_answer,
+    return {"recipe": recipe, "run": work / "sft-run", "user": work / "user", "no_answer": no_answer, "pairs": pairs,
             "broken": work / "broken.yaml", "model": work / "model"}
 
 
@@ -143,8 +146,10 @@ def bad_inputs(work: Path) -> list[tuple[str, list[str], str]]:
                                                str(s["run"] / "checkpoints" / "step_1"), "--out", user,
                                                "--hf-config", str(s["model"])], user),
         ("fetch into the user's directory", ["fetch", "smollm2-135m-instruct", "--out", user], user),
-        ("dpo in an sft run's directory", ["dpo", recipe, f"data.train_path={work / 'data' / 'train.jsonl'}"],
-         "sft"),
+        ("dpo in an sft run's directory", ["dpo", recipe, f"data.train_path={s['pairs']}"], "sft"),
+        ("prompt + response beyond the model's positions", ["train", recipe, "rollout.max_new_tokens=100",
+                                                             f"logging.run_dir={work / 'rl-run'}"],
+         "max_position_embeddings"),
     ]
 
 

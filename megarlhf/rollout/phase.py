@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from megarlhf.config.schema import RunConfig
+from megarlhf.core.errors import ConfigError
 from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.learner import TrainModel
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
@@ -59,9 +60,23 @@ class Calibration:
 
 
 def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
+    _check_positions(config)
     return EngineConfig.from_rollout(config.rollout, model_dtype=config.model.dtype, seed=config.seed,
                                      max_prompt_length=config.data.max_prompt_length, in_process=in_process,
                                      **engine_lora(config), **engine_routing(config))
+
+
+def _check_positions(config: RunConfig) -> None:
+    """A prompt and its response must fit the model's positions (the engines hold that many)."""
+    from model_providers import get_provider
+
+    limit = getattr(get_provider(config.model.path).hf_config, "max_position_embeddings", None)
+    longest = config.data.max_prompt_length + config.rollout.response_budget
+    if limit is not None and longest > limit:
+        raise ConfigError(f"data.max_prompt_length={config.data.max_prompt_length} plus the response budget "
+                          f"{config.rollout.response_budget} (rollout.max_new_tokens, or max_response_tokens for "
+                          f"multi-turn) is {longest} tokens, more than the {limit} positions of {config.model.path} "
+                          f"(max_position_embeddings); lower them")
 
 
 class RolloutPhase:

@@ -191,3 +191,20 @@ def test_the_reload_logger_is_the_one_vllm_warns_on():
     import vllm.model_executor.model_loader.reload.layerwise as layerwise
 
     assert layerwise.logger.name == RELOAD_LOGGER
+
+
+def test_a_prompt_and_response_beyond_the_models_positions_is_named_before_an_engine_starts(tiny_qwen2):
+    """data.max_prompt_length + the response budget beyond max_position_embeddings (256 for the tiny model)
+    used to stop inside the HF engine as "an error inside megarlhf"; it is the recipe's, named by its keys."""
+    from megarlhf.config import RunConfig, load_config
+    from megarlhf.core.errors import ConfigError
+    from megarlhf.rollout.phase import engine_config
+
+    fits = load_config(RunConfig, None, [f"model.path={tiny_qwen2}", "data.train_path=x.jsonl",
+                                         "data.max_prompt_length=200", "rollout.max_new_tokens=56"])
+    assert engine_config(fits).max_model_len == 256
+    too_long = load_config(RunConfig, None, [f"model.path={tiny_qwen2}", "data.train_path=x.jsonl",
+                                             "data.max_prompt_length=200", "rollout.max_new_tokens=57"])
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length=200 plus the response budget 57 .* is 257 "
+                                          r"tokens, more than the 256 positions"):
+        engine_config(too_long)
