@@ -24,7 +24,7 @@ data: {{train_path: {data}/train.jsonl, max_prompt_length: 96, chat_template: ne
 rollout: {{n_samples: 4, max_new_tokens: 12, temperature: 1.0, kv_cache_mb: 64, backend: fake}}
 algorithm: {{estimator: grpo}}
 optim: {{lr: 1.0e-4}}
-train: {{steps: 3, global_batch_size: 8, micro_batch_tokens: {budget}}}
+train: {{steps: 2, global_batch_size: 8, micro_batch_tokens: {budget}}}
 reward: {{functions: [{{name: exact_match}}]}}
 eval: {{every: 0}}
 checkpoint: {{every: 0}}
@@ -59,7 +59,7 @@ def test_an_rl_steps_host_syncs_do_not_grow_with_micro_batches_or_layers(assets,
     runs = {shape: _counts(assets, tmp_path, layout, *shape) for shape in SHAPES}
     per_step = {shape: [[r["count"] for r in rank] for rank in ranks] for shape, ranks in runs.items()}
     for shape, ranks in per_step.items():
-        assert all([r["step"] for r in rank] == [0, 1, 2] for rank in runs[shape]), shape
+        assert all([r["step"] for r in rank] == [0, 1] for rank in runs[shape]), shape
     # after step 0 (the gates' checks and the calibration's records) every step costs the same
     steady = {shape: {count for rank in ranks for count in rank[1:]} for shape, ranks in per_step.items()}
     where = {shape: runs[shape][0][-1]["where"] for shape in SHAPES}
