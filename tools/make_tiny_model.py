@@ -16,6 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megarlhf.core.quiet import quiet_environment  # noqa: E402
+
+quiet_environment()  # before transformers is imported: no progress bar per shard written
+
 import torch  # noqa: E402
 
 from model_providers.tiny_models import QWEN2_0_5B_SHAPE, TINY_CONFIGS, make_tiny_model  # noqa: E402

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from megarlhf.data import generate_split, write_arithmetic_task
+from megarlhf.data.synthetic import generate_split, write_arithmetic_task
 from megarlhf.data.synthetic import TaskSettings, mix_response_styles
 from megarlhf.rewards import REWARDS, RewardInput
 from megarlhf.rewards.answers import extract_final_answer
