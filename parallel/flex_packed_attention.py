@@ -85,9 +85,9 @@ def segment_block_mask(bounds: tuple[int, ...], prefix_of: tuple[int, ...] | Non
     lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     total = bounds[-1]
     segments = torch.arange(len(lengths), device=device)
-    counts = torch.tensor(lengths, device=device)
+    # one copy to the device per packed row (the first layer builds the mask, the others reuse it)
+    counts, prefixes = torch.tensor([lengths, list(prefix_of or (NO_PREFIX,) * len(lengths))]).to(device)
     seg = torch.repeat_interleave(segments, counts, output_size=total)  # output_size: no device read
-    prefixes = torch.tensor(prefix_of or (NO_PREFIX,) * len(lengths), device=device)
     sees = torch.repeat_interleave(prefixes, counts, output_size=total)
 
     def visible(b, h, q_idx, kv_idx):
