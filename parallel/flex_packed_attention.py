@@ -86,7 +86,8 @@ def segment_block_mask(bounds: tuple[int, ...], prefix_of: tuple[int, ...] | Non
     total = bounds[-1]
     segments = torch.arange(len(lengths), device=device)
     # one copy to the device per packed row (the first layer builds the mask, the others reuse it)
-    counts, prefixes = torch.tensor([lengths, list(prefix_of or (NO_PREFIX,) * len(lengths))]).to(device)
+    host = torch.tensor([lengths, list(prefix_of or (NO_PREFIX,) * len(lengths))])  # host: copied once below
+    counts, prefixes = host.to(device)
     seg = torch.repeat_interleave(segments, counts, output_size=total)  # output_size: no device read
     sees = torch.repeat_interleave(prefixes, counts, output_size=total)
 
