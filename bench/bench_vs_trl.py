@@ -68,7 +68,7 @@ SMOLLM2_TASK = dict(max_steps=1, max_value=99, ops=("add",), style="bare",  # th
 QWEN2_50M = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                  intermediate_size=2048, max_position_embeddings=512, vocab_size=32000)
 THREADS = 2  # in total: megarlhf 2 ranks x 1 thread, TRL 1 process x 2 threads
-STEP_LINE = re.compile(r"\] step (\d+)/(\d+)")
+STEP_LINE = re.compile(r"\] step \d+ \((\d+)/(\d+) done\)")  # the progress line: step k (k+1/N done)
 QUIET = {"PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
          "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 

@@ -1,6 +1,7 @@
 """megarlhf.records.metrics: jsonl records, TensorBoard scalars, resume truncation, console line, curves PNG."""
 import io
 import math
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,14 @@ def test_records_jsonl_tensorboard_and_console(tmp_path):
     # numbered as metrics.jsonl numbers them; the first line has a time-left estimate, the last none
     assert "step 0 (1/2 done)" in lines[0] and "reward/mean=0.25" in lines[0] and " left)" in lines[0]
     assert "step 1 (2/2 done)" in lines[1] and "eval/accuracy=0.5" in lines[1] and "left" not in lines[1]
+    # bench/bench_vs_trl.py times steps by these lines (seen failing: its pattern wanted the old "step N/M")
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "bench" / "bench_vs_trl.py"
+    spec = importlib.util.spec_from_file_location("bench_vs_trl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [bench.STEP_LINE.search(line).group(1) for line in lines] == ["1", "2"]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
