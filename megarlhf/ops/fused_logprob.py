@@ -34,9 +34,7 @@ logit such as -1e30 (it contributes exactly 0); -inf would turn the entropy term
 """
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -286,8 +284,8 @@ class _FusedLogprobEntropy(torch.autograd.Function):
 
 def normalised_options(options: LogprobOptions) -> LogprobOptions:
     """``options`` with plain Python numbers (an autograd function keeps them; a tensor there would be read)."""
-    return dataclasses.replace(options, temperature=float(options.temperature), chunk_size=int(options.chunk_size),
-                               compute_entropy=bool(options.compute_entropy))
+    return replace(options, temperature=float(options.temperature), chunk_size=int(options.chunk_size),
+                   compute_entropy=bool(options.compute_entropy))
 
 
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

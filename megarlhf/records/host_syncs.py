@@ -16,7 +16,7 @@ are written, so a CPU run (tests) sees what a GPU run would pay:
 
 Reads inside ``torch.optim`` are counted apart (``host_steps``): torch's Adam keeps its step counters on the
 host unless capturable or fused, so they never wait for a GPU. Each count records where it came from (the
-first frame outside torch). Counting costs a Python call per aten op: for measuring, not for training.
+first frame outside torch). Counting costs a Python call per torch call: for measuring, not for training.
 """
 from __future__ import annotations
 
