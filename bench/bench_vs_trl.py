@@ -208,7 +208,7 @@ def run_megarlhf(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
                 response_len=[r["response_len/mean"] for r in steps],
                 cpu_s=[seen[i + 1][1] - seen[i][1] for i in range(1, spec["steps"])],
                 startup_s=seen[1][0] - steps[0]["time/step_s"] - start, shutdown_s=end - seen[spec["steps"]][0],
-                wall_s=end - start)
+                wall_s=end - start, startup_phases={k: v for k, v in steps[0].items() if k.startswith("time/startup/")})
 
 
 def run_trl(out: Path, model_dir: Path, data: dict, spec: dict) -> dict:
@@ -363,6 +363,10 @@ def report(name: str, spec: dict, params: int, ours: dict, trl: dict) -> str:
         ratio = a[key] / b[key] if b[key] else float("nan")
         show = "" if key.startswith("reward") and not b[key] else f"{ratio:13.3f}"
         lines.append(f"   {key:34s} {a[key]:10.3f} {b[key]:10.3f} {show}")
+    phases = ours.get("startup_phases") or {}
+    if phases:  # megarlhf's start-up by phase (rank 0, from its first metrics record)
+        lines.append("   megarlhf start-up by phase (s): " + ", ".join(
+            f"{k.removeprefix('time/startup/').removesuffix('_s')} {v:.1f}" for k, v in phases.items()))
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from megarlhf.data.prompts import PromptDataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.loops.evaluate import evaluate
 from megarlhf.loops.rewarding import build_reward
+from megarlhf.records import startup
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.phase import Calibration, build_rollout_phase
 from megarlhf.run.checkpointer import RunCheckpointer
@@ -22,6 +23,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, **recorder_options
     """
     config = run.config
     run.reward, run.reward_model = build_reward(config, run.runtime, run.tokenizer)
+    startup.mark("reward")
     run.eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
     offloaded = [m for m in (run.critic, run.reference, run.reward_model) if m is not None]
     calibration = Calibration.of_run(config, prompts.examples, run.stop_token_ids)

@@ -37,6 +37,7 @@ from megarlhf.loops.experience import build_experience, compute_advantages, scor
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
 from megarlhf.loops.rewarding import score_rewards
+from megarlhf.records import startup
 from megarlhf.records.host_syncs import StepSyncLog
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.rollout.engines.sampling import greedy_sampling
@@ -53,8 +54,10 @@ def train_rl(config: RunConfig) -> Path | None:
         return None
     prompts, eval_prompts = run.train_and_eval_prompts()
     run.actor = build_actor(config, run.runtime)
+    startup.mark("actor")
     run.reference = build_reference(config, run.runtime, run.actor) if config.algorithm.uses_reference else None
     run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
+    startup.mark("reference_and_critic")
     sampler, first_step = open_policy_loop(run, prompts)
     batches = make_batches(run, sampler, prompts)  # steps 1-6
     batches.restore(run.resumed, first_step)

@@ -37,6 +37,7 @@ from megarlhf.rollout.disaggregated.protocol import Channel
 from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
 from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig, build_engine
 from megarlhf.rollout.engines.routing import engine_routing
+from megarlhf.records import startup
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.sync.adapters import AdapterSync, adapter_only, engine_lora
 from megarlhf.rollout.sync.calibration import calibrate_colocated
@@ -86,6 +87,7 @@ class RolloutPhase:
                  multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
         self.runtime, self.multi_turn = actor.runtime, multi_turn
         self.engine = build_engine(config.model.path, engine_config(config), self.runtime.device)
+        startup.mark("engine")
         self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
         self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
@@ -149,7 +151,9 @@ class DisaggregatedPhase:
     def __init__(self, config: RunConfig, actor: TrainModel, calibration: Calibration = Calibration()):
         self.rollout = RemoteEngines(config, Channel.of_run(config, actor.runtime), actor,
                                      adapter_only=adapter_only(config))
+        startup.mark("engine_channel")  # the engine ranks start their engines meanwhile
         self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
+        startup.mark("calibration")
         self.runtime = actor.runtime
         self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
         self.in_flight = None  # the InFlight request of the launched batch

@@ -29,6 +29,7 @@ from megarlhf.envs.prompting import tool_describer
 from megarlhf.learner import TrainModel, export_policy
 from megarlhf.learner.models import adapter_dir
 from megarlhf.learner.step import prefix_sharing_notice
+from megarlhf.records import startup
 from megarlhf.records.metrics import MetricsRecorder, plot_curves
 from megarlhf.records.run_config import record_run_config
 from megarlhf.records.sample_log import SampleLog
@@ -111,6 +112,7 @@ class RunContext:
         """Opens the run's metrics recorder from ``first_step`` on (0: a fresh start) for ``train.steps``
         steps, with the trackers ``logging.backends`` names opened on global rank 0 (a resumed run continues
         their runs)."""
+        startup.mark("set_up")  # since the last mark: models (or checkpointer, resume) not marked on their own
         settings, trackers, error = self.config.logging, [], None
         if self.is_main:
             try:
@@ -125,12 +127,14 @@ class RunContext:
         self.recorder = MetricsRecorder(self.run_dir, total_steps=self.config.train.steps, trackers=trackers,
                                         rank=self.runtime.launch.rank, resume_after_step=first_step - 1,
                                         log_every=settings.log_every, **options)
+        startup.mark("trackers")
         return self.recorder
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``step``'s metrics (:class:`MetricsRecorder`) with the trainer ranks' resident memory:
         ``memory/rss_gb_max`` (the largest rank's), ``memory/rss_gb_mean``, ``memory/rss_gb_rank0``.
         Collective over the trainer ranks."""
+        metrics = {**startup.report(), **metrics}  # the first step's record also says where start-up went
         resident = self.runtime.all_gather_objects(resident_gb(), over="trainers")
         memory = {"memory/rss_gb_max": max(resident), "memory/rss_gb_mean": sum(resident) / len(resident),
                   "memory/rss_gb_rank0": resident[0]}
@@ -225,14 +229,18 @@ def start_run(config: RunConfig, command: str) -> RunContext:
     With the disaggregated placement, Megatron's groups cover the trainer ranks only and the last
     ``rollout.placement.num_engine_ranks`` ranks are engine ranks (no Megatron state, no data).
     """
+    startup.begin()
+    startup.mark("launch_and_imports")
     check_config(config)
     tokenizer = load_tokenizer(config.model.path)
+    startup.mark("config_and_tokenizer")
     placement, world = config.rollout.placement, read_launch_env().world_size
     if placement.mode == "disaggregated":
         runtime = init_disaggregated(config.parallel, placement.num_trainer_ranks(world), seed=config.seed)
     else:
         placement.validate(world)
         runtime = init_parallel(config.parallel, seed=config.seed)
+    startup.mark("process_groups")
     run_dir = Path(config.logging.run_dir)
     if command not in READ_ONLY_COMMANDS:
         check_export_targets(config, run_dir)

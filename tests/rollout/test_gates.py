@@ -93,3 +93,26 @@ def test_gap_problems_name_the_statistic_and_key():
     assert problems == ["probe: max |trainer - engine| log-prob gap 0.0002 > 0.0001 (gates.probe_max)",
                         "probe: mean |trainer - engine| log-prob gap 2e-05 > 1e-05 (gates.probe_mean)"]
     assert len(gap_problems("probe", math.nan, 0.0, 1.0, 1.0, ("a", "b"))) == 1  # nan never passes
+
+
+def test_calibration_prompts_split_over_the_replicas_keep_their_seeds():
+    """Each data-parallel replica samples its share of the calibration prompts; together the shares are
+    every prompt once, each with the seed one replica sampling them all would give it."""
+    from types import SimpleNamespace
+
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+    from megarlhf.rollout.sync.calibration import replica_share
+
+    prompts = [[i, i + 1] for i in range(5)]
+    whole = SamplingConfig(n=3, temperature=1.0, max_new_tokens=4, seed=1000)
+    seen = {}
+    for rank in range(2):
+        mine, indices = replica_share(prompts, SimpleNamespace(dp=SimpleNamespace(rank=rank, size=2)))
+        sampling = whole.for_prompts(indices)
+        sampling.validate(len(mine))
+        seen.update({tuple(p): sampling.prompt_seed(k) for k, p in enumerate(mine)})
+    assert seen == {tuple(p): whole.prompt_seed(i) for i, p in enumerate(prompts)}
+    mine, _ = replica_share(prompts[:1], SimpleNamespace(dp=SimpleNamespace(rank=1, size=2)))
+    assert mine == []  # more replicas than prompts: this one measures nothing
+    every, _ = replica_share(prompts, SimpleNamespace(dp=SimpleNamespace(rank=1, size=2)), engine_tp=2)
+    assert every == prompts  # one engine over both ranks: each of its ranks passes the same prompts

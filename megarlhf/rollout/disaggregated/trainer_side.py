@@ -27,8 +27,8 @@ from megarlhf.rollout.engines.fingerprint import to_host
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
 from megarlhf.rollout.sync.adapters import SLOTS_CHECK, adapter_metrics, adapter_slot_rank, expected_slots
 from megarlhf.rollout.sync.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checks_checkpoint,
-                                               floor_problems, natural_gap, natural_sampling, trainer_fingerprints,
-                                               worst_of)
+                                               floor_problems, natural_gap, natural_sampling, replica_share,
+                                               trainer_fingerprints, worst_of)
 from megarlhf.rollout.sync.gates import run_tolerances
 from megarlhf.rollout.sync.weights import (SYNC_CHECK, ExpectedFingerprints, layout_problems, longest_probe_length,
                                            probe_sequences, sync_metrics, trainer_probe_logprobs, verdict_error,
@@ -81,8 +81,10 @@ class RemoteEngines:
                 channel.broadcast(("calibrate", self.probe, trainer))
                 floor = worst_of(channel.from_engines())
             floor = channel.to_trainers(floor)
-        if prompts:  # every replica sends the same prompts: each scores the samples it received
-            batch = self.receive(self.launch(list(prompts), natural_sampling(self.config, stop_token_ids)))[0]
+        if prompts:  # each replica sends its share (an empty one asks for nothing) and scores what it received
+            mine, indices = replica_share(list(prompts), self.runtime)
+            sampling = natural_sampling(self.config, stop_token_ids).for_prompts(indices)
+            batch = self.receive(self.launch(mine, sampling))[0]
             natural = worst_of(self.runtime.all_gather_objects(natural_gap(self.actor, batch, self.config),
                                                                over="trainers"))
         problems = floor_problems(self.config, floor, natural, self.actor.provider.is_moe)

@@ -15,7 +15,8 @@ the actor the same checkpoint through megarlhf's converter. Calibration then:
 3. measures the **natural floor** (``rollout.weight_sync.calibration_prompts`` of the run's prompts): the
    engine samples them as the rollout does (its temperature, samples per prompt and stop tokens; fixed
    seeds; at most ``probe_max_length`` new tokens) and the trainer scores the samples: the step-0 gate's
-   own measure, on the same kind of tokens.
+   own measure, on the same kind of tokens. Each data-parallel replica samples and scores its share of
+   the prompts (:func:`replica_share`); the floor is the worst replica's.
 
 The floors set the run's tolerances (:func:`megarlhf.rollout.sync.gates.run_tolerances`); a floor mean above the
 dtype's cap stops the run. Everything here is collective over the trainer ranks, which raise together.
@@ -31,6 +32,7 @@ from megarlhf.core.dtypes import coarser_dtype
 from megarlhf.rollout.engines.sampling import SamplingConfig, rollout_sampling
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.core.seeds import CALIBRATION_SEED
+from megarlhf.records import startup
 from megarlhf.rollout.sync.weights import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights
@@ -73,6 +75,17 @@ def natural_sampling(config, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
     sampling = rollout_sampling(config.rollout, stop_token_ids)
     cap = config.rollout.weight_sync.probe_max_length or sampling.max_new_tokens
     return dataclasses.replace(sampling, seed=CALIBRATION_SEED, max_new_tokens=min(sampling.max_new_tokens, cap))
+
+
+def replica_share(prompts, runtime, engine_tp: int = 1) -> tuple[list, list[int]]:
+    """This data-parallel replica's share of the calibration prompts (every DP-th one from its rank) and
+    their indices: the replicas sample and score disjoint shares, together the samples one replica alone
+    would draw (each prompt keeps its seed), at 1/DP of the work each. An engine over several ranks
+    (``engine_tp`` > 1, colocated) takes the same prompts on each of them: then every replica has them all."""
+    indices = list(range(len(prompts)))
+    if engine_tp == 1:
+        indices = indices[runtime.dp.rank::runtime.dp.size]
+    return [prompts[i] for i in indices], indices
 
 
 def natural_gap(actor, batch: RolloutBatch, config) -> tuple[float, float]:
@@ -136,14 +149,19 @@ def _calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_
     if checked:
         expected = trainer_fingerprints(sync.actor, sync.placement, sync.engine_dtype)
         sync.agree(checkpoint_problems(expected, sync.engine.checkpoint_report()), CHECKPOINT_CHECK)
+        startup.mark("calibration_checkpoint_check")
     floor = natural = None
     if sync.probe:
         trainer = trainer_probe_logprobs(sync.actor, sync.probe, config)
         floor = probe_floor(trainer, sync.engine.prompt_logprobs(sync.probe))
-    if prompts:
-        batch = sync.engine.generate(prompts, natural_sampling(config, stop_token_ids))
+        startup.mark("calibration_probe")
+    mine, indices = replica_share(prompts, runtime, config.rollout.tensor_parallel_size)
+    if mine:
+        batch = sync.engine.generate(mine, natural_sampling(config, stop_token_ids).for_prompts(indices))
+        startup.mark("calibration_natural_samples")
         batch = runtime.all_gather_objects(batch, over="replica")[0]  # the replica scores one batch together
         natural = natural_gap(sync.actor, batch, config)
+        startup.mark("calibration_natural_scoring")
     floor = worst_of(runtime.all_gather_objects(floor, over="trainers"))
     natural = worst_of(runtime.all_gather_objects(natural, over="trainers"))
     sync.agree(floor_problems(config, floor, natural, sync.actor.provider.is_moe), FLOORS_CHECK)
