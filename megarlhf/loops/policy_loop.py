@@ -2,11 +2,11 @@
 set-up around their models, and evaluation on the held-out prompts every ``eval.every`` steps."""
 from __future__ import annotations
 
+from megarlhf.core import startup
 from megarlhf.data.prompts import PromptDataset
 from megarlhf.data.sampler import PromptSampler
 from megarlhf.loops.evaluate import evaluate
 from megarlhf.loops.rewarding import build_reward
-from megarlhf.records import startup
 from megarlhf.rewards import CombinedReward
 from megarlhf.rollout.phase import Calibration, build_rollout_phase
 from megarlhf.run.checkpointer import RunCheckpointer

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from megarlhf.algorithms.advantages import estimator_needs
 from megarlhf.config.schema import RunConfig
+from megarlhf.core import startup
 from megarlhf.core.seeds import sample_seed
 from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
 from megarlhf.loops.collect import Collected
@@ -37,7 +38,6 @@ from megarlhf.loops.experience import build_experience, compute_advantages, scor
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
 from megarlhf.loops.rewarding import score_rewards
-from megarlhf.records import startup
 from megarlhf.records.host_syncs import StepSyncLog
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.rollout.engines.sampling import greedy_sampling

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from megarlhf.config.schema import RunConfig
+from megarlhf.core import startup
 from megarlhf.core.errors import ConfigError
 from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.learner import TrainModel
@@ -37,7 +38,6 @@ from megarlhf.rollout.disaggregated.protocol import Channel
 from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
 from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig, build_engine
 from megarlhf.rollout.engines.routing import engine_routing
-from megarlhf.records import startup
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.sync.adapters import AdapterSync, adapter_only, engine_lora
 from megarlhf.rollout.sync.calibration import calibrate_colocated

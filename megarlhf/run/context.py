@@ -19,6 +19,7 @@ from typing import Callable
 from megarlhf.config import to_dict
 from megarlhf.config.reward import RewardConfig
 from megarlhf.config.schema import RunConfig
+from megarlhf.core import startup
 from megarlhf.core.console import set_log_dir
 from megarlhf.core.errors import CheckpointError, ConfigError, DataError
 from megarlhf.core.hub import looks_like_hub_name
@@ -29,7 +30,6 @@ from megarlhf.envs.prompting import tool_describer
 from megarlhf.learner import TrainModel, export_policy
 from megarlhf.learner.models import adapter_dir
 from megarlhf.learner.step import prefix_sharing_notice
-from megarlhf.records import startup
 from megarlhf.records.metrics import MetricsRecorder, plot_curves
 from megarlhf.records.run_config import record_run_config
 from megarlhf.records.sample_log import SampleLog

@@ -27,12 +27,11 @@ import dataclasses
 
 import torch
 
-from megarlhf.rollout.sync.gates import Tolerances, calibration_problems, run_tolerances
+from megarlhf.core import startup
 from megarlhf.core.dtypes import coarser_dtype
-from megarlhf.rollout.engines.sampling import SamplingConfig, rollout_sampling
-from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.core.seeds import CALIBRATION_SEED
-from megarlhf.records import startup
+from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig, rollout_sampling
+from megarlhf.rollout.sync.gates import Tolerances, calibration_problems, run_tolerances
 from megarlhf.rollout.sync.weights import (ExpectedFingerprints, WeightSync, compare_fingerprints, probe_floor,
                                           trainer_probe_logprobs)
 from model_providers.hf_checkpoint import iter_hf_weights

@@ -1,10 +1,10 @@
-"""The start-up timeline (megarlhf/records/startup.py): phases between marks, reported once, a second run
+"""The start-up timeline (megarlhf/core/startup.py): phases between marks, reported once, a second run
 counting from its own start."""
 import time
 
 import pytest
 
-from megarlhf.records import startup
+from megarlhf.core import startup
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def test_the_log_line_names_every_phase(caplog):
     startup.begin()
     startup.mark("imports")
     startup.mark("engine")
-    with caplog.at_level("INFO", logger="megarlhf.records.startup"):
+    with caplog.at_level("INFO", logger="megarlhf.core.startup"):
         startup.report()
     assert len(caplog.records) == 1
     assert "imports" in caplog.text and "engine" in caplog.text and caplog.text.count("start-up") == 1
