@@ -66,8 +66,12 @@ MARKER_FILE = "megarlhf_checkpoint.json"
 FORMAT = "megarlhf.dist_checkpoint"
 FORMAT_VERSION = 1
 RANK_STATE_DIR = "rank_state"
-# Megatron's DistributedOptimizer checkpoint format that reshards across TP, PP and DP.
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Megatron's DistributedOptimizer checkpoint format that reshards across TP, PP and DP. Saved memory-
+# efficiently: the state is gathered over gloo onto data-parallel rank 0 alone, not all-gathered onto
+# every DP rank (a full host copy of the optimizer on each: +1.5 GB per rank and 12.8 s vs 8.5 s for
+# SmolLM2 at DP2 on the CPU machine). Megatron reads both kinds the same way.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                       "distrib_optim_fully_reshardable_mem_efficient": True}
 MCORE_ASYNC_NOTICE = "MCore's async save is deprecated"
 
 
