@@ -172,6 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # mode, which the warning then names instead of Megatron.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"parallel\.cpu_compat",
                             message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed")
+    # Megatron's dist_checkpointing loads optimizer state through torch's ShardedTensor, whose torch-function
+    # hook torch deprecates; the warning names the frame that made the torch call (a megarlhf loader or
+    # parallel.cpu_compat's mode), so a resume printed it as megarlhf's own.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"Please use DTensor instead and we are deprecating ShardedTensor")
     try:
         return COMMANDS.get(args.command).run(args)
     except USER_ERRORS as err:
