@@ -52,6 +52,9 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     if dtype == "float32":  # trainer and vLLM agree to fp32 accuracy at step 0
         assert step0["mismatch/step0_logprob_gap_max"] < 1e-4
     assert "eval/accuracy" in step0 and "eval/accuracy" in records[2]
+    phases = {k: v for k, v in step0.items() if k.startswith("time/startup/")}  # where start-up went, once
+    assert {"time/startup/engine_s", "time/startup/calibration_natural_scoring_s"} <= phases.keys()
+    assert step0["time/startup_s"] == pytest.approx(sum(phases.values())) and "time/startup_s" not in records[1]
     samples = read_metrics(run / "samples.jsonl")  # the default 4 per step and per evaluation
     assert [(r["step"], r["kind"]) for r in samples[::4]] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]
     assert all(r["response"] and r["prompt"] and r["ground_truth"] is not None and r["reward"] in (0.0, 1.0)
