@@ -86,6 +86,8 @@ class RolloutPhase:
     def __init__(self, config: RunConfig, actor: TrainModel, others: list[TrainModel],
                  multi_turn: MultiTurnRollout | None = None, calibration: Calibration = Calibration()):
         self.runtime, self.multi_turn = actor.runtime, multi_turn
+        # one vLLM engine over all ranks: each of them must add the same requests (every replica's prompts)
+        self.engine_spans_ranks = config.rollout.tensor_parallel_size > 1
         self.engine = build_engine(config.model.path, engine_config(config), self.runtime.device)
         startup.mark("engine")
         self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
@@ -107,12 +109,16 @@ class RolloutPhase:
         """
         replica = self.runtime.replica
         share = torch.arange(len(prompts)).tensor_split(replica.size)[replica.rank].tolist()  # host: indices
+        if self.engine_spans_ranks:  # single-turn only (config): the replica's ranks all take the whole batch
+            share = list(range(len(prompts)))
         local_sampling = dataclasses.replace(sampling, seed=seed).for_prompts(share)
         metrics = self.scheduler.enter_rollout(sync_weights)
         tools = {}
         try:
             mine = [prompts[i] for i in share]
-            if self.multi_turn is None:
+            if self.engine_spans_ranks:
+                local = self._generate_together([p.prompt_ids for p in mine], local_sampling)
+            elif self.multi_turn is None:
                 local = self.engine.generate([p.prompt_ids for p in mine], local_sampling) if share else RolloutBatch()
             else:  # every rank runs its share's episodes on its own engine
                 engine = self.engine.generate if share else (lambda prompts, sampling: RolloutBatch())
@@ -122,7 +128,29 @@ class RolloutPhase:
         local.prompt_index = [share[i] for i in local.prompt_index]
         if tools:  # this replica's totals on each of its ranks
             metrics.update(dict(zip(tools, self.runtime.all_reduce(list(tools.values()), over="replica"))))
-        return self._gather(local), metrics
+        return (local if self.engine_spans_ranks else self._gather(local)), metrics
+
+    def _generate_together(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        """Generates every replica's prompts (each with its replica's seeds) on the engine all ranks share, and
+        returns this replica's samples (``prompt_index`` into ``prompt_ids``). Collective over the trainers."""
+        everyone = self.runtime.all_gather_objects((self.runtime.dp.rank, prompt_ids, sampling.prompt_seeds),
+                                                   over="trainers")
+        replicas: dict[int, tuple] = {}
+        for dp, ids, seeds in everyone:  # the ranks of one replica pass the same prompts
+            replicas.setdefault(dp, (ids, seeds))
+        order = sorted(replicas)
+        all_ids = [p for dp in order for p in replicas[dp][0]]
+        seeds = None if sampling.prompt_seeds is None else tuple(s for dp in order for s in replicas[dp][1])
+        batch = self.engine.generate(all_ids, dataclasses.replace(sampling, seed=None, prompt_seeds=seeds))
+        start = sum(len(replicas[dp][0]) for dp in order if dp < self.runtime.dp.rank)
+        keep = [k for k, i in enumerate(batch.prompt_index) if start <= i < start + len(prompt_ids)]
+        mine = RolloutBatch()
+        for field in dataclasses.fields(RolloutBatch):
+            values = getattr(batch, field.name)
+            if len(values) == len(batch.prompt_index):  # per-sample fields (unused ones stay empty)
+                getattr(mine, field.name).extend(values[k] for k in keep)
+        mine.prompt_index = [i - start for i in mine.prompt_index]
+        return mine
 
     def _gather(self, local: RolloutBatch) -> RolloutBatch:
         parts = self.runtime.all_gather_objects(local, over="replica")
