@@ -34,7 +34,7 @@ from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.learner import TrainModel
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
 from megarlhf.rollout.disaggregated.engine_side import EngineServer
-from megarlhf.rollout.disaggregated.protocol import Channel
+from megarlhf.rollout.disaggregated.protocol import Channel, merged_sampling
 from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
 from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig, build_engine
 from megarlhf.rollout.engines.routing import engine_routing
@@ -133,16 +133,14 @@ class RolloutPhase:
     def _generate_together(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """Generates every replica's prompts (each with its replica's seeds) on the engine all ranks share, and
         returns this replica's samples (``prompt_index`` into ``prompt_ids``). Collective over the trainers."""
-        everyone = self.runtime.all_gather_objects((self.runtime.dp.rank, prompt_ids, sampling.prompt_seeds),
-                                                   over="trainers")
-        replicas: dict[int, tuple] = {}
-        for dp, ids, seeds in everyone:  # the ranks of one replica pass the same prompts
-            replicas.setdefault(dp, (ids, seeds))
-        order = sorted(replicas)
-        all_ids = [p for dp in order for p in replicas[dp][0]]
-        seeds = None if sampling.prompt_seeds is None else tuple(s for dp in order for s in replicas[dp][1])
-        batch = self.engine.generate(all_ids, dataclasses.replace(sampling, seed=None, prompt_seeds=seeds))
-        start = sum(len(replicas[dp][0]) for dp in order if dp < self.runtime.dp.rank)
+        everyone = self.runtime.all_gather_objects((self.runtime.dp.rank, prompt_ids, sampling), over="trainers")
+        replicas, samplings = {}, {}
+        for dp, ids, theirs in everyone:  # the ranks of one replica pass the same prompts
+            replicas.setdefault(dp, ids)
+            samplings.setdefault(dp, theirs)
+        order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
+        batch = self.engine.generate([replicas[dp][i] for dp, i in order], merged_sampling(samplings, order))
+        start = sum(len(replicas[dp]) for dp in replicas if dp < self.runtime.dp.rank)
         keep = [k for k, i in enumerate(batch.prompt_index) if start <= i < start + len(prompt_ids)]
         mine = RolloutBatch()
         for field in dataclasses.fields(RolloutBatch):
