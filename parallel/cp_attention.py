@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -301,6 +300,9 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, .
             parts.append(F.scaled_dot_product_attention(q4[:, :, lo:hi], k4[:, :, lo:hi], v4[:, :, lo:hi],
                                                         is_causal=True, scale=scale, enable_gqa=per_group > 1))
             continue
+        # imported here: torch.nn.attention.bias imports dynamo, 1.6 s of every process's start-up otherwise
+        from torch.nn.attention.bias import causal_lower_right
+
         p_lo, p_hi = segments[prefix]
         keys = torch.cat([k4[:, :, p_lo:p_hi], k4[:, :, lo:hi]], dim=2)
         values = torch.cat([v4[:, :, p_lo:p_hi], v4[:, :, lo:hi]], dim=2)

@@ -7,6 +7,7 @@ distributed) and its pipeline schedule, for both models.
 """
 import argparse
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,8 @@ def main():
     logit_diff = (logits - ref_logits).abs().max().item() if logits is not None else None
     losses = train_two_steps(model, args.distributed_optimizer, tokens, labels)
     write_rank_result(args.out_dir, launch.rank, {
-        "logit_max_abs_diff": logit_diff, "reference_losses": ref_losses, "losses": losses})
+        "logit_max_abs_diff": logit_diff, "reference_losses": ref_losses, "losses": losses,
+        "compiler_imported": "torch._inductor.compile_fx" in sys.modules})
 
 
 if __name__ == "__main__":

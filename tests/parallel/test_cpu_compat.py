@@ -4,6 +4,8 @@ The reference is the same model at TP=1/PP=1 on the same ranks; the sharded mode
 reference's weights, so logits and the loss after one AdamW step through Megatron's DDP, optimizer
 (plain and distributed) and pipeline schedule must agree to float round-off.
 """
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,9 @@ def test_sharded_model_matches_unsharded(tmp_path, tp, pp, dist_opt):
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5, abs=1e-6)
         # The step really trained: the loss moved.
         assert abs(result["losses"][1] - result["losses"][0]) > 1e-3
+        # patch 8: Megatron's fusions stayed eager, so the rank never imported inductor's compiler (torch's
+        # optimizers import dynamo themselves)
+        assert result["compiler_imported"] is False
 
 
 def test_transformer_config_overrides_only_without_cuda():
@@ -46,3 +51,18 @@ def test_activate_rewrites_cuda_placements():
         torch.cuda.synchronize()
 
 
+
+
+def test_megatron_imports_without_compiling_its_fusions():
+    """Patch 8: importing ``parallel`` first leaves Megatron's fusions eager (its fuser off, dynamo never
+    imported) and ``torch.compile`` as it was."""
+    probe = (
+        "import sys, torch; compile_ = torch.compile; import parallel\n"
+        "import megatron.core.models.gpt, megatron.core.pipeline_parallel, megatron.core.optimizer\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.fusions.fused_bias_geglu import geglu\n"
+        "print(torch.compile is compile_, jit.jit_fuser is jit.noop_decorator, 'torch._dynamo' in sys.modules,\n"
+        "      type(geglu).__name__)\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split() == ["True", "True", "False", "function"]
