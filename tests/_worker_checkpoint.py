@@ -6,6 +6,8 @@ MODE "reshard" (2 ranks): load the tiny HF model at TP=2, save a distributed che
     loaded model equals the HF safetensors file bit for bit.
 MODE "atomic" (1 process, no launcher): saves that fail part-way (an exception after the tensor files are written; a
     crash between the two renames of an overwrite) and the error messages of bad loads.
+MODE "helpers" (1 process, no launcher): one synchronous save; records the child processes left and Megatron's
+    write-results queue.
 MODE "kill" (1 process, no launcher): saves checkpoint "ckpt" (step 1), records a hash of its files, then
     overwrites it with a save that SIGKILLs its own process right after Megatron wrote the tensor files.
 """
@@ -233,5 +235,21 @@ def kill(hf_dir: Path, work: Path) -> None:
     save_checkpoint(work / "ckpt", model, metadata={"step": 2}, overwrite=True)
 
 
+def helpers(hf_dir: Path, work: Path) -> None:
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from model_providers.hf_checkpoint import load_hf_model
+
+    init_parallel(ParallelConfig())
+    _, model = load_hf_model(hf_dir)
+    save_checkpoint(work / "ckpt", model, metadata={"step": 1})
+    (work / "helpers.json").write_text(json.dumps({
+        "children": [p.name for p in multiprocessing.active_children()],
+        "megatron_queue": type(filesystem_async._results_queue).__name__}))
+
+
 if __name__ == "__main__":
-    {"reshard": reshard, "atomic": atomic, "kill": kill}[sys.argv[1]](Path(sys.argv[2]), Path(sys.argv[3]))
+    modes = {"reshard": reshard, "atomic": atomic, "kill": kill, "helpers": helpers}
+    modes[sys.argv[1]](Path(sys.argv[2]), Path(sys.argv[3]))

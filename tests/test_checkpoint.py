@@ -123,6 +123,15 @@ def test_interrupted_saves_leave_previous_checkpoint_loadable(tiny, tmp_path):
     assert "not JSON-serialisable" in errors["not_json"]
 
 
+def test_a_synchronous_save_starts_no_helper_process(tiny, tmp_path):
+    """Megatron's writer returns its results through a multiprocessing.Manager queue made on the first save: a
+    spawned server on the save's critical path (3-4 s on CPU). A synchronous save needs no other process."""
+    subprocess.run([sys.executable, str(WORKER), "helpers", str(tiny / "llama"), str(tmp_path)], check=True,
+                   timeout=300)
+    assert is_complete_checkpoint(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "helpers.json").read_text()) == {"children": [], "megatron_queue": "NoneType"}
+
+
 def test_metadata_errors_without_distributed(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint_metadata(tmp_path / "missing")

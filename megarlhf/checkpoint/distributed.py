@@ -43,10 +43,12 @@ Optimizer state goes through :mod:`megarlhf.checkpoint.optimizer_state` (Megatro
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
+import queue
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +240,23 @@ def _check_save(final: Path, metadata, files, overwrite: bool, training: Trainin
         raise CheckpointError(f"companion model names must be identifiers, got {bad}")
 
 
+@contextlib.contextmanager
+def _write_results_in_process():
+    """Megatron's file writer hands its write results to the saving rank through a process-wide queue that it
+    makes on the first save: a ``multiprocessing.Manager`` queue, i.e. a server process spawned on the save's
+    critical path that imports torch to unpickle the results (3-4 s of the first save on CPU, in every process;
+    it then lives until exit). A synchronous save writes in this process, so a plain queue serves; the async
+    writer (``checkpoint.async_save``) writes from another process and keeps Megatron's queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def _write_state(tmp: Path, parts: dict[str, Companion], fresh: dict[str, bool], extra_state: dict | None,
                  writer: AsyncCheckpointWriter | None):
     """Writes the tensors of every part into ``tmp`` (or, with ``writer``, starts writing them in the
@@ -255,7 +274,8 @@ def _write_state(tmp: Path, parts: dict[str, Companion], fresh: dict[str, bool],
         if extra_state is not None:
             state["extra_state"] = extra_state
         if writer is None:
-            return dist_checkpointing.save(state, str(tmp))
+            with _write_results_in_process():
+                return dist_checkpointing.save(state, str(tmp))
         return dist_checkpointing.save(state, str(tmp), async_sharded_save=True, async_strategy=writer.strategy)
     finally:
         for name, part in parts.items():
