@@ -18,7 +18,8 @@ preference-demo: setup
 # oversubscribe (the default suite took 27 min with 2 threads, 21 min with 1).
 # Two pytest workers (pytest-xdist): one test's ranks wait on each other (collectives, a rank-0 write,
 # process start-up), and the other worker's test fills those gaps. On the 2-core machine the default
-# suite took 13:25 with one worker and 10:36 with two (CPU busy 191%). TEST_WORKERS=0 runs in-process.
+# suite took 13:25 with one worker and 10:36 with two (CPU busy 191%); 8:40 since Megatron's import stopped
+# building torch.compile wrappers on CPU (parallel/cpu_compat.py, patch 8). TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 

@@ -3,5 +3,7 @@ context-parallel attention, and shared-prefix (tree) packed rows."""
 
 from parallel import cpu_compat as _cpu_compat
 
-# before anything imports Megatron (every module that does imports this package first): see patch 8 there
+# before Megatron is imported (megarlhf's Megatron users import this package first: model_providers through its
+# base, the rest after parallel.runtime started the process): see patch 8 there. Only a speed-up: a process that
+# imports Megatron first keeps Megatron's compiled fusions, unused on CPU.
 _cpu_compat.install_import_patches()
