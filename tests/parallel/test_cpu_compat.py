@@ -51,8 +51,6 @@ def test_activate_rewrites_cuda_placements():
         torch.cuda.synchronize()
 
 
-
-
 def test_megatron_imports_without_compiling_its_fusions():
     """Patch 8: importing ``parallel`` first leaves Megatron's fusions eager (its fuser off, dynamo never
     imported) and ``torch.compile`` as it was."""
