@@ -8,6 +8,7 @@ MODE "atomic" (1 process, no launcher): saves that fail part-way (an exception a
     crash between the two renames of an overwrite) and the error messages of bad loads.
 MODE "helpers" (1 process, no launcher): one synchronous save; records the child processes left and Megatron's
     write-results queue.
+MODE "full_disk" (1 process, no launcher): a save whose writer fails with ENOSPC; records the error and what is left.
 MODE "kill" (1 process, no launcher): saves checkpoint "ckpt" (step 1), records a hash of its files, then
     overwrites it with a save that SIGKILLs its own process right after Megatron wrote the tensor files.
 """
@@ -167,8 +168,8 @@ def atomic(hf_dir: Path, work: Path) -> None:
     try:
         save_checkpoint(ckpt, model, metadata={"step": 2}, overwrite=True)
         result["failed_save_raised"] = False
-    except OSError:
-        result["failed_save_raised"] = True
+    except CheckpointError as err:
+        result["failed_save_raised"] = str(err)
     dist_checkpointing.save = real_save
     result["after_failure_step"] = checkpoint_metadata(ckpt)["metadata"]["step"]
     fresh = provider.build_model()
@@ -250,6 +251,27 @@ def helpers(hf_dir: Path, work: Path) -> None:
         "megatron_queue": type(filesystem_async._results_queue).__name__}))
 
 
+def full_disk(hf_dir: Path, work: Path) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from model_providers.hf_checkpoint import load_hf_model
+
+    init_parallel(ParallelConfig())
+    _, model = load_hf_model(hf_dir)
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(no_space)  # in Megatron's writer thread
+    try:
+        save_checkpoint(work / "ckpt", model, metadata={"step": 1})
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    (work / "full_disk.json").write_text(json.dumps({
+        "error": error, "siblings": sorted(p.name for p in work.iterdir() if p.name.startswith("ckpt"))}))
+
+
 if __name__ == "__main__":
-    modes = {"reshard": reshard, "atomic": atomic, "kill": kill, "helpers": helpers}
+    modes = {"reshard": reshard, "atomic": atomic, "kill": kill, "helpers": helpers, "full_disk": full_disk}
     modes[sys.argv[1]](Path(sys.argv[2]), Path(sys.argv[3]))

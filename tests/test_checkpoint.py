@@ -106,7 +106,7 @@ def test_interrupted_saves_leave_previous_checkpoint_loadable(tiny, tmp_path):
     assert atomic.returncode == 0, atomic.stderr[-6000:]
     r = read_rank_results(tmp_path / "results", 1)[0]
     assert r["after_kill_step"] == 1 and r["after_kill_equal"]
-    assert r["failed_save_raised"]
+    assert "simulated disk failure" in r["failed_save_raised"] and "unchanged" in r["failed_save_raised"]
     assert r["after_failure_step"] == 1 and r["after_failure_equal"]
     assert "ckpt" in r["siblings_after_failure"]
     assert any(n.startswith("ckpt.tmp-") for n in r["siblings_after_failure"])
@@ -130,6 +130,20 @@ def test_a_synchronous_save_starts_no_helper_process(tiny, tmp_path):
                    timeout=300)
     assert is_complete_checkpoint(tmp_path / "ckpt")
     assert json.loads((tmp_path / "helpers.json").read_text()) == {"children": [], "megatron_queue": "NoneType"}
+
+
+def test_a_save_on_a_full_disk_fails_in_one_line_and_names_it(tiny, tmp_path):
+    """Megatron's writer thread hits ENOSPC: torch raises a CheckpointException (a BaseException, which escaped
+    the CLI's one-line errors) whose text names only the error's class. megarlhf's error names the checkpoint,
+    the free space and what became of the partial save."""
+    subprocess.run([sys.executable, str(WORKER), "full_disk", str(tiny / "llama"), str(tmp_path)], check=True,
+                   timeout=300)
+    result = json.loads((tmp_path / "full_disk.json").read_text())
+    error = result["error"]
+    assert error is not None and "\n" not in error
+    assert f"writing checkpoint {tmp_path / 'ckpt'} failed" in error and "GiB free on its file system" in error
+    assert "previous checkpoints are unchanged" in error and "may be deleted (the next save removes it)" in error
+    assert result["siblings"] != ["ckpt"] and all(name.startswith("ckpt.tmp-") for name in result["siblings"])
 
 
 def test_metadata_errors_without_distributed(tmp_path):

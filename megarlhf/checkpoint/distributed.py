@@ -208,7 +208,12 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     fresh = {name: part.optimizer is not None and is_fresh(part.optimizer) for name, part in parts.items()}
     markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name])
                for name, part in parts.items()}
-    request = _write_state(tmp, parts, fresh, extra_state, writer)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        request = _write_state(tmp, parts, fresh, extra_state, writer)
+    except (Exception, CheckpointException) as err:  # torch's write failures derive from BaseException
+        raise _write_failure(final, tmp, err) from err
     _write_side_files(tmp, files, training.rank_state)
     main = markers.pop("")
     marker = {
@@ -223,6 +228,20 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     else:
         writer.schedule(request, final, lambda: _publish_checkpoint(tmp, final, token, marker))
     return final
+
+
+def _write_failure(final: Path, tmp: Path, err: BaseException) -> CheckpointError:
+    """The one-line error of a save whose tensor files could not be written (a full disk, most often: Megatron's
+    writer reports its worker's failure by class alone, so the free space is given beside it)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = f"{type(err).__name__}: {lines[-1] if lines else ''}"[:300]
+    try:
+        free = f"{shutil.disk_usage(tmp.parent).free / 2**30:.2f} GiB free on its file system"
+    except OSError:
+        free = "the free space of its file system unknown"
+    return CheckpointError(f"writing checkpoint {final} failed ({cause}); {free}; the previous checkpoints are "
+                           f"unchanged; the partial save {tmp.name} beside it may be deleted (the next save "
+                           f"removes it)")
 
 
 def _check_save(final: Path, metadata, files, overwrite: bool, training: TrainingState) -> None:
