@@ -212,8 +212,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
 
     try:
         request = _write_state(tmp, parts, fresh, extra_state, writer)
-    except (Exception, CheckpointException) as err:  # torch's write failures derive from BaseException
-        raise _write_failure(final, tmp, err) from err
+    except (OSError, CheckpointException) as err:  # torch's write failures derive from BaseException; a bug
+        raise _write_failure(final, tmp, err) from err  # elsewhere stays an internal error with its traceback
     _write_side_files(tmp, files, training.rank_state)
     main = markers.pop("")
     marker = {
