@@ -10,7 +10,7 @@ import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty
 from megarlhf.config.schema import RunConfig
-from megarlhf.rollout.sync.gates import Tolerances, gap_problems, routing_flips
+from megarlhf.rollout.sync.gates import Step0Gate, routing_flips
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
@@ -35,7 +35,7 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, devi
 
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
-          critic: TrainModel | None, gates: Tolerances | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
+          critic: TrainModel | None, gates: Step0Gate | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
     """Adds reference log-probs, critic values and the actor's old log-probs; with ``gates`` (step 0)
     checks the step-0 gate.
 
@@ -59,15 +59,14 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
     return batch.replace(**fields), metrics
 
 
-def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, tolerances: Tolerances,
+def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, gates: Step0Gate,
                 runtime: Runtime, likely_cause: str | None) -> dict[str, float]:
     """The step-0 gate; ``likely_cause``: what a gap points to besides a wrong engine (MoE routing flips)."""
     gap = (logprobs - batch.rollout_logprobs).abs()[batch.response_mask]
     count, total = runtime.all_reduce([gap.numel(), gap.double().sum()])
     worst = runtime.all_reduce([gap.max() if gap.numel() else 0.0], op="max")[0]
     mean = total / max(count, 1.0)
-    problems = gap_problems("step-0 gate", worst, mean, tolerances.step0_max, tolerances.step0_mean,
-                            ("step0_max", "step0_mean"))
+    problems = gates.step0_problems(worst, mean)
     if problems:
         cause = likely_cause or "the engine does not run the model being trained"
         raise Step0GateError(f"{'; '.join(problems)}: the actor's log-probs of the first rollout differ from the "

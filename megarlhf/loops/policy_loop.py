@@ -13,10 +13,12 @@ from megarlhf.run.checkpointer import RunCheckpointer
 from megarlhf.run.context import RunContext
 
 
-def open_policy_loop(run: RunContext, prompts: PromptDataset, **recorder_options) -> tuple[PromptSampler, int]:
+def open_policy_loop(run: RunContext, prompts: PromptDataset, step0_gate: bool = False,
+                     **recorder_options) -> tuple[PromptSampler, int]:
     """Once ``run``'s models are built: its reward (with a learned reward model, if configured), the
     evaluation reward, the rollout engines, the checkpointer, the recorder. Returns the sampler and the
-    first step, restored from a checkpoint when resuming.
+    first step, restored from a checkpoint when resuming. ``step0_gate``: the loop checks the step-0 gate
+    (which may then measure the natural floor itself: :mod:`megarlhf.rollout.sync.calibration`).
 
     The engines are built (and the gates calibrated, on the run's first prompts) while actor and engines
     both hold the checkpoint at ``model.path``: before the resume loads other weights.
@@ -26,7 +28,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, **recorder_options
     startup.mark("reward")
     run.eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
     offloaded = [m for m in (run.critic, run.reference, run.reward_model) if m is not None]
-    calibration = Calibration.of_run(config, prompts.examples, run.stop_token_ids)
+    calibration = Calibration.of_run(config, prompts.examples, run.stop_token_ids, step0_gate)
     run.rollout = build_rollout_phase(config, run.actor, offloaded, run.tokenizer, calibration)
     run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)
     sampler, first_step = run.resume(len(prompts))

@@ -58,7 +58,7 @@ def train_rl(config: RunConfig) -> Path | None:
     run.reference = build_reference(config, run.runtime, run.actor) if config.algorithm.uses_reference else None
     run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
     startup.mark("reference_and_critic")
-    sampler, first_step = open_policy_loop(run, prompts)
+    sampler, first_step = open_policy_loop(run, prompts, step0_gate=True)
     batches = make_batches(run, sampler, prompts)  # steps 1-6
     batches.restore(run.resumed, first_step)
     run.samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
@@ -92,7 +92,7 @@ def rl_update(run: RunContext, got: Collected, batch, step: int, baseline: list[
     actor's (and critic's) update; at step 0 the gates' checks and the calibration's metrics."""
     config = run.config
     batch, score_metrics = score(batch, config, run.actor, run.reference, run.critic,  # 7
-                                 gates=run.rollout.tolerances if step == 0 else None)
+                                 gates=run.rollout if step == 0 else None)
     batch, advantage_metrics = compute_advantages(batch, got.rewards, config, run.runtime, baseline,  # 8
                                                   got.informative)
     update = actor_update(run.actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9

@@ -19,7 +19,9 @@ inside is collective): a rank with nothing to generate still takes part.
 
 Building a phase calibrates the verification gates (:mod:`megarlhf.rollout.sync.gates`) while the engines hold the
 checkpoint they loaded and the actor the same one: build it before a resume loads other weights. Its
-``tolerances`` are then the run's; ``calibration`` holds the calibration's metrics.
+``tolerances`` are then the run's; ``calibration`` holds the calibration's metrics (completed by
+:meth:`RolloutPhase.step0_problems`, the step-0 gate's verdict, when calibration left the natural floor to
+step 0).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig,
 from megarlhf.rollout.engines.routing import engine_routing
 from megarlhf.rollout.multi_turn import MultiTurnRollout
 from megarlhf.rollout.sync.adapters import AdapterSync, adapter_only, engine_lora
-from megarlhf.rollout.sync.calibration import calibrate_colocated
+from megarlhf.rollout.sync.calibration import calibrate_colocated, step0_problems
 from megarlhf.rollout.sync.weights import WeightSync
 from parallel.runtime import Runtime
 
@@ -49,15 +51,18 @@ from parallel.runtime import Runtime
 class Calibration:
     """What the gates' calibration samples for its natural floor (:mod:`megarlhf.rollout.sync.calibration`):
     the run's first prompts (token ids; none: the probe's floor sets the step-0 tolerances) and the
-    rollout's stop tokens."""
+    rollout's stop tokens; ``natural_at_step0``: a run with a step-0 gate lets it measure the natural floor
+    when it can (:mod:`megarlhf.rollout.sync.calibration`)."""
 
     prompts: tuple[tuple[int, ...], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    natural_at_step0: bool = False
 
     @classmethod
-    def of_run(cls, config: RunConfig, prompts: list[PromptExample], stop_token_ids: tuple[int, ...]) -> "Calibration":
+    def of_run(cls, config: RunConfig, prompts: list[PromptExample], stop_token_ids: tuple[int, ...],
+               natural_at_step0: bool = False) -> "Calibration":
         first = prompts[:config.rollout.weight_sync.calibration_prompts]
-        return cls(tuple(tuple(p.prompt_ids) for p in first), stop_token_ids)
+        return cls(tuple(tuple(p.prompt_ids) for p in first), stop_token_ids, natural_at_step0)
 
 
 def engine_config(config: RunConfig, in_process: bool = True) -> EngineConfig:
@@ -91,13 +96,18 @@ class RolloutPhase:
         self.engine = build_engine(config.model.path, engine_config(config), self.runtime.device)
         startup.mark("engine")
         self.sync = (AdapterSync if adapter_only(config) else WeightSync)(self.engine, actor, config)
-        self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids)
+        self.calibration = calibrate_colocated(self.sync, calibration.prompts, calibration.stop_token_ids,
+                                               calibration.natural_at_step0)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
                                            [OffloadedModel.of(m) for m in others if not m.shares_actor])
 
     @property
     def tolerances(self):
         return self.sync.tolerances
+
+    def step0_problems(self, max_gap: float, mean_gap: float) -> list[str]:
+        """The step-0 gate's verdict (:func:`megarlhf.rollout.sync.calibration.step0_problems`)."""
+        return step0_problems(self.sync, self.calibration, max_gap, mean_gap)
 
     def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
@@ -178,7 +188,8 @@ class DisaggregatedPhase:
         self.rollout = RemoteEngines(config, Channel.of_run(config, actor.runtime), actor,
                                      adapter_only=adapter_only(config))
         startup.mark("engine_channel")  # the engine ranks start their engines meanwhile
-        self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids)
+        self.calibration = self.rollout.calibrate(calibration.prompts, calibration.stop_token_ids,
+                                                  calibration.natural_at_step0)
         startup.mark("calibration")
         self.runtime = actor.runtime
         self.episodes = config.rollout.env is not None  # the engine ranks run whole multi-turn episodes
@@ -188,6 +199,10 @@ class DisaggregatedPhase:
     @property
     def tolerances(self):
         return self.rollout.tolerances
+
+    def step0_problems(self, max_gap: float, mean_gap: float) -> list[str]:
+        """The step-0 gate's verdict (:func:`megarlhf.rollout.sync.calibration.step0_problems`)."""
+        return step0_problems(self.rollout, self.calibration, max_gap, mean_gap)
 
     def generate(self, prompts: list[PromptExample], sampling: SamplingConfig, seed: int,
                  sync_weights: bool = True) -> tuple[RolloutBatch, dict[str, float]]:

@@ -48,12 +48,21 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     gates = FLOORS[dtype]  # the tiny model calibrates below the floors
     assert step0["mismatch/step0_logprob_gap_max"] <= gates.step0_max
     assert step0["mismatch/step0_logprob_gap_mean"] <= gates.step0_mean
-    assert step0["weight_sync/probe_mean_abs_diff"] <= gates.probe_mean == step0["gates/probe_mean"]
+    # the engines held what step 0's sync would send (their own load, checked bit for bit): nothing was sent,
+    # and step 0's samples gave the natural floor. The random model earns no reward, so GRPO's advantages
+    # and the update are zero and step 1 sends nothing either; GAE's critic moves the actor
+    assert step0["weight_sync/skipped"] == 1.0
+    assert step0["gates/calibration_natural_mean"] == step0["mismatch/step0_logprob_gap_mean"]
+    moved = step0["actor/grad_norm"] > 0
+    assert records[1]["weight_sync/skipped"] == (0.0 if moved else 1.0), (step0["actor/grad_norm"], records[1])
+    if moved:
+        assert records[1]["weight_sync/probe_mean_abs_diff"] <= gates.probe_mean == step0["gates/probe_mean"]
     if dtype == "float32":  # trainer and vLLM agree to fp32 accuracy at step 0
         assert step0["mismatch/step0_logprob_gap_max"] < 1e-4
     assert "eval/accuracy" in step0 and "eval/accuracy" in records[2]
     phases = {k: v for k, v in step0.items() if k.startswith("time/startup/")}  # where start-up went, once
-    assert {"time/startup/engine_s", "time/startup/calibration_natural_scoring_s"} <= phases.keys()
+    assert {"time/startup/engine_s", "time/startup/calibration_probe_s"} <= phases.keys()
+    assert "time/startup/calibration_natural_samples_s" not in phases  # step 0 measured the natural floor
     assert step0["time/startup_s"] == pytest.approx(sum(phases.values())) and "time/startup_s" not in records[1]
     samples = read_metrics(run / "samples.jsonl")  # the default 4 per step and per evaluation
     assert [(r["step"], r["kind"]) for r in samples[::4]] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]
@@ -88,12 +97,15 @@ def test_disaggregated_placement_runs_the_driver(tmp_path, rl_assets, backend):
     that gather over the trainers only, and the engine rank serving (vLLM out of process)."""
     recipe = write_recipe(tmp_path / "recipe.yaml", rl_assets, "grpo", tmp_path / "run")
     run_torchrun(WORKER, 2, [str(recipe), "rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
-                             "checkpoint.every=1", f"rollout.backend={backend}"], timeout_s=900)
+                             "checkpoint.every=1", f"rollout.backend={backend}", "optim.lr=1.0e-3",
+                             "reward.functions=[{name: '_rewards:even_length'}]"], timeout_s=900)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     step0 = records[0]
     assert step0["mismatch/step0_logprob_gap_max"] < 1e-4 and abs(step0["actor/ppo_kl"]) < 1e-6
-    assert step0["gates/calibration_probe_mean"] < 1e-5 and step0["weight_sync/tensors"] > 0
+    # step 0 sends nothing (the engine holds its own load, checked bit for bit); step 1 sends the update
+    assert step0["gates/calibration_probe_mean"] < 1e-5 and step0["weight_sync/skipped"] == 1.0
+    assert step0["actor/grad_norm"] > 0 and records[1]["weight_sync/tensors"] > 0
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())[-1].endswith("2")
     from transformers import AutoModelForCausalLM
 

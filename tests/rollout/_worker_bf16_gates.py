@@ -108,6 +108,7 @@ def bitwise_faults(sync, engine) -> dict:
         return ((n, t) for n, t in stream if not n.startswith("model.layers.1."))
 
     messages = {}
+    sync.held.forget()  # the actor is unchanged since the last sync: make the first case send it again
     for case, corrupt in (("one_ulp", one_ulp), ("stale_layer", drop_layer)):
         if case == "stale_layer":
             with torch.no_grad():  # an update's worth of change, so that the previous weights differ
@@ -140,6 +141,7 @@ def run_backend(model_dir: str, backend: str, runtime) -> dict:
     result = {"converter_fault": converter_fault(sync, "layers.1.mlp.linear_fc2.weight")}  # before any sync
     # the engine holds the checkpoint it loaded; the natural floor samples prompts other than step0_gap's
     result["calibration"] = calibrate_colocated(sync, random_prompts(actor.vocab_size, seed=7), ())
+    sync.held.forget()  # the engine holds the actor's weights already: make it take them (a real transfer)
     result["sync"] = sync.sync()  # raises if the gates refuse a correct bf16 sync
     result["step0_max"], result["step0_mean"], result["step0_tokens"] = step0_gap(engine, actor, config)
     result["bitwise"] = bitwise_faults(sync, engine)

@@ -65,6 +65,7 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
     a, b = generate(rollout, mine[:8], cfg), generate(rollout, mine[:8], cfg)
     result["seeded_equal"] = a.response_ids == b.response_ids and a.logprobs == b.logprobs
     result["seeded_prompt_index"] = a.prompt_index
+    train_with(model, provider, torch.optim.AdamW(model.parameters(), lr=3e-3), steps=1)  # weights to send
     try:
         rollout.sync()  # the engines corrupt this one
         result["corrupted"] = None
@@ -74,7 +75,8 @@ def trainer(rollout, actor, config, dp_rank: int, dp_size: int) -> dict:
 
 
 def engine(server) -> dict:
-    """Serves; the third sync has one tensor perturbed by one ulp on its way into vLLM."""
+    """Serves; the second sync it receives (the trainers' third: their first sent nothing) has one tensor
+    perturbed by one ulp on its way into vLLM."""
     from megatron.core import parallel_state as ps
     from megarlhf.rollout.engines import WeightBucket
     from megarlhf.rollout.engines.shared_tensor import shared_buffer
@@ -95,7 +97,7 @@ def engine(server) -> dict:
 
     def counting_sync():
         syncs.append(1)
-        if len(syncs) == 3:
+        if len(syncs) == 2:
             server.engine.load_bucket = perturbing_load
         real_sync()
 

@@ -44,12 +44,14 @@ def test_calibration_refuses_a_conversion_one_ulp_off(rollout_run, layout):
         message = rank["converter_fault"]
         assert message is not None and "the engine's own load of model.path vs the trainer's conversion" in message
         assert "model.embed_tokens.weight" in message and "a conversion error" in message
-        for key in ("sync0", "sync1"):
-            m = rank[key]
-            assert m["weight_sync/tensors"] == 26  # 2 layers x 12 + embedding + final norm (tied head)
-            assert m["weight_sync/bytes"] == 1380864  # 345216 fp32 values of the tiny qwen2
-            assert m["weight_sync/probe_max_abs_diff"] <= 1e-4
-            assert m["time/weight_sync_s"] > 0
+        # right after calibration the engine holds what a sync would send, bit for bit: nothing is sent
+        assert rank["sync0"]["weight_sync/skipped"] == 1.0 and "weight_sync/bytes" not in rank["sync0"]
+        m = rank["sync1"]
+        assert m["weight_sync/skipped"] == 0.0
+        assert m["weight_sync/tensors"] == 26  # 2 layers x 12 + embedding + final norm (tied head)
+        assert m["weight_sync/bytes"] == 1380864  # 345216 fp32 values of the tiny qwen2
+        assert m["weight_sync/probe_max_abs_diff"] <= 1e-4
+        assert m["time/weight_sync_s"] > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -26,9 +26,10 @@ from megarlhf.rollout.disaggregated.protocol import Channel, InFlight, merged_sa
 from megarlhf.rollout.engines.fingerprint import to_host
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
 from megarlhf.rollout.sync.adapters import SLOTS_CHECK, adapter_metrics, adapter_slot_rank, expected_slots
-from megarlhf.rollout.sync.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checks_checkpoint,
-                                               floor_problems, natural_gap, natural_sampling, replica_share,
-                                               trainer_fingerprints, worst_of)
+from megarlhf.rollout.sync.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_verified,
+                                               checks_checkpoint, defers_natural_floor, floor_problems, natural_gap,
+                                               natural_sampling, replica_share, trainer_fingerprints, worst_of)
+from megarlhf.rollout.sync.held import HeldWeights
 from megarlhf.rollout.sync.gates import run_tolerances
 from megarlhf.rollout.sync.weights import (SYNC_CHECK, ExpectedFingerprints, layout_problems, longest_probe_length,
                                            probe_sequences, sync_metrics, trainer_probe_logprobs, verdict_error,
@@ -50,6 +51,9 @@ class RemoteEngines:
         self.placement = self.fused = None  # the engines' layout (the source's), asked for once
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                      longest_probe_length(config))
+        self.held = HeldWeights(actor.model, self.runtime)  # what the engines hold (full syncs only)
+        self.floor: tuple[float, float] | None = None  # the probe's calibration floor (calibration sets both)
+        self.natural_deferred = False
 
     def _engine_layout(self) -> dict[str, tuple[str, int]] | None:
         """Source: where each HF tensor sits in the engines' parameters (asked once; every engine runs the
@@ -59,21 +63,23 @@ class RemoteEngines:
             self.fused, self.placement = self.channel.from_engines()[0]
         return self.placement
 
-    def calibrate(self, prompts: list[list[int]] = (), stop_token_ids: tuple[int, ...] = ()) -> dict[str, float]:
+    def calibrate(self, prompts: list[list[int]] = (), stop_token_ids: tuple[int, ...] = (),
+                  natural_at_step0: bool = False) -> dict[str, float]:
         """The gates' calibration (:mod:`megarlhf.rollout.sync.calibration`) against every engine while it
         holds the checkpoint it loaded itself; ``prompts`` (token ids, the same on every rank) are sampled for
-        the natural floor. Returns the calibration metrics. The actor computes with its LoRA adapters off (the
-        engines hold model.path, the base)."""
+        the natural floor (unless ``natural_at_step0`` leaves it to step 0). Returns the calibration metrics.
+        The actor computes with its LoRA adapters off (the engines hold model.path, the base)."""
         with adapters_disabled(self.actor.model):
-            return self._calibrate(prompts, stop_token_ids)
+            return self._calibrate(prompts, stop_token_ids, natural_at_step0)
 
-    def _calibrate(self, prompts, stop_token_ids) -> dict[str, float]:
+    def _calibrate(self, prompts, stop_token_ids, natural_at_step0: bool) -> dict[str, float]:
         channel, checked = self.channel, checks_checkpoint(self.config)
         if checked:
             expected = trainer_fingerprints(self.actor, self._engine_layout(), self.engine_dtype)  # collective
             if channel.is_source:
                 channel.broadcast(("checkpoint", expected))
             channel.trainer_verdict([], CHECKPOINT_CHECK)
+            checkpoint_verified(self)
         floor = natural = None
         if self.probe:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
@@ -81,7 +87,8 @@ class RemoteEngines:
                 channel.broadcast(("calibrate", self.probe, trainer))
                 floor = worst_of(channel.from_engines())
             floor = channel.to_trainers(floor)
-        if prompts:  # each replica sends its share (an empty one asks for nothing) and scores what it received
+        if prompts and not defers_natural_floor(self, prompts, natural_at_step0):
+            # each replica sends its share (an empty one asks for nothing) and scores what it received
             mine, indices = replica_share(list(prompts), self.runtime)
             sampling = natural_sampling(self.config, stop_token_ids).for_prompts(indices)
             batch = self.receive(self.launch(mine, sampling))[0]
@@ -90,7 +97,7 @@ class RemoteEngines:
         problems = floor_problems(self.config, floor, natural, self.actor.provider.is_moe)
         if problems:
             raise verdict_error(problems, FLOORS_CHECK)
-        self.tolerances = run_tolerances(self.config, floor, natural)
+        self.floor, self.tolerances = floor, run_tolerances(self.config, floor, natural)
         return calibration_metrics(floor, natural, checked, self.tolerances)
 
     def sync(self) -> dict[str, float]:
@@ -98,6 +105,15 @@ class RemoteEngines:
         :class:`~megarlhf.rollout.sync.weights.WeightSyncError` on every rank if any engine got something else."""
         if self.adapter_only:
             return {**self._sync_adapter(), **self._probe_forward()}
+        start, prints = time.perf_counter(), self.held.current()
+        if self.held.unchanged(prints):  # the engines hold these weights, verified (megarlhf.rollout.sync.held)
+            return {"weight_sync/skipped": 1.0, "time/weight_sync_s": time.perf_counter() - start}
+        self.held.forget()
+        metrics = self._send_and_verify()
+        self.held.synced(prints)
+        return {**metrics, "weight_sync/skipped": 0.0}
+
+    def _send_and_verify(self) -> dict[str, float]:
         channel, sent, stats = self.channel, [], {}
         if channel.is_source:
             expected = ExpectedFingerprints(self._engine_layout(), self.engine_dtype)

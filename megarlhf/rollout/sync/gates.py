@@ -25,7 +25,11 @@ their log-prob gaps are the pair's rounding noise, measured twice:
 * the **probe floor**: the weight-sync probe (random tokens, teacher-forced) -> the probe's tolerances;
 * the **natural floor**: a few of the run's prompts sampled as the rollout samples them, the engine's
   log-probs of its samples vs the trainer's: the step-0 gate's own measure -> the step-0 tolerances
-  (the probe's floor when no natural samples were drawn).
+  (the probe's floor when no natural samples were drawn). When the bitwise check passed and the first
+  sync has nothing new to send (a fresh run without LoRA adapters), step 0 is sampled from the engine's
+  own load too, so its samples are natural samples: the run measures the natural floor on them, capped
+  the same way, instead of sampling prompts of its own at start-up
+  (:func:`megarlhf.rollout.sync.calibration.step0_problems`).
 
     max tolerance = max(FLOORS.max, 5 x floor max gap),   mean tolerance = max(FLOORS.mean, 3 x floor mean gap)
 
@@ -47,10 +51,20 @@ step-0 gate, and its message says so (:func:`routing_flips`) instead of blaming 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
+
 from megarlhf.config.train import GateConfig
 from megarlhf.core.dtypes import coarser_dtype
 
 MEAN_FACTOR, MAX_FACTOR = 3.0, 5.0
+
+
+class Step0Gate(Protocol):
+    """What judges step 0's log-prob gap: :class:`Tolerances`, or a run's rollout phase (whose calibration
+    may have left the natural floor to step 0)."""
+
+    def step0_problems(self, max_gap: float, mean_gap: float) -> list[str]:
+        ...
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,11 @@ class Tolerances:
     step0_max: float
     step0_mean: float
     step0_ppo_kl: float
+
+    def step0_problems(self, max_gap: float, mean_gap: float) -> list[str]:
+        """Why step 0's (max, mean) gap over the response tokens fails the step-0 gate (empty: it passes)."""
+        return gap_problems("step-0 gate", max_gap, mean_gap, self.step0_max, self.step0_mean,
+                            ("step0_max", "step0_mean"))
 
 
 FLOORS: dict[str, Tolerances] = {

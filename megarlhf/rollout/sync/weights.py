@@ -26,6 +26,8 @@
    calibrated once, before the first sync (:mod:`megarlhf.rollout.sync.calibration`), with the same probe
    while the engine still holds the checkpoint it loaded itself.
 
+A sync of weights the engine already holds, bit for bit, sends nothing (:mod:`megarlhf.rollout.sync.held`).
+
 The verdict is agreed over the trainer ranks, so every rank raises together instead of one rank leaving
 the others waiting in the next collective. The disaggregated placement
 (:mod:`megarlhf.rollout.disaggregated`) moves bytes differently but verifies with the same functions.
@@ -39,6 +41,7 @@ import torch
 
 from megarlhf.core.dtypes import torch_dtype
 from megarlhf.rollout.sync.gates import Tolerances, gap_problems, run_tolerances
+from megarlhf.rollout.sync.held import HeldWeights
 from megarlhf.config.rollout import WeightSyncConfig
 from megarlhf.rollout.engines.fingerprint import combine, fingerprint_many, to_host
 from megarlhf.core.seeds import PROBE_SEED
@@ -236,6 +239,9 @@ class WeightSync:
         self.engine_dtype = torch_dtype(config.rollout.engine_dtype(config.model.dtype))
         self.probe = probe_sequences(actor.provider.hf_config.vocab_size, self.sync_config,
                                      longest_probe_length(config))
+        self.held = HeldWeights(actor.model, self.runtime)
+        self.floor: tuple[float, float] | None = None  # the probe's calibration floor (calibration sets both)
+        self.natural_deferred = False
 
     def agree(self, problems: list[str], what: str) -> None:
         """Raises WeightSyncError on every trainer rank if any rank found a problem."""
@@ -245,10 +251,20 @@ class WeightSync:
             raise verdict_error(lines, what)
 
     def sync(self) -> dict[str, float]:
-        """Loads the actor's current weights into the engine and verifies them; returns metrics.
+        """Loads the actor's current weights into the engine and verifies them; returns metrics. Skipped
+        when the engine already holds them (:mod:`megarlhf.rollout.sync.held`).
 
         Collective over the trainer ranks (the gathers inside ``iter_hf_weights`` and the verdicts).
         """
+        start, prints = time.perf_counter(), self.held.current()
+        if self.held.unchanged(prints):
+            return {"weight_sync/skipped": 1.0, "time/weight_sync_s": time.perf_counter() - start}
+        self.held.forget()
+        metrics = self._send_and_verify()
+        self.held.synced(prints)
+        return {**metrics, "weight_sync/skipped": 0.0}
+
+    def _send_and_verify(self) -> dict[str, float]:
         sent, stats = [], {}
         expected = ExpectedFingerprints(self.placement, self.engine_dtype)
 
