@@ -7,7 +7,8 @@ Usage: _worker_bf16_gates.py MODEL_DIR OUT_DIR BACKEND [BACKEND ...] (one rank).
   engine's own, max and mean over the response tokens;
 * bitwise verification in bf16: a sync whose stream moves one element of one tensor by one bf16 ulp, and
   one that drops a layer's tensors after the actor's weights changed (the engine keeps that layer's
-  previous weights), must both stop at the fingerprints;
+  previous weights), must both stop at the fingerprints; back at the weights of the last verified sync,
+  the next sync must send them (the failed ones left the engine with others);
 * a corrupted sync: one weight tensor perturbed by 100 bf16 ulps per element *inside the engine's loader*
   while the engine reports the fingerprints of the unperturbed tensors (what a kernel that reads correct
   weights wrongly would look like: only the probe can see it) must fail the probe gate; its gaps and the
@@ -81,6 +82,7 @@ def corrupted_probe(sync, engine) -> dict:
         return honest
 
     engine.load_weights = mangling_load
+    sync.held.forget()  # the actor is unchanged since the last (verified) sync: make this one send it again
     try:
         metrics = sync.sync()
         return {"message": None, "metrics": metrics}
@@ -107,13 +109,12 @@ def bitwise_faults(sync, engine) -> dict:
     def drop_layer(stream):
         return ((n, t) for n, t in stream if not n.startswith("model.layers.1."))
 
-    messages = {}
-    sync.held.forget()  # the actor is unchanged since the last sync: make the first case send it again
+    messages, params = {}, list(sync.actor.model.parameters())
+    held = [p.detach().clone() for p in params]  # what the engine was last proven to hold
     for case, corrupt in (("one_ulp", one_ulp), ("stale_layer", drop_layer)):
-        if case == "stale_layer":
-            with torch.no_grad():  # an update's worth of change, so that the previous weights differ
-                for param in sync.actor.model.parameters():
-                    param.mul_(1.01)
+        with torch.no_grad():  # an update's worth of change, so that the previous weights differ
+            for param in params:
+                param.mul_(1.01)
         engine.load_weights = lambda weights, corrupt=corrupt: real_load(corrupt(weights))
         try:
             sync.sync()
@@ -122,6 +123,10 @@ def bitwise_faults(sync, engine) -> dict:
             messages[case] = str(err)
         finally:
             engine.load_weights = real_load
+    with torch.no_grad():  # back to the weights of the last verified sync: the engine now holds others
+        for param, value in zip(params, held):
+            param.copy_(value)
+    messages["restored"] = sync.sync()  # so this one must send them
     return messages
 
 

@@ -49,6 +49,10 @@ def test_one_ulp_and_a_stale_layer_stop_the_bf16_sync(gates_run, backend):
         assert faults[case].startswith("weight sync verification failed (fingerprints of the engine's parameters)")
     assert "model.layers.1.mlp.down_proj.weight" in faults["one_ulp"]
     assert "model.layers.1." in faults["stale_layer"]
+    # the actor back at the weights of the last verified sync: a failed sync left the engine with others, so
+    # this one is sent (seen skipped when a failed sync did not forget what the engine held)
+    restored = faults["restored"]
+    assert restored["weight_sync/skipped"] == 0.0 and restored["weight_sync/tensors"] > 0
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
