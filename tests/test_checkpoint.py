@@ -165,3 +165,34 @@ def test_metadata_errors_without_distributed(tmp_path):
     with pytest.raises(CheckpointError, match="format version 99"):
         checkpoint_metadata(bad)
     assert not is_complete_checkpoint(bad)
+
+
+def test_a_dp_reshardable_optimizer_state_is_refused_at_another_tensor_or_pipeline_layout(monkeypatch, tmp_path):
+    """checkpoint.optimizer_format=dp_reshardable keeps Megatron's per-bucket layout, which only another
+    data-parallel size reads: a resume at another TP or PP size is refused before Megatron reads anything,
+    naming the setting; fully_reshardable state, and checkpoints saved before the choice (no format recorded:
+    fully_reshardable then), load anywhere; another DP size is fine."""
+    from megarlhf.checkpoint import fit
+    from megarlhf.checkpoint.optimizer_state import SHARDING_METADATA
+
+    monkeypatch.setattr(fit, "optimizer_kind", lambda optimizer: "distributed")  # this run's optimizer
+    saved_with = {"world_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                  "data_parallel_size": 1, "expert_model_parallel_size": 1}
+    here = {**saved_with, "tensor_model_parallel_size": 1, "data_parallel_size": 2}
+    monkeypatch.setattr(fit, "current_layout", lambda: here)
+
+    def check(optimizer_marker):
+        info = {"optimizer": optimizer_marker, "scheduler": True, "saved_with": saved_with}
+        fit.check_parts_match(info, tmp_path / "step_4", object(), None, {})
+
+    with pytest.raises(CheckpointError) as err:
+        check({"kind": "distributed", "fresh": False, "format": "dp_reshardable"})
+    message = str(err.value)
+    assert message.startswith(f"checkpoint at {tmp_path / 'step_4'} does not fit this run: ")
+    assert "checkpoint.optimizer_format=dp_reshardable at tensor_model_parallel_size=2 (this run: " \
+           "tensor_model_parallel_size=1)" in message and "checkpoint.optimizer_format=fully_reshardable" in message
+    check({"kind": "distributed", "fresh": False, "format": "fully_reshardable"})
+    check({"kind": "distributed", "fresh": False})  # saved before the choice
+    monkeypatch.setattr(fit, "current_layout", lambda: {**saved_with, "world_size": 4, "data_parallel_size": 2})
+    check({"kind": "distributed", "fresh": False, "format": "dp_reshardable"})  # only DP changed
+    assert set(SHARDING_METADATA) == {"dp_reshardable", "fully_reshardable"}

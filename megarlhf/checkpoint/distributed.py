@@ -1,5 +1,6 @@
-"""Atomic Megatron distributed checkpoints of a model, loadable at any tensor/pipeline-parallel layout (an
-MoE model's optimizer state only at the expert-parallel size it was saved at; its weights at any).
+"""Atomic Megatron distributed checkpoints of a model, loadable at any tensor/pipeline-parallel layout (a
+distributed optimizer's state at any data-parallel size, and at any tensor/pipeline layout when saved
+``fully_reshardable``; an MoE model's only at the expert-parallel size it was saved at; weights at any).
 
 A checkpoint directory holds
 
@@ -12,7 +13,7 @@ A checkpoint directory holds
 Resharding. Every parameter goes in as a Megatron ``ShardedTensor`` with its *global* shape and offset:
 tensor-parallel shards carry their slice of the full tensor and pipeline stages their global layer
 indices, so the checkpoint holds each full tensor once and any TP/PP/DP layout reads its own slices back
-(the model-only path needs no special sharding type; ``fully_reshardable`` is an optimizer setting).
+(the model-only path needs no special sharding type; the optimizer's format is its own setting).
 Vocab-parallel embeddings and output layers are padded per TP size; Megatron marks them
 ``allow_shape_mismatch``, so a checkpoint saved with one padding loads with another (padding rows are 0).
 
@@ -30,9 +31,12 @@ rank; they go into ``common.pt`` (rank 0's copy) and come back from :func:`load_
 Training state (optional, for resuming a run: a :class:`TrainingState`). With its ``optimizer`` and
 ``scheduler`` the Megatron optimizer's state and the ``OptimizerParamScheduler``'s state are saved next to
 the weights: a plain optimizer through
-its own ``sharded_state_dict``, the DistributedOptimizer in the ``fully_reshardable`` format (the default
-``fully_sharded_model_space`` cannot be saved: ``ShardedTensor.flattened_range is not supported``), so
-optimizer state reshards across TP/PP/DP like the weights. ``companions`` adds further models with their
+its own ``sharded_state_dict``, the DistributedOptimizer in ``TrainingState.optimizer_format``:
+``dp_reshardable`` (each data-parallel rank writes its shard in parallel; reshards across DP) or
+``fully_reshardable`` (gathered onto one rank; reshards across TP/PP/DP like the weights), recorded in the
+marker and read back in the same format (Megatron's default ``fully_sharded_model_space`` cannot be saved:
+``ShardedTensor.flattened_range is not supported``). A resume that the saved format cannot serve is
+refused first, naming the setting (:mod:`megarlhf.checkpoint.fit`). ``companions`` adds further models with their
 own optimizers (a PPO critic): their checkpoint keys are prefixed ``<name>.``, while the main model keeps
 the model-only key layout, so every reader of model checkpoints (:func:`load_checkpoint` without an
 optimizer, the HF export) also reads the main model of a training checkpoint. ``rank_state`` is a
@@ -60,7 +64,9 @@ import torch.distributed as dist
 from megarlhf import __version__ as megarlhf_version
 from megarlhf.checkpoint import publish
 from megarlhf.checkpoint.async_save import AsyncCheckpointWriter
-from megarlhf.checkpoint.optimizer_state import clear_state, is_fresh, load_optimizer, optimizer_kind, prime
+from megarlhf.checkpoint.fit import check_parts_match, current_layout
+from megarlhf.checkpoint.optimizer_state import (SAVED_BEFORE_FORMATS, clear_state, is_fresh, load_optimizer,
+                                                 optimizer_kind, prime, sharding_metadata)
 from megarlhf.core.outputs import check_replaceable
 from megarlhf.core.errors import CheckpointError
 
@@ -68,12 +74,6 @@ MARKER_FILE = "megarlhf_checkpoint.json"
 FORMAT = "megarlhf.dist_checkpoint"
 FORMAT_VERSION = 1
 RANK_STATE_DIR = "rank_state"
-# Megatron's DistributedOptimizer checkpoint format that reshards across TP, PP and DP. Saved memory-
-# efficiently: the state is gathered over gloo onto data-parallel rank 0 alone, not all-gathered onto
-# every DP rank (a full host copy of the optimizer on each: +1.5 GB per rank and 12.8 s vs 8.5 s for
-# SmolLM2 at DP2 on the CPU machine). Megatron reads both kinds the same way.
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                       "distrib_optim_fully_reshardable_mem_efficient": True}
 MCORE_ASYNC_NOTICE = "MCore's async save is deprecated"
 
 
@@ -114,6 +114,7 @@ class TrainingState:
     scheduler: Any = None
     companions: Mapping[str, Companion] = field(default_factory=dict)
     rank_state: Any = None
+    optimizer_format: str = "dp_reshardable"  # a DistributedOptimizer's (checkpoint.optimizer_format)
 
 
 def _require_distributed(action: str) -> None:
@@ -139,16 +140,6 @@ def _model_summary(model: torch.nn.Module) -> dict:
     return summary
 
 
-def _layout() -> dict:
-    from parallel.runtime import model_groups
-
-    layout, groups = {"world_size": dist.get_world_size()}, model_groups()
-    if groups.initialized:
-        layout.update(tensor_model_parallel_size=groups.tp.size, pipeline_model_parallel_size=groups.pp.size,
-                      data_parallel_size=groups.dp.size, expert_model_parallel_size=groups.ep.size)
-    return layout
-
-
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers: the wrappers would add ``module.`` to every key,
     and a checkpoint must not depend on how the model was wrapped when it was saved."""
@@ -157,7 +148,7 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return unwrap(model)
 
 
-def _part_sharded_state(model, optimizer, scheduler, prefix: str, is_loading: bool) -> dict:
+def _part_sharded_state(model, optimizer, scheduler, prefix: str, is_loading: bool, optimizer_format: str) -> dict:
     from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
     model_state = _unwrapped(model).sharded_state_dict()
@@ -166,15 +157,18 @@ def _part_sharded_state(model, optimizer, scheduler, prefix: str, is_loading: bo
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                          metadata=dict(_OPTIMIZER_METADATA))
+                                                          metadata=sharding_metadata(optimizer_format))
+        if prefix and optimizer_format == "dp_reshardable":  # its keys name gradient buffers, not the (prefixed)
+            add_prefix_for_sharding(state["optimizer"], prefix)  # parameters: a companion's would be the model's
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     return state
 
 
-def _part_marker(model, optimizer, scheduler, fresh: bool) -> dict:
+def _part_marker(model, optimizer, scheduler, fresh: bool, optimizer_format: str) -> dict:
     return {"model": _model_summary(model), "scheduler": scheduler is not None,
-            "optimizer": None if optimizer is None else {"kind": optimizer_kind(optimizer), "fresh": fresh}}
+            "optimizer": None if optimizer is None else {"kind": optimizer_kind(optimizer), "fresh": fresh,
+                                                         "format": optimizer_format}}
 
 
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_state: dict | None = None, *,
@@ -206,12 +200,12 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     publish.barrier()
     parts = {"": Companion(model, training.optimizer, training.scheduler), **training.companions}
     fresh = {name: part.optimizer is not None and is_fresh(part.optimizer) for name, part in parts.items()}
-    markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name])
+    markers = {name: _part_marker(part.model, part.optimizer, part.scheduler, fresh[name], training.optimizer_format)
                for name, part in parts.items()}
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        request = _write_state(tmp, parts, fresh, extra_state, writer)
+        request = _write_state(tmp, parts, fresh, extra_state, writer, training.optimizer_format)
     except (OSError, CheckpointException) as err:  # torch's write failures derive from BaseException; a bug
         raise _write_failure(final, tmp, err) from err  # elsewhere stays an internal error with its traceback
     _write_side_files(tmp, files, training.rank_state)
@@ -219,7 +213,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, extra_
     marker = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "megarlhf_version": megarlhf_version,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "saved_with": _layout(), "model": main["model"], "optimizer": main["optimizer"],
+        "saved_with": current_layout(), "model": main["model"], "optimizer": main["optimizer"],
         "scheduler": main["scheduler"], "companions": markers, "rank_state": training.rank_state is not None,
         "has_extra_state": extra_state is not None, "metadata": metadata or {},
     }
@@ -277,7 +271,7 @@ def _write_results_in_process():
 
 
 def _write_state(tmp: Path, parts: dict[str, Companion], fresh: dict[str, bool], extra_state: dict | None,
-                 writer: AsyncCheckpointWriter | None):
+                 writer: AsyncCheckpointWriter | None, optimizer_format: str):
     """Writes the tensors of every part into ``tmp`` (or, with ``writer``, starts writing them in the
     background and returns Megatron's async request)."""
     from megatron.core import dist_checkpointing
@@ -287,9 +281,9 @@ def _write_state(tmp: Path, parts: dict[str, Companion], fresh: dict[str, bool],
         for name, part in parts.items():
             if fresh[name]:
                 prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its state dict (bug 1)
-        state = _part_sharded_state(main.model, main.optimizer, main.scheduler, "", is_loading=False)
+        state = _part_sharded_state(main.model, main.optimizer, main.scheduler, "", False, optimizer_format)
         state["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
-                                                         is_loading=False) for name, part in companions.items()}
+                                                         False, optimizer_format) for name, part in companions.items()}
         if extra_state is not None:
             state["extra_state"] = extra_state
         if writer is None:
@@ -382,46 +376,9 @@ def _check_model_matches(info: dict, model: torch.nn.Module, path: Path) -> None
         raise CheckpointError(f"checkpoint at {path} does not fit this model ({'; '.join(diffs)})")
 
 
-def _optimizer_kind_problems(name: str, saved: dict | None, optimizer) -> list[str]:
-    """A distributed optimizer's state does not load into a plain one, nor the other way round."""
-    if optimizer is None or not saved or "kind" not in saved or saved["kind"] == optimizer_kind(optimizer):
-        return []
-    distributed = saved["kind"] == "distributed"
-    return [f"its optimizer state for {name} is {saved['kind']} and this run's optimizer is not: resume with "
-            f"optim.use_distributed_optimizer={str(distributed).lower()}"]
-
-
-def _check_parts_match(info: dict, path: Path, optimizer, scheduler, companions: dict) -> None:
-    """Every optimizer, scheduler and companion asked for must be in the checkpoint (and the other way
-    round for companions: a checkpoint of actor + critic does not resume an actor-only run)."""
-    problems = []
-    if optimizer is not None and not info.get("optimizer"):
-        problems.append("it holds no optimizer state for the model")
-    if scheduler is not None and not info.get("scheduler"):
-        problems.append("it holds no lr scheduler state for the model")
-    problems += _optimizer_kind_problems("the model", info.get("optimizer"), optimizer)
-    saved = info.get("companions", {})
-    if set(saved) != set(companions):
-        problems.append(f"it holds the companion models {sorted(saved)}, this run has {sorted(companions)}")
-    for name in set(saved) & set(companions):
-        part = companions[name]
-        if part.optimizer is not None and not saved[name].get("optimizer"):
-            problems.append(f"it holds no optimizer state for {name!r}")
-        if part.scheduler is not None and not saved[name].get("scheduler"):
-            problems.append(f"it holds no lr scheduler state for {name!r}")
-        problems += _optimizer_kind_problems(repr(name), saved[name].get("optimizer"), part.optimizer)
-    wants_optimizer = optimizer is not None or any(part.optimizer is not None for part in companions.values())
-    saved_ep = info.get("saved_with", {}).get("expert_model_parallel_size")  # None: not recorded (older saves)
-    ep = _layout().get("expert_model_parallel_size", 1)
-    if wants_optimizer and saved_ep is not None and saved_ep != ep:
-        # Megatron gives the experts an optimizer of their own when EP > 1 (a chained optimizer, whose state
-        # is saved under other keys), so optimizer state does not carry over to another EP size
-        problems.append(f"it was saved at expert_model_parallel_size={saved_ep}, this run has {ep}, and an MoE "
-                        f"model's optimizer state is laid out per expert-parallel size: resume at "
-                        f"expert_model_parallel_size={saved_ep}, or start a new run from the checkpoint's weights "
-                        f"(weights alone load at any layout, e.g. megarlhf convert megatron-to-hf)")
-    if problems:
-        raise CheckpointError(f"checkpoint at {path} does not fit this run: {'; '.join(problems)}")
+def _saved_format(marker: dict) -> str:
+    """The DistributedOptimizer format a part was saved in (checkpoints before the choice: the one then)."""
+    return (marker.get("optimizer") or {}).get("format", SAVED_BEFORE_FORMATS)
 
 
 def _apply_part(loaded: dict, part: Companion, marker: dict, strict: bool) -> None:
@@ -456,17 +413,18 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, *, str
     _check_model_matches(info, model, path)
     companions = dict(training.companions)
     if optimizer is not None or scheduler is not None or companions:
-        _check_parts_match(info, path, optimizer, scheduler, companions)
+        check_parts_match(info, path, optimizer, scheduler, companions)
     for name, part in companions.items():
         _check_model_matches(info["companions"][name], part.model, path)
     parts = {"": Companion(model, optimizer, scheduler), **companions}
     for part in parts.values():
         if part.optimizer is not None:
             prime(part.optimizer)  # a fresh DistributedOptimizer cannot build its loading state dict (bug 1)
-    request = _part_sharded_state(model, optimizer, scheduler, "", is_loading=True)
+    request = _part_sharded_state(model, optimizer, scheduler, "", True, _saved_format(info))
     if companions:
         request["companions"] = {name: _part_sharded_state(part.model, part.optimizer, part.scheduler, f"{name}.",
-                                                           is_loading=True) for name, part in companions.items()}
+                                                           True, _saved_format(info["companions"][name]))
+                                 for name, part in companions.items()}
     try:
         # RAISE_UNEXPECTED: a model tensor absent from the checkpoint is an error; checkpoint entries the
         # caller does not ask for (e.g. optimizer state) are fine.

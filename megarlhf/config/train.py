@@ -95,8 +95,15 @@ class CheckpointConfig:
     # write checkpoints in the background while training goes on; each is published (marker + rename)
     # once written, at the start of a later step or at the end of the run (megarlhf/checkpoint/async_save.py)
     async_save: bool = False
+    # how a distributed optimizer's state is saved: "dp_reshardable" (each data-parallel rank writes its own
+    # shard, in parallel; resumes at the same tensor/pipeline layout, any data-parallel size) or
+    # "fully_reshardable" (gathered onto one rank; resumes at any layout) (megarlhf/checkpoint/optimizer_state.py)
+    optimizer_format: str = "dp_reshardable"
 
     def __post_init__(self):
+        check(self.optimizer_format in ("dp_reshardable", "fully_reshardable"),
+              f"CheckpointConfig.optimizer_format must be 'dp_reshardable' or 'fully_reshardable', got "
+              f"{self.optimizer_format!r}")
         check(isinstance(self.async_save, bool), f"CheckpointConfig.async_save must be true or false, got "
               f"{self.async_save!r}")
         check(isinstance(self.every, int) and self.every >= 0,

@@ -192,7 +192,8 @@ class RunCheckpointer:
         elif self.config.checkpoint.async_save:
             self.writer = AsyncCheckpointWriter()
         actor = self.models[MAIN_ROLE]
-        training = TrainingState(actor.optimizer, actor.scheduler, self._companions(), capture_rng_state())
+        training = TrainingState(actor.optimizer, actor.scheduler, self._companions(), capture_rng_state(),
+                                 self.config.checkpoint.optimizer_format)
         path = save_checkpoint(self.directory / f"step_{step}", actor.model, extra_state, overwrite=True,
                                metadata={"step": step, "models": sorted(self.models),
                                          **({"kind": self.kind} if self.kind is not None else {})},

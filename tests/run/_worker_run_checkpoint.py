@@ -424,11 +424,13 @@ def main() -> None:
         return
     dp2_work, kill_dir = Path(sys.argv[6]), Path(sys.argv[7])
     result, started = {}, time.perf_counter()
-    for name, distributed in (("distributed", True), ("plain", False)):
+    for name, distributed, fmt in (("distributed", True, "dp_reshardable"),
+                                   ("fully_reshardable", True, "fully_reshardable"), ("plain", False, None)):
         # the plain optimizer's Adam state is updated in place, not through views: the async save must still
         # hold the values of the moment it was made
-        result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed,
-                                                       async_save=not distributed), name)
+        options = {"async_save": not distributed, **({"optimizer_format": fmt} if fmt else {})}
+        result[name] = equivalence(lambda: make_config(model_dir, critic_dir, work / name, distributed, **options),
+                                   name)
         final = result[name].pop("_final_actor")
         if distributed:
             torch.save(final, work / "final_actor_dp1.pt")

@@ -130,9 +130,17 @@ def test_an_async_save_holds_the_state_at_save_time_and_appears_only_once_writte
         assert r["in_flight"]["steps"] == r["reference"][2:]
 
 
-@pytest.mark.parametrize("optimizer", ["distributed", "plain"])
+@pytest.mark.parametrize("optimizer", ["distributed", "fully_reshardable", "plain"])
 def test_resume_is_bit_identical_in_one_process(single, optimizer):
+    """The distributed optimizer in both checkpoint.optimizer_format formats (dp_reshardable by default), and
+    the plain one."""
+    from megarlhf.checkpoint.distributed import checkpoint_metadata
+
     check_equivalence(single[optimizer], optimizer)
+    if optimizer != "plain":  # the marker says which format the state was saved in (loading reads it so)
+        fmt = "dp_reshardable" if optimizer == "distributed" else "fully_reshardable"
+        saved = checkpoint_metadata(single[optimizer]["path"])["optimizer"]
+        assert saved == {"kind": "distributed", "fresh": False, "format": fmt}
 
 
 def test_dp2_checkpoint_resumes_at_dp1(single, dp2):
