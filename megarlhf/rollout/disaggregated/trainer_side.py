@@ -27,7 +27,7 @@ from megarlhf.rollout.engines.fingerprint import to_host
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
 from megarlhf.rollout.sync.adapters import SLOTS_CHECK, adapter_metrics, adapter_slot_rank, expected_slots
 from megarlhf.rollout.sync.calibration import (CHECKPOINT_CHECK, FLOORS_CHECK, calibration_metrics, checkpoint_verified,
-                                               checks_checkpoint, defers_natural_floor, floor_problems, natural_gap,
+                                               checks_checkpoint, decide_natural_floor, floor_problems, natural_gap,
                                                natural_sampling, replica_share, trainer_fingerprints, worst_of)
 from megarlhf.rollout.sync.held import HeldWeights
 from megarlhf.rollout.sync.gates import run_tolerances
@@ -87,7 +87,7 @@ class RemoteEngines:
                 channel.broadcast(("calibrate", self.probe, trainer))
                 floor = worst_of(channel.from_engines())
             floor = channel.to_trainers(floor)
-        if prompts and not defers_natural_floor(self, prompts, natural_at_step0):
+        if prompts and not decide_natural_floor(self, prompts, natural_at_step0):
             # each replica sends its share (an empty one asks for nothing) and scores what it received
             mine, indices = replica_share(list(prompts), self.runtime)
             sampling = natural_sampling(self.config, stop_token_ids).for_prompts(indices)

@@ -147,9 +147,10 @@ def checkpoint_verified(sync) -> None:
         sync.held.checkpoint_verified()
 
 
-def defers_natural_floor(sync, prompts, natural_at_step0: bool) -> bool:
-    """Whether step 0 measures the natural floor (module docstring) instead of calibration sampling
-    ``prompts``: asked for, and the engines were proven to hold what a sync would send."""
+def decide_natural_floor(sync, prompts, natural_at_step0: bool) -> bool:
+    """Decides whether step 0 measures the natural floor (module docstring) instead of calibration sampling
+    ``prompts`` (asked for, and the engines were proven to hold what a sync would send), records the
+    decision as ``sync.natural_deferred`` and returns it."""
     sync.natural_deferred = bool(prompts) and natural_at_step0 and sync.held.own_load
     return sync.natural_deferred
 
@@ -199,7 +200,7 @@ def _calibrate_colocated(sync: WeightSync, prompts: list[list[int]], stop_token_
         floor = probe_floor(trainer, sync.engine.prompt_logprobs(sync.probe))
         startup.mark("calibration_probe")
     mine, indices = replica_share(prompts, runtime, config.rollout.tensor_parallel_size)
-    if defers_natural_floor(sync, prompts, natural_at_step0):
+    if decide_natural_floor(sync, prompts, natural_at_step0):
         mine = []
     if mine:
         batch = sync.engine.generate(mine, natural_sampling(config, stop_token_ids).for_prompts(indices))
