@@ -87,3 +87,31 @@ def test_step0_is_judged_by_the_tolerances_once_anything_was_sent():
     assert calibration == {} and sync.natural_deferred
     measured = _sync_like("float32", natural_deferred=False, own_load=True)  # calibration measured it
     assert step0_problems(measured, calibration, 5e-4, 5e-5) == [] and calibration == {}
+
+
+def test_a_sync_that_fails_leaves_the_engines_unknown_so_the_next_one_sends():
+    """sync_unless_held, as both placements' syncs use it: back at the weights of the last verified sync after a
+    failed one (which may have left the engines with anything), the next sync sends."""
+    held, model = _held()
+    held.checkpoint_verified()
+    sent = []
+
+    def send():
+        sent.append(1)
+        return {"weight_sync/tensors": 2.0}
+
+    def fail():
+        raise RuntimeError("the engine's fingerprints differ")
+
+    first = held.sync_unless_held(send)
+    assert first["weight_sync/skipped"] == 1.0 and first["time/weight_sync_s"] >= 0 and sent == []
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    with pytest.raises(RuntimeError, match="fingerprints differ"):
+        held.sync_unless_held(fail)
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), before):
+            param.copy_(value)
+    assert held.sync_unless_held(send) == {"weight_sync/tensors": 2.0, "weight_sync/skipped": 0.0} and sent == [1]
+    assert held.sync_unless_held(send)["weight_sync/skipped"] == 1.0 and sent == [1]

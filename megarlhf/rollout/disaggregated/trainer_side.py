@@ -105,13 +105,7 @@ class RemoteEngines:
         :class:`~megarlhf.rollout.sync.weights.WeightSyncError` on every rank if any engine got something else."""
         if self.adapter_only:
             return {**self._sync_adapter(), **self._probe_forward()}
-        start, prints = time.perf_counter(), self.held.current()
-        if self.held.unchanged(prints):  # the engines hold these weights, verified (megarlhf.rollout.sync.held)
-            return {"weight_sync/skipped": 1.0, "time/weight_sync_s": time.perf_counter() - start}
-        self.held.forget()
-        metrics = self._send_and_verify()
-        self.held.synced(prints)
-        return {**metrics, "weight_sync/skipped": 0.0}
+        return self.held.sync_unless_held(self._send_and_verify)  # nothing sent if the engines hold it
 
     def _send_and_verify(self) -> dict[str, float]:
         channel, sent, stats = self.channel, [], {}

@@ -19,6 +19,9 @@ which is how the step-0 gate measures the natural floor itself
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 from megarlhf.rollout.engines.fingerprint import fingerprint_many
@@ -56,3 +59,15 @@ class HeldWeights:
         else:
             changed = (self.prints != prints).any().to(torch.float64).view(1)
         return self.runtime.all_reduce_on_device(changed, op="max", over="trainers").item() == 0  # host: verdict
+
+    def sync_unless_held(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Runs ``send`` (a sync that sends the actor's weights and verifies them) unless the engines hold them
+        already; returns its metrics with ``weight_sync/skipped`` (1.0: nothing sent, ``time/weight_sync_s``
+        the check's time). Collective over the trainer ranks."""
+        start, prints = time.perf_counter(), self.current()
+        if self.unchanged(prints):
+            return {"weight_sync/skipped": 1.0, "time/weight_sync_s": time.perf_counter() - start}
+        self.forget()
+        metrics = send()
+        self.synced(prints)
+        return {**metrics, "weight_sync/skipped": 0.0}

@@ -256,13 +256,7 @@ class WeightSync:
 
         Collective over the trainer ranks (the gathers inside ``iter_hf_weights`` and the verdicts).
         """
-        start, prints = time.perf_counter(), self.held.current()
-        if self.held.unchanged(prints):
-            return {"weight_sync/skipped": 1.0, "time/weight_sync_s": time.perf_counter() - start}
-        self.held.forget()
-        metrics = self._send_and_verify()
-        self.held.synced(prints)
-        return {**metrics, "weight_sync/skipped": 0.0}
+        return self.held.sync_unless_held(self._send_and_verify)  # nothing sent if the engines hold it
 
     def _send_and_verify(self) -> dict[str, float]:
         sent, stats = [], {}
