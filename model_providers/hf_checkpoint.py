@@ -414,8 +414,11 @@ def export_hf_checkpoint(model: torch.nn.Module, provider: ModelProvider, out_di
     return out
 
 
-def load_hf_model(hf_dir: str | Path, params_dtype: torch.dtype = torch.float32, **config_overrides):
-    """Builds this rank's stage of the model described by ``hf_dir`` and loads its weights.
+def build_hf_model(hf_dir: str | Path, params_dtype: torch.dtype = torch.float32, **config_overrides):
+    """Builds this rank's stage of the model described by ``hf_dir`` without its weights: the parameters are
+    allocated, not initialised (``perform_initialization=False`` unless overridden), for
+    :func:`load_hf_weights` to write every one of them (it refuses a parameter it does not cover); drawing
+    135M normals that the load overwrites took 1.4 s of SmolLM2's start-up.
 
     Returns ``(provider, model)``. Megatron's parallel state must be initialised first.
     """
@@ -424,6 +427,12 @@ def load_hf_model(hf_dir: str | Path, params_dtype: torch.dtype = torch.float32,
     if not (Path(hf_dir) / "config.json").is_file():
         raise CheckpointError(f"HF checkpoint directory {hf_dir} has no config.json")
     provider = get_provider(hf_dir)
-    model = provider.build_model(params_dtype, **config_overrides)
+    return provider, provider.build_model(params_dtype, **{"perform_initialization": False, **config_overrides})
+
+
+def load_hf_model(hf_dir: str | Path, params_dtype: torch.dtype = torch.float32, **config_overrides):
+    """Builds this rank's stage of the model described by ``hf_dir`` (:func:`build_hf_model`) and loads its
+    weights. Returns ``(provider, model)``."""
+    provider, model = build_hf_model(hf_dir, params_dtype, **config_overrides)
     load_hf_weights(model, provider, hf_dir)
     return provider, model

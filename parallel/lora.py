@@ -349,6 +349,12 @@ def adapters_of(model: torch.nn.Module) -> list[LoRAAdapter]:
     return [m for m in model.modules() if isinstance(m, LoRAAdapter)]
 
 
+def adapter_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s LoRA factors among its parameters (what no base checkpoint holds)."""
+    factors = {id(p) for m in adapters_of(model) for p in m.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in factors}
+
+
 def layer_adapters(model: torch.nn.Module) -> list[LoRAAdapter | CanonicalAdapter]:
     """The adapter of each adapted layer (what its forward hook applies and what a merge uses)."""
     parts = {id(p) for m in model.modules() if isinstance(m, CanonicalAdapter) for p in m.parts.values()}

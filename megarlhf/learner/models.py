@@ -26,9 +26,10 @@ loss shares of :mod:`megarlhf.learner.step` are scaled for exactly that.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -132,7 +133,9 @@ def _refuse_untrainable_moe(role: str, provider, config: RunConfig, runtime: Run
 
 
 def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runtime, lr: float,
-                    total_steps: int) -> TrainModel:
+                    total_steps: int, load: Callable[[], None] | None = None) -> TrainModel:
+    """DDP, optimizer and lr schedule around ``model``; ``load`` (if given) writes its weights once DDP holds
+    its parameters, before the optimizer copies any (bf16 main params)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -146,6 +149,8 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
                                   full_param_layout=_distributed_optimizer_layout(model, ddp_config, runtime))
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
+    if load is not None:
+        load()
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=min(optim.min_lr, lr), weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
@@ -167,14 +172,19 @@ def _wrap_trainable(role: str, model, provider, config: RunConfig, runtime: Runt
 def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = None) -> TrainModel:
     """The actor from ``model.path``; ``total_steps``: optimizer steps of the lr schedule (default
     :func:`rl_optimizer_steps`). Megatron's parallel state must be initialised."""
-    from model_providers.hf_checkpoint import load_hf_model
+    from model_providers.hf_checkpoint import build_hf_model, load_hf_weights
+    from parallel.lora import adapter_parameter_names
 
-    provider, model = load_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
+    provider, model = build_hf_model(config.model.path, params_dtype(config), **_model_overrides(config))
     _variable_lengths(model)
     adapter = config.model.lora.adapter_path if config.model.lora is not None else None
     _attach_lora(model, config, runtime, start_from=(provider, adapter) if adapter is not None else None)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
-    actor = _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps)
+    # read into the parameters where DDP's buffer holds them: loaded before, each would be written twice
+    # (its own storage, then DDP's copy of it), 0.5 GB more memory touched per rank for SmolLM2
+    load = functools.partial(load_hf_weights, model, provider, config.model.path,
+                             allow_unmapped=adapter_parameter_names(model))
+    actor = _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps, load=load)
     return dataclasses.replace(actor, routing_replay=_routing_replay(model, provider, config, runtime))
 
 
