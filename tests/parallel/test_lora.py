@@ -25,6 +25,10 @@ WORKER = Path(__file__).with_name("_worker_lora.py")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 TOL = 1e-5
+# gradients, relative to the tensor's largest: fp32 rounding of two implementations (Megatron's fused gate/up GEMM,
+# PEFT's separate ones) measured 3.5e-6 (shared A) to 2.3e-5 (canonical, TP2) on the 2-core CI machine's CPU,
+# under 1e-5 on another; a wrong scaling, factor or missing term is off by orders of magnitude more
+GRAD_TOL = 5e-5
 # layout -> (TP, PP, worker option): tp2 also saves a distributed checkpoint, which tp1-from-tp2 loads
 LAYOUTS = {"tp1": (1, 1, ""), "tp2": (2, 1, "save"), "pp2": (1, 2, ""), "tp1-recompute": (1, 1, "recompute"),
            "tp1-from-tp2": (1, 1, "load"), "tp1-canonical": (1, 1, "canonical"), "tp2-canonical": (2, 1, "canonical,save"),
@@ -146,7 +150,7 @@ def test_lora_matches_peft(reference, layouts, layout):
     for name, grad in grads.items():
         expected = _expected_grad(reference["grads"], name, canonical)
         scale = expected.abs().max().item()
-        assert (grad - expected).abs().max().item() <= TOL * max(1.0, scale), name
+        assert (grad - expected).abs().max().item() <= GRAD_TOL * max(1.0, scale), name
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", pytest.param("pp2", marks=SLOW),
