@@ -15,8 +15,10 @@ sample generated so far. Log-probs: vLLM reports ``raw_logprobs`` at temperature
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import logging
 import os
 import random
 import threading
@@ -89,6 +91,21 @@ def _set_process_environment(config: EngineConfig, on_gpu: bool) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(config.tensor_parallel_size))
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    if not on_gpu:
+        _eager_token_ranks()
+
+
+def _eager_token_ranks() -> None:
+    """vLLM's sampler counts each log-prob's rank with ``batched_count_greater_than``, a ``torch.compile``d
+    ``(x >= values).sum(-1)``. On CPU that compile (dynamo tracing, then inductor building C++) ran at the
+    first request asking for log-probs and took 1.9 s of every engine's start-up; its fused kernel saves
+    under a millisecond per decode step (a [batch, vocab] comparison). On CPU the sampler calls the same
+    function uncompiled (vLLM keeps it as ``__wrapped__``); in this process only (an engine core in a child
+    process compiles as usual)."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = getattr(sampler.batched_count_greater_than, "__wrapped__",
+                                                 sampler.batched_count_greater_than)
 
 
 def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
@@ -99,7 +116,11 @@ def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
                   # A prompt whose prefill is split over scheduler steps makes vLLM rewind the seeded
                   # request's generator offset, which CPU generators cannot do: on CPU prompts go whole.
                   enable_chunked_prefill=on_gpu,
-                  use_tqdm_on_load=False)  # a progress bar per weight reload; the run has its own progress
+                  use_tqdm_on_load=False,  # a progress bar per weight reload; the run has its own progress
+                  # prompts arrive as token ids, responses leave as token ids (detokenize=False) and the
+                  # tokenizer's end of sequence is among every request's stop ids: vLLM's own tokenizer
+                  # (and its chat-template renderer) would only cost start-up (1.2 s on SmolLM2)
+                  skip_tokenizer_init=True)
     if config.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if config.lora_rank:  # one adapter slot: the policy's current adapter (megarlhf.rollout.sync.adapters)
@@ -115,6 +136,24 @@ def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
                              "which runs on a GPU only; on CPU use rollout.backend='hf', which records routing")
         kwargs["enable_return_routed_experts"] = True
     return kwargs
+
+
+class _NoTokenizerNotices(logging.Filter):
+    """Drops vLLM's two notices about the tokenizer an engine is built without (``skip_tokenizer_init``:
+    :func:`_llm_arguments`): its chat-template warm-up failing (with a traceback) and "Using None for EOS
+    token id" (every request carries the tokenizer's end of sequence among its stop ids)."""
+
+    LOGGER = "vllm.renderers.base"
+    MESSAGES = ("Chat template warmup failed", "Using None for EOS token id because tokenizer is not initialized")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.MESSAGES
+
+    @classmethod
+    def install(cls) -> None:
+        logger = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
 
 
 class VLLMEngine(RolloutEngine):
@@ -138,7 +177,13 @@ class VLLMEngine(RolloutEngine):
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         from vllm import LLM
 
-        self.llm = LLM(**kwargs)
+        _NoTokenizerNotices.install()
+
+        # the engine's first load, reported for calibration's bitwise check (an unsharded engine in this process)
+        reported = config.in_process and tp == 1
+        with vllm_worker.first_load_reported() if reported else contextlib.nullcontext():
+            self.llm = LLM(**kwargs)
+        self._first_load = self.run_in_worker(vllm_worker.take_first_load_report) if reported else None
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
@@ -242,12 +287,14 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """One ``reload_weights`` call streaming ``weights``, then the prefix cache is dropped."""
+        self._first_load = None  # no longer what the engine holds
         report = self.run_in_worker(functools.partial(vllm_worker.reload_and_report, weights=weights,
                                                       sharded=self._sharded))
         self.llm.reset_prefix_cache()
         return report
 
     def begin_load(self) -> None:
+        self._first_load = None
         self.run_in_worker(vllm_worker.begin_session)
 
     def load_bucket(self, bucket: WeightBucket) -> None:
@@ -282,8 +329,12 @@ class VLLMEngine(RolloutEngine):
         return report
 
     def checkpoint_report(self) -> dict:
-        """Reloads the checkpoint from disk through vLLM's own loader and reports it (on CPU vLLM packs
+        """The report of the engine's own load of its checkpoint: its first load's, when nothing was loaded
+        since (once), else a reload of the checkpoint from disk through vLLM's own loader (on CPU vLLM packs
         linear weights away after loading: they can only be fingerprinted while a load processes them)."""
+        if self._first_load is not None:
+            report, self._first_load = self._first_load, None
+            return report
         report = self.run_in_worker(functools.partial(vllm_worker.reload_checkpoint_and_report,
                                                       sharded=self._sharded))
         self.llm.reset_prefix_cache()

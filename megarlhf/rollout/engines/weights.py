@@ -172,12 +172,14 @@ class ProcessingCapture:
     :func:`prepare_experts`). Restores the methods on exit. Create it before the reload starts: the
     parameters that are empty then are the packed ones."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, first_load: bool = False):
         self.seconds = 0.0  # spent fingerprinting (host time: on a GPU, the kernels' launch)
         self.modules = _processed_modules(model)
         self.names = {id(m): name for name, m in self.modules.items()}
-        self.packed = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items()
-                       for pname, p in m.named_parameters(recurse=False) if p.numel() == 0}
+        # at a first load nothing is packed yet: every parameter is fingerprinted as processing receives it,
+        # and those it packs away are kept (first_load_done)
+        self.first_load = first_load
+        self.packed = self._emptied()
         # engine parameters reported through their HF parts instead (the stacked experts)
         self.covered = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items() if is_expert_layer(m)
                         for pname in ("w13_weight", "w2_weight")}
@@ -189,7 +191,7 @@ class ProcessingCapture:
         start = time.perf_counter()
         for pname, param in layer.named_parameters(recurse=False):
             full = checkpoint_name(f"{name}.{pname}")
-            if full in self.packed:
+            if full in self.packed or (self.first_load and param.numel() > 0):
                 self.fingerprints[full] = fingerprint(param)
         if is_expert_layer(layer):
             slices = expert_slices(checkpoint_name(name), layer)
@@ -222,6 +224,19 @@ class ProcessingCapture:
         for method in self._wrapped:
             del method.process_weights_after_loading
         self._wrapped.clear()
+
+    def _emptied(self) -> set[str]:
+        return {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items()
+                for pname, p in m.named_parameters(recurse=False) if p.numel() == 0}
+
+    def first_load_done(self) -> "ProcessingCapture":
+        """After a first load's processing: keeps the fingerprints of the parameters it packed away (and of
+        the routed experts' tensors), as a reload's capture holds them."""
+        params = {checkpoint_name(f"{name}.{pname}") for name, m in self.modules.items()
+                  for pname, _ in m.named_parameters(recurse=False)}
+        self.packed, self.first_load = self._emptied(), False
+        self.fingerprints = {k: v for k, v in self.fingerprints.items() if k in self.packed or k not in params}
+        return self
 
 
 def as_model_dtype(param: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
