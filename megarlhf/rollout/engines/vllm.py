@@ -89,10 +89,31 @@ def _set_process_environment(config: EngineConfig, on_gpu: bool) -> None:
                                                                        torch.cuda.current_device())
     if config.tensor_parallel_size > 1 and not on_gpu:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(config.tensor_parallel_size))
+        _run_unique_shm_names()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     if not on_gpu:
         _eager_token_ranks()
+
+
+def _run_unique_shm_names() -> None:
+    """vLLM-cpu names the shared memory of a TP engine's collectives after ``VLLM_DIST_IDENT``, which its CPU
+    worker derives from the distributed init method: under the external launcher that is ``env://``, the same
+    for every run, so two runs' TP engines on one machine at once collided (``create shm in SHMManager
+    failed. errno: 17``). The names get the run's ``MASTER_PORT`` (the same on every rank of a run, another
+    for each run on a machine)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    original = shm.make_group_name
+    if getattr(original, "megarlhf_run_unique", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '0')}"
+
+    make_group_name.megarlhf_run_unique = True
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def _eager_token_ranks() -> None:
