@@ -5,13 +5,15 @@ torchrun answers any failed rank with its own ~40-line ``ChildFailedError`` trac
 messages. Here the agent runs in this process with its logging silenced, the ranks print their own
 one-line errors (:mod:`megarlhf.core.console`: once per distinct message), and the exit status is the
 failed ranks' (1 for an error in what the user gave). Ranks killed by a signal with none having exited
-with an error (the OOM killer, a SIGKILL) are named in one line.
+with an error (the OOM killer, a SIGKILL) are named in one line. The agent's per-run directory (torch makes a
+``torchelastic_*`` one in the temporary directory and leaves it behind) is removed when the launch ends.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import tempfile
 from typing import Sequence
 
 
@@ -28,11 +30,11 @@ def launch_local(argv: Sequence[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its banner about it
-    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--no-python",
-                                sys.executable, "-m", "megarlhf", *argv])
     _silence_the_agent()
     try:
-        torchrun.run(args)
+        with tempfile.TemporaryDirectory(prefix="megarlhf-launch-") as agent_dir:
+            torchrun.run(torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--log-dir", agent_dir,
+                                              "--no-python", sys.executable, "-m", "megarlhf", *argv]))
     except ChildFailedError as err:
         worst = max(failure.exitcode for failure in err.failures.values())
         if worst > 0:  # the ranks said why; the agent then stopped the others (SIGTERM): not news
