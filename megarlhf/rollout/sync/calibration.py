@@ -3,9 +3,10 @@
 Before the first sync the engine holds the checkpoint at ``model.path`` as its own loader read it, and
 the actor the same checkpoint through megarlhf's converter. Calibration then:
 
-1. **compares the weights bit for bit** (``rollout.weight_sync.check_checkpoint``): the engine reloads
-   the checkpoint from disk (``checkpoint_report``: on CPU vLLM packs linear weights away after loading,
-   so they can only be fingerprinted while a load processes them) and fingerprints its parameters; the
+1. **compares the weights bit for bit** (``rollout.weight_sync.check_checkpoint``): the engine reports the
+   fingerprints of its own load of the checkpoint (``checkpoint_report``: taken while its first load was
+   processed, or by reloading the checkpoint from disk; on CPU vLLM packs linear weights away after
+   loading, so they can only be fingerprinted while a load processes them); the
    trainer fingerprints its tensors as a sync would send them (:class:`ExpectedFingerprints`). Any
    difference is a conversion error and stops the run here, before it could raise the floors below (a
    tensor off by 100 bf16 ulps moves the mean gap less than a 30-layer model's rounding noise does).
