@@ -180,8 +180,8 @@ def build_actor(config: RunConfig, runtime: Runtime, total_steps: int | None = N
     adapter = config.model.lora.adapter_path if config.model.lora is not None else None
     _attach_lora(model, config, runtime, start_from=(provider, adapter) if adapter is not None else None)
     steps = rl_optimizer_steps(config) if total_steps is None else total_steps
-    # read into the parameters where DDP's buffer holds them: loaded before, each would be written twice
-    # (its own storage, then DDP's copy of it), 0.5 GB more memory touched per rank for SmolLM2
+    # read where DDP holds the parameters: with the distributed optimizer DDP copies each into its buffer, so a
+    # load before it wrote every parameter twice (0.5 GB more memory touched per rank for SmolLM2)
     load = functools.partial(load_hf_weights, model, provider, config.model.path,
                              allow_unmapped=adapter_parameter_names(model))
     actor = _wrap_trainable("actor", model, provider, config, runtime, config.optim.lr, steps, load=load)
