@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from model_providers.tiny_models import make_tiny_model
 
 SCRIPT = Path(__file__).with_name("_first_load_check.py")
