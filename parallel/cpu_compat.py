@@ -63,8 +63,9 @@ Patches (every one of them, and why):
    schedules): the first such call imports dynamo and inductor's compiler, 1.6 s of every process's 3.3 s
    Megatron import (2 s of CPU; torch's optimizers import dynamo later anyway, inductor's 0.8 s they do not),
    for kernels patch 4 turns off (and that inductor would build with a C++ compiler if one ran here).
-   :func:`install_import_patches` (called by ``parallel/__init__``, before anything imports Megatron) makes
-   ``torch.compile`` the identity while the ``megatron.core`` package loads, then switches Megatron's fuser
+   :func:`install_import_patches` (called by ``parallel/__init__``, before anything imports Megatron: a
+   :class:`~parallel.megatron_import.ImportHook`) makes ``torch.compile`` the identity while the
+   ``megatron.core`` package loads, then switches Megatron's fuser
    off (its own ``disable_jit_fuser``) for the modules loaded later: those functions stay eager Python.
 
 (Packed-sequence RoPE without Megatron's per-sequence loop is not a CPU matter: it lives in
@@ -77,13 +78,13 @@ has its own CP attention in :mod:`parallel.context_parallel`).
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from parallel.megatron_import import ImportHook
 
 _MODE: "_CudaToCpu | None" = None
 
@@ -290,47 +291,25 @@ def _identity_compile(model=None, **options):
     return model if model is not None else (lambda function: function)
 
 
-class _EagerMegatronLoader(importlib.abc.Loader):
-    """Loads the ``megatron.core`` package with ``torch.compile`` the identity, then turns its fuser off."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        compile_ = torch.compile
-        torch.compile = _identity_compile
-        try:
-            self._loader.exec_module(module)
-        finally:
-            torch.compile = compile_
-        jit = sys.modules.get("megatron.core.jit")
-        if jit is not None:
-            jit.disable_jit_fuser()
-
-
-class _EagerMegatronFinder(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core`` once, with :class:`_EagerMegatronLoader` as its loader (patch 8)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "megatron.core":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _EagerMegatronLoader(spec.loader)
-        return spec
+@contextlib.contextmanager
+def _eager_megatron():
+    """While ``megatron.core`` loads, ``torch.compile`` is the identity; then Megatron's fuser is off (patch 8)."""
+    compile_ = torch.compile
+    torch.compile = _identity_compile
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+    jit = sys.modules.get("megatron.core.jit")
+    if jit is not None:
+        jit.disable_jit_fuser()
 
 
 def install_import_patches() -> None:
     """Patch 8 (module docstring), before Megatron is imported; nothing when CUDA is available or Megatron is
     loaded already."""
-    if torch.cuda.is_available() or "megatron.core" in sys.modules:
-        return
-    if not any(isinstance(finder, _EagerMegatronFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _EagerMegatronFinder())
+    if not torch.cuda.is_available():
+        ImportHook.install("megatron.core", _eager_megatron)
 
 
 def is_active() -> bool:
