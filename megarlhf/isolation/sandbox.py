@@ -20,14 +20,25 @@ report), open files, no core dumps; a wall-clock limit enforced by the parent (t
 tree is killed with SIGKILL); and ``PR_SET_PDEATHSIG``, so the sandbox dies with the thread that started
 it. Isolation (:func:`isolation`, probed once per process):
 
-* ``"namespaces"`` (``unshare``): new PID, mount and network namespaces. No network but loopback;
-  ``/proc`` shows only the sandbox's processes; every mount is read-only, and private size-capped tmpfs
-  cover ``/tmp`` (the working directory), ``/var/tmp``, ``/dev/shm`` and ``/run/lock``; when the shell
-  that is the namespace's first process exits, every process in it is killed. Started as root, the
-  program runs as ``nobody`` (files that are not world-readable are out of reach, other users'
-  processes cannot be signalled) with ``RLIMIT_NPROC`` against fork bombs (counted over all ``nobody``
-  processes: concurrent sandboxes share it). Started as another user, it keeps that user inside a user
-  namespace, with no process cap (it would count the user's own processes).
+* ``"namespaces"`` (``unshare``): new PID, mount and network namespaces, and an empty root. No network but
+  loopback; ``/proc`` shows only the sandbox's processes. The program sees an allowlist, read-only: the
+  system's ``/usr`` (and ``/bin``, ``/lib``...), the interpreter's own installation, ``/etc/ld.so.cache``,
+  ``/dev/null``, ``/dev/zero``, ``/dev/urandom``; its one writable place is a private, size-capped tmpfs
+  ``/tmp`` (the working directory). Nothing else of the machine exists for it (home directories, datasets,
+  checkpoints, ``/etc``, the trainer's files), world-readable or not. It runs with no capabilities and
+  ``no_new_privs`` (set-user-ID programs and file capabilities give it nothing), as a user that owns no
+  file it can see: started as root, a fresh user per run (drawn from 2**31 + [0, 2**24)); started as
+  another user, user 65534 of a user namespace nested in the one that made the mounts, so the mounts are
+  locked (it cannot unmount its ``/tmp`` or make its root writable, not even from a user namespace it makes
+  itself). ``RLIMIT_NPROC`` caps its processes, counted per run (per user as root, per user namespace
+  otherwise): one sandbox's fork bomb does not starve another's. When the shell that is the namespaces'
+  first process exits, every process in them is killed.
+
+  Threat model: it holds against a program that tries to read or write the machine's files, reach the
+  network, signal other processes, outlive its run or exhaust memory, processes, disk or CPU time beyond
+  its limits. It does not hold against a kernel exploit (the program can make system calls, including
+  user namespaces of its own: there is no seccomp filter), reads what the allowlist shows (the installed
+  software), and shares the machine's CPU and memory bandwidth (no cgroups).
 * ``"none"``: ``unshare`` is missing or not permitted (e.g. a container without ``CAP_SYS_ADMIN``).
   Only the rlimits and the wall clock hold: the program can use the network and read and write what the
   user can. :func:`run_tests` refuses to run there unless ``SandboxLimits.allow_unisolated``.
@@ -52,20 +63,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-NOBODY = 65534  # the user a root parent runs the program as
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 MAX_TESTS = 1000
 _CHANNEL_BYTES = 2**20  # the most of the child's report the parent reads
+_PROGRAM_UID = 65534  # the program's user inside its own user namespace (a trainer that is not root)
+_UID_RANGE = (2**31, 2**24)  # a root trainer runs each program as a fresh user drawn from [start, start + size)
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ENV = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C.UTF-8"}  # the child's whole environment
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/dev/null", "/dev/zero", "/dev/urandom")
 
-# Inside the new namespaces, before the program starts: every file system mount read-only (the kernel's
-# own, /proc, /sys, cgroups and device nodes, are not for ordinary users to write), private tmpfs over the
-# world-writable directories, /tmp as the working directory. The shell stays the namespace's first
-# process (PID 1, which ignores signals it has no handler for) and runs the program as its child, so the
-# program's own signals and limits end it as anywhere else and the shell reports how (128 + signal).
-_PREPARE = ("awk '$4 ~ /^rw/ && $3 !~ /^(proc|sysfs|cgroup2?|devpts|devtmpfs|mqueue)$/ {print $2}' /proc/self/mounts "
-            "| while read -r m; do mount -o remount,bind,ro \"$m\" 2>/dev/null; done; "
-            "for d in /tmp /var/tmp /dev/shm /run/lock; do if [ -d \"$d\" ] && [ ! -L \"$d\" ]; then "
-            "mount -t tmpfs -o size=32m,mode=1777 tmpfs \"$d\" || exit 97; fi; done; cd /tmp || exit 97; ")
+# Run by the namespaces' first process (PID 1, which ignores signals it has no handler for) in its working
+# directory, with three groups of arguments separated by "--": the directories to make in the new root (one
+# argument, newline-separated, relative), the allowlist (:func:`_allowlist`), and the program's command. An
+# empty tmpfs over the working directory becomes the new root; the allowed directories and files are bound
+# into it read-only, nosuid and nodev (device files keep dev), as is any mount below them (a mount that
+# cannot be made read-only is an error: the sandbox fails closed); the links are copied; a size-capped tmpfs
+# /tmp (the working directory) and the PID namespace's own /proc are added; the old root is detached and the
+# new one made read-only. The shell then runs the program as its child, so the program's own signals and
+# limits end it as anywhere else and the shell reports how (128 + signal). Any failure before that exits.
+_PREPARE = r"""set -ef
+root=$(pwd)
+mount -t tmpfs -o size=1m,mode=755 megarlhf-sandbox "$root"
+cd "$root"
+IFS='
+'
+mkdir -p $1
+shift 2
+while [ "$1" != "--" ]; do
+  kind=${1%%:*}; path=${1#*:}; shift
+  case $kind in
+    link) ln -s "${path#*=}" ".${path%%=*}" ;;
+    dir) mount --rbind -o ro,nosuid,nodev "$path" ".$path" ;;
+    device) : > ".$path"; mount --bind -o ro,nosuid "$path" ".$path" ;;
+    file) : > ".$path"; mount --bind -o ro,nosuid,nodev "$path" ".$path" ;;
+  esac
+done
+shift
+awk -v top="$root/" 'index($2, top) == 1 && $4 !~ /^ro(,|$)/ {print $2}' /proc/self/mounts > .writable
+while read -r m; do mount -o remount,bind,ro,nosuid,nodev "$m"; done < .writable
+rm .writable
+mount -t tmpfs -o size=32m,mode=1777,nosuid,nodev tmpfs tmp
+mount -t proc -o nosuid,nodev,noexec proc proc
+pivot_root . .old
+umount -l /.old
+rmdir /.old
+mount -o remount,bind,ro,nosuid,nodev /
+cd /tmp
+set +e
+"$@"
+exit $?
+"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -80,7 +127,7 @@ class SandboxLimits:
     cpu_s: int = 5
     memory_mb: int = 512  # address space of each process
     file_mb: int = 16  # largest file a process may write (its output and report included)
-    max_processes: int = 16  # RLIMIT_NPROC of the nobody user (started as root, namespaces)
+    max_processes: int = 16  # RLIMIT_NPROC of the program, counted per run (namespaces only)
     report_chars: int = 1000  # characters of the program's output kept
     allow_unisolated: bool = False  # run with rlimits only where namespaces are unavailable
 
@@ -166,38 +213,71 @@ class CodeResult:
         return text if len(text) <= chars else text[:chars] + "\n[report truncated]"
 
 
+def _allowlist(python: str) -> list[str]:
+    """What the program sees of the machine, read-only, as :data:`_PREPARE`'s arguments: the system's programs
+    and libraries, the installation of the interpreter ``python`` (which may lie elsewhere, in a home directory
+    or a pyenv/conda tree: then the program sees that installation too), the dynamic linker's cache and the
+    harmless device files."""
+    links, dirs = [], []
+    for top in _SYSTEM_DIRS:
+        if os.path.islink(top):
+            links.append(f"link:{top}={os.readlink(top)}")
+        elif os.path.isdir(top):
+            dirs.append(top)
+    real = os.path.realpath(python)
+    prefixes = {os.path.dirname(os.path.dirname(real))}
+    if real == os.path.realpath(sys.executable):
+        prefixes |= {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    for prefix in sorted(prefixes):
+        covered = any(prefix == d or prefix.startswith(d + "/") for d in dirs)
+        if prefix != "/" and not covered and os.path.isdir(prefix):
+            dirs.append(prefix)
+    files = [f for f in _SYSTEM_FILES if os.path.exists(f)]
+    made = {d.lstrip("/") for d in dirs} | {os.path.dirname(f).lstrip("/") for f in files} | {"tmp", "proc", ".old"}
+    return ["\n".join(sorted(made)), "--", *links, *(f"dir:{d}" for d in dirs),
+            *(f"{'device' if f.startswith('/dev/') else 'file'}:{f}" for f in files)]
+
+
 def _command(python: list[str], limits: SandboxLimits, mode: str) -> list[str]:
     """The child's command line: the interpreter ``python`` (with its arguments) under the rlimits of
-    ``limits`` (``prlimit``: set after fork, not in a pre-exec hook, which is unsafe in a threaded
-    parent) and, with ``mode == "namespaces"``, in new PID, mount and network namespaces (module docstring;
-    as root the limits are set before the switch to nobody, which only ``setpriv`` itself can exec
-    through directories nobody may not enter)."""
+    ``limits`` (``prlimit``: set after fork, not in a pre-exec hook, which is unsafe in a threaded parent)
+    and, with ``mode == "namespaces"``, in new PID, mount and network namespaces on the allowlist's root
+    (module docstring), as a user with no capabilities and ``no_new_privs``: started as root, a fresh user
+    drawn per run (so its process limit counts its own processes); started as another user, user 65534 of
+    a user namespace nested in the one that made the mounts (so they are locked: they cannot be unmounted
+    or made writable from inside, not even from a namespace the program makes itself)."""
     mb = 2**20
-    as_root = os.geteuid() == 0 and mode == "namespaces"
     caps = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={limits.memory_mb * mb}",
             f"--fsize={limits.file_mb * mb}", "--nofile=64", "--core=0"]
-    if as_root:  # counted per user: only meaningful for a user nothing else runs as
-        caps.append(f"--nproc={limits.max_processes}")
-    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if as_root else []
-    command = ["prlimit", *caps, "--", *drop, *python]
-    if mode != "namespaces":
-        return command
-    unshare = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
-    if not as_root:
+    if mode != "namespaces":  # no process cap: it would count every process of the trainer's user
+        return ["prlimit", *caps, "--", *python]
+    caps.append(f"--nproc={limits.max_processes}")
+    python = [os.path.realpath(python[0]), *python[1:]]
+    unshare = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--propagation=private"]
+    if os.geteuid() == 0:
+        uid = _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1])
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                "--bounding-set=-all", "--inh-caps=-all"]
+    else:
         unshare += ["--user", "--map-root-user"]
-    return [*unshare, "sh", "-c", _PREPARE + '"$@"; exit $?', "sh", *command]
+        drop = ["setpriv", "--no-new-privs", "unshare", "--user", f"--map-user={_PROGRAM_UID}",
+                f"--map-group={_PROGRAM_UID}"]
+    return [*unshare, "sh", "-c", _PREPARE, "sh", *_allowlist(python[0]), "--",
+            "prlimit", *caps, "--", *drop, *python]
 
 
 @functools.cache
 def _sandbox() -> tuple[str, str]:
     """(isolation, interpreter), probed once: the namespaces if ``unshare`` can make them here and the
-    sandbox user can start an interpreter in them (this one, or the system's ``python3``); else ``"none"``."""
+    program's user can start an interpreter in them (this one, or the system's ``python3``); else ``"none"``."""
     candidates = [sys.executable] + [p for p in (shutil.which("python3", path="/usr/bin:/bin"),) if p]
-    if all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount", "awk", "prlimit")):
+    tools = ("unshare", "setpriv", "mount", "umount", "pivot_root", "awk", "prlimit")
+    if all(shutil.which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin") for tool in tools):
         for python in candidates:
             try:
-                done = subprocess.run(_command([python, "-I", "-c", "pass"], SandboxLimits(), "namespaces"),
-                                      capture_output=True, timeout=60)
+                with tempfile.TemporaryDirectory(prefix="megarlhf-sandbox-") as workdir:
+                    done = subprocess.run(_command([python, "-I", "-c", "pass"], SandboxLimits(), "namespaces"),
+                                          cwd=workdir, env=_ENV, capture_output=True, timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 continue
             if done.returncode == 0:
@@ -229,7 +309,7 @@ def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits()
     with tempfile.TemporaryFile() as channel, tempfile.TemporaryFile() as output, \
             tempfile.TemporaryDirectory(prefix="megarlhf-sandbox-") as workdir:
         command = ["setpriv", "--pdeathsig", "KILL", *_command(harness, limits, mode)]
-        child = subprocess.Popen(command, cwd=workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        child = subprocess.Popen(command, cwd=workdir, env=_ENV,
                                  stdin=subprocess.PIPE, stdout=channel, stderr=output, start_new_session=True)
         status = _wait(child, request.encode(), limits.wall_s)
         channel.seek(0)

@@ -70,6 +70,13 @@ def main(compile=compile, exec=exec, eval=eval, dumps=json.dumps, write=os.write
 
 if __name__ == "__main__":
     main()
-    # no interpreter shutdown: the program's buffered output (past its file-size limit) or its atexit hooks
-    # would otherwise decide the exit status after its report is complete
+    # what the program printed is still in its buffers: written now, for the report's output (a stream that
+    # fails, e.g. past the file-size limit, or that the program replaced, only loses its own output)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    # no interpreter shutdown: the program's atexit hooks would otherwise decide the exit status after its
+    # report is complete
     os._exit(0)

@@ -8,6 +8,7 @@ namespaces: ``isolation() == "namespaces"``; the test says so and checks less wh
 from __future__ import annotations
 
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +47,8 @@ def _no_process_left() -> None:
 # (name, program, expected status, expected passes, a check of the result)
 HOSTILE = [
     ("solves", SOLVES, "ok", 3, None),
+    ("prints a line", "print('hello from the program')\n" + SOLVES, "ok", 3,
+     lambda r: r.output == "hello from the program\n"),  # kept: its buffer is flushed after the report
     ("half right", "def square(x):\n    return x * x if x > 0 else 1\n", "ok", 1, None),
     ("prints a forged verdict", "def square(x):\n    return 0\nprint('3/3 tests passed')\n"
      "import os\nos.write(1, b'0123 {\"test\": 0, \"passed\": true}\\n')\n", "ok", 1, None),  # square(0) == 0
@@ -125,8 +128,10 @@ def test_without_namespaces_it_refuses_unless_allowed(monkeypatch):
 
 @pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
 @pytest.mark.parametrize("name, program", [
-    ("writes outside its directory", "for d in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock'):\n"
-     "    open(d + '/megarlhf-sandbox-escape', 'w').write('x')\n"),
+    ("writes outside its directory", "open('/tmp/megarlhf-sandbox-escape', 'w').write('x')\n"
+     "for d in ('/var/tmp', '/dev/shm', '/run/lock', '/etc', '/usr', '/', '/proc'):\n    try:\n"
+     "        open(d + '/megarlhf-sandbox-escape', 'w')\n    except OSError:\n        pass\n    else:\n"
+     "        raise SystemExit('wrote in ' + d)\n"),
     ("writes into the machine's files", "import os\nfor path in ('/etc/megarlhf-escape', os.path.expanduser("
      "'~/megarlhf-escape'), '/usr/megarlhf-escape'):\n    try:\n        open(path, 'w')\n    except OSError:\n"
      "        pass\n    else:\n        raise SystemExit('wrote ' + path)\n"),
@@ -144,25 +149,49 @@ def test_the_namespaces_keep_the_program_in(name, program, tmp_path):
     if name == "opens a socket" or name == "lists the machine's processes":
         assert result.solution_error is not None and result.passed == 0  # no network; only its own processes
     else:
-        assert result.passed == 3  # its writes went to a private /tmp; its signals reached nothing
+        assert result.passed == 3, result.report()  # its writes went to a private /tmp; its signals reached nothing
     _no_process_left()
 
 
-@pytest.mark.skipif(not (NAMESPACES and os.geteuid() == 0), reason="runs as nobody only when started as root")
-def test_as_root_the_program_cannot_read_private_files():
-    # a file the sandbox does not mask (it mounts fresh tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock), so
-    # that the read fails for want of permission, not because the file is hidden: the clone's tests folder,
-    # or the home directory where the clone itself lies under a masked one
-    here = Path(__file__).resolve().parent
-    masked = any(here.is_relative_to(d) for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"))
-    secret = (Path.home() if masked else here) / f".sandbox-secret-{os.getpid()}"
-    try:
-        secret.write_text("s3cret")
-        secret.chmod(0o600)
-        result = run_tests(f"print(open({str(secret)!r}).read())\n" + SOLVES, TESTS, LIMITS)
-    finally:
-        secret.unlink()
-    assert "PermissionError" in (result.solution_error or "") and "s3cret" not in result.output
+@pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
+def test_the_program_sees_only_the_allowlist():
+    # this file is world-readable and lies outside the allowlist (the system's /usr and /lib, the interpreter's
+    # installation): the program must not find it, nor the machine's /etc, nor any mount but its own
+    here = str(Path(__file__).resolve())
+    program = (f"import os\nprint(' '.join(os.listdir('/')))\nprint(os.listdir('/etc'))\n"
+               f"print(os.path.exists({here!r}), os.path.exists('/etc/passwd'))\n"
+               "print(open('/proc/self/mounts').read())\nprint(open('/proc/self/status').read())\n" + SOLVES)
+    result = run_tests(program, TESTS, SandboxLimits(wall_s=3, report_chars=20000))
+    assert result.passed == 3, result.report()
+    lines = result.output.splitlines()
+    system = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "tmp", "proc"}
+    interpreter = {Path(sys.base_prefix).resolve().parts[1]}  # its installation may lie elsewhere (pyenv, conda)
+    assert set(lines[0].split()) <= system | interpreter, lines[0]
+    assert lines[1:3] == ["['ld.so.cache']", "False False"]
+    mounts = [line.split()[1] for line in lines[3:] if len(line.split()) == 6 and line.split()[1][:1] == "/"]
+    assert "/" in mounts and "/tmp" in mounts, mounts
+    assert all(m == "/" or Path(m).parts[1] in system | interpreter for m in mounts), mounts
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    assert (status["CapPrm"], status["CapEff"], status["CapAmb"]) == ("0" * 16,) * 3
+    assert status["NoNewPrivs"] == "1" and status["Uid"].split()[0] != "0"
+    _no_process_left()
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
+def test_a_fork_bomb_does_not_starve_a_concurrent_sandbox():
+    # each run's process limit counts its own processes: the bomb holds all of its own, the other program
+    # still starts the children it needs
+    forks = ("import os\nfor _ in range(4):\n    if os.fork() == 0:\n        os._exit(0)\n"
+             "for _ in range(4):\n    os.wait()\n")
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"
+    limits = SandboxLimits(wall_s=4, cpu_s=2, max_processes=8)
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(run_tests, bomb, TESTS, limits)
+        time.sleep(1.0)  # the bomb has spent its processes by now
+        result = run_tests(forks + SOLVES, TESTS, limits)
+        assert held.result().status == "timeout"
+    assert result.passed == 3, result.report()
+    _no_process_left()
 
 
 def test_concurrent_runs_finish_within_their_bound():
