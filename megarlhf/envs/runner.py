@@ -308,12 +308,23 @@ class ToolRunner:
 
 
 def fit_observation(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, the cut marked within that budget."""
-    if len(text) <= limit:
-        return text
+    """``text`` as valid text (:func:`valid_text`) cut to ``limit`` characters, the cut marked within that budget."""
+    clean = valid_text(text[:limit])  # escapes are longer than the characters they replace
+    if len(text) <= limit and len(clean) <= limit:
+        return clean
     marker = f" ...[cut: {len(text)} chars]"
     keep = limit - len(marker)
-    return text[:limit] if keep <= 0 else text[:keep] + marker
+    return clean[:limit] if keep <= 0 else clean[:keep] + marker
+
+
+def valid_text(text: str) -> str:
+    """``text`` with its lone surrogates written as escapes (``\\udc80``): a tool's output or a parse error
+    quoting the model's JSON (``"\\udc80"`` decodes to one) can hold them, and no tokenizer encodes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _truncate(text: str) -> str:

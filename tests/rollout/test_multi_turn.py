@@ -289,3 +289,56 @@ def test_an_episode_offering_other_tools_than_its_prompt_describes_is_refused(to
     with pytest.raises(ValueError, match=r"the episode of data row 0 offers tools \['add'\] that differ from those "
                                          r"its prompt describes \(\['multiply'\]\)"):
         _rollout(tokenizer).run(Script(tokenizer, 0, {}), [prompt], SamplingConfig(n=1, temperature=1.0, max_new_tokens=8, seed=0))
+
+
+class EchoEpisode:
+    """echo(text) returns ``text`` (a hostile observation when the model writes one), or ``times`` copies."""
+
+    tools = [ToolSpec("echo", "echoes", {"type": "object", "properties": {"text": {}, "times": {}},
+                                         "required": ["text"]})]
+
+    def __init__(self, metadata, **kwargs):
+        pass
+
+    def step(self, messages, call):
+        return StepResult(call.arguments["text"] * call.arguments.get("times", 1))
+
+
+def _echo(arguments: str) -> str:
+    return '<tool_call>{"name": "echo", "arguments": ' + arguments + '}</tool_call>'
+
+
+HOSTILE_TURNS = {
+    "lone surrogate in a key": '<tool_call>{"name": "echo", "arguments": {"\\udc80": 1}}</tool_call>',
+    "lone surrogate echoed": _echo('{"text": "x\\udc80\\ud800y"}'),
+    "surrogate pair echoed": _echo('{"text": "\\ud83d\\ude00"}'),
+    "NUL bytes echoed": _echo('{"text": "a\\u0000b"}'),
+    "NUL byte in the turn": "a\x00b " + _echo('{"text": "ok"}'),
+    "10 MB observation": _echo('{"text": "ab", "times": 5000000}'),
+    "5000-deep JSON": "<tool_call>" + "[" * 5000 + "</tool_call>",
+    "5000-deep arguments": _echo('{"text": ' + "[" * 5000 + "1" + "]" * 5000 + "}"),
+    "1000 calls in one turn": _echo('{"text": "a"}') * 1000,
+    "unknown tool": '<tool_call>{"name": "rm", "arguments": {"path": "/"}}</tool_call>',
+    "wrong argument type": _echo('{"text": 5, "times": "many"}'),
+    "arguments not an object": '<tool_call>{"name": "echo", "arguments": [1, 2]}</tool_call>',
+    "unclosed call": '<tool_call>{"name": "echo", "arguments": {"text": "a"}}',
+}
+
+
+def test_hostile_model_turns_never_stop_the_run(tokenizer):
+    """Model output is hostile input: every turn above ends as an observation or a finished episode, the
+    observations are valid text the tokenizer encodes, and the run goes on."""
+    if "test_echo" not in ENVIRONMENTS:
+        ENVIRONMENTS.register("test_echo")(EchoEpisode)
+    turns = {(i, 0): text for i, text in enumerate(HOSTILE_TURNS.values())}
+    config = EnvConfig(name="test_echo", max_turns=2, parser="hermes", timeout_s=5.0, max_observation_chars=2000)
+    rollout = MultiTurnRollout(config, tokenizer, chat=True, max_new_tokens=60000, budget=200000)
+    prompts = _prompts(tokenizer, len(turns))
+    batch, metrics = rollout.run(Script(tokenizer, 0, turns), prompts, SamplingConfig(
+        n=1, temperature=1.0, max_new_tokens=60000, prompt_seeds=tuple(range(len(turns)))))
+    assert len(batch.response_ids) == len(turns)
+    for name, ids, mask in zip(HOSTILE_TURNS, batch.response_ids, batch.loss_masks):
+        observation = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+        assert observation.encode("utf-8").decode("utf-8") == observation, name  # valid text
+        assert len(observation) < 2200, name
+    assert metrics["tools/calls"] >= 4
