@@ -9,14 +9,17 @@ what they declare they need (``megarlhf_preload``) before it reports ready, then
 ``fn(item, **kwargs)`` for each call (``fn``: one of the names). Limits:
 
 * **wall clock**, from the moment the call is sent to a ready worker: past ``timeout_s`` the parent kills the worker
-  (SIGKILL) and starts a replacement; nothing is abandoned, so nothing leaks;
+  and its process group (SIGKILL: a subprocess the function started dies with it) and starts a replacement;
+  nothing is abandoned, so nothing leaks;
 * **CPU time** per call, as many seconds as the wall clock allows (``RLIMIT_CPU`` moved forward before
   each call; SIGXCPU ends a worker that spins past it) and **address space** per worker
   (``RLIMIT_AS``): a worker that dies (a limit, a segfault, ``os._exit``) is replaced and its call
   reported as an error.
 
-Requests travel pickled (parent to worker: trusted data it made); replies are JSON (a number, or an
-error's type and message), so a compromised worker cannot send the parent a pickle to run. ``killed``
+Requests travel pickled (parent to worker: trusted data it made); replies are JSON (a number, numpy's
+included, or an error's type and message), so a compromised worker cannot send the parent a pickle to run.
+Both travel on descriptors private to the worker: its stdin and stdout are /dev/null and stderr, so what a
+function or its subprocesses print or read cannot corrupt a reply or steal a request. ``killed``
 counts the workers killed or found dead since the pool started. Costs: a worker start is a fresh
 interpreter (~0.4 s, once per worker and per kill); a call pays two pipe round trips and the pickling
 of its item (``bench/bench_reward_pool.py``).
@@ -26,10 +29,12 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import os
 import pickle
 import resource
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -151,7 +156,10 @@ class _Worker:
         return "dead"
 
     def kill(self) -> None:
-        self.process.kill()
+        try:  # its process group: a child the called function started (a subprocess) dies with it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
             try:
@@ -250,11 +258,34 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+def _private_channels():
+    """The request and reply pipes on descriptors of this process alone (not inherited by the subprocesses a
+    called function starts); descriptors 0 and 1, which the function's prints and its subprocesses' output
+    use, become /dev/null and stderr, so no output can corrupt a reply or read a request."""
+    requests = os.fdopen(os.dup(0), "rb")  # os.dup: not inheritable
+    replies = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return requests, replies
+
+
+def _plain_number(value: Any) -> float | int:
+    """A number JSON has no type for (a numpy or other registered ``numbers`` scalar) as an int or float, as
+    the in-process runner takes it; anything else cannot be a reply."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _serve(resolver_path: str, memory_mb: int, names: list[str]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, resource.RLIM_INFINITY))
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a called function's prints must not corrupt the replies
+    requests, replies = _private_channels()
     functions, problem = _start(resolver_path, names)
     _write_frame(replies, json.dumps({"error": problem}).encode())
     while header := requests.read(_HEADER.size):
@@ -265,7 +296,7 @@ def _serve(resolver_path: str, memory_mb: int, names: list[str]) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (spent + cpu_s, resource.RLIM_INFINITY))
         try:
             value = functions[ref](item, **kwargs)
-            reply = json.dumps({"value": value})
+            reply = json.dumps({"value": value}, default=_plain_number)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, the worker goes on
             reply = json.dumps({"error_type": type(exc).__name__, "message": str(exc)[:500]})
         _write_frame(replies, reply.encode())

@@ -34,6 +34,38 @@ def invalid_reward(sample):
     return {"nan": float("nan"), "none": None}.get(sample.response, 1.0)
 
 
+def printing_reward(sample):
+    """Writes to descriptor 1 as a user's reward can: a print, a raw write and a subprocess's output."""
+    import os
+    import subprocess
+
+    print("a print that is not a reply")
+    os.write(1, b"hold")  # four bytes a reply frame would read as its length
+    subprocess.run(["sh", "-c", "printf 'a subprocess writing to stdout'; read line || true"], check=True)
+    return 1.0
+
+
+def numpy_reward(sample):
+    import numpy
+
+    return numpy.float32(0.5) if sample.response == "float" else numpy.int64(2)
+
+
+@in_process
+def numpy_reward_in_process(sample):
+    return numpy_reward(sample)
+
+
+def spawning_reward(sample, pid_file: str):
+    """Starts a child that would sleep for 1000 s, then hangs past its time limit."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "1000"])
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(1000)
+
+
 HERE = __name__
 
 
@@ -222,10 +254,10 @@ def test_workers_are_reached_from_a_process_holding_many_files():
 
 
 def closing_reward(sample):
-    """Closes the worker's reply pipe (fd 1) and stays alive."""
+    """Closes the worker's pipes (every descriptor past stderr, wherever the reply pipe is) and stays alive."""
     import os
 
-    os.close(1)
+    os.closerange(3, 4096)
     time.sleep(1000)
 
 
@@ -253,3 +285,33 @@ def test_an_integer_too_large_for_a_float_is_an_invalid_reward():
     result = reward(_samples("any"))
     reward.close()  # its worker would outlive the test and count as another test's leftover
     assert result.rewards == [0.0] and result.failures[0].kind == "invalid"
+
+
+def test_a_functions_output_and_its_subprocesses_never_reach_the_replies():
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:printing_reward")], timeout_s=10.0))
+    result = reward(_samples("a", "b"))
+    reward.close()
+    assert result.rewards == [1.0, 1.0] and not result.failures, [str(f) for f in result.failures]
+
+
+def test_numpy_numbers_are_rewards_in_a_worker_as_in_process():
+    for function in ("numpy_reward", "numpy_reward_in_process"):
+        reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:{function}")], timeout_s=10.0))
+        result = reward(_samples("float", "int"))
+        reward.close()
+        assert result.rewards == [0.5, 2.0] and not result.failures, [str(f) for f in result.failures]
+
+
+def test_a_killed_workers_children_die_with_it(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:spawning_reward",
+                                                               kwargs={"pid_file": str(pid_file)})],
+                                         timeout_s=1.0, num_workers=1))
+    result = reward(_samples("x"))
+    assert result.failures[0].kind == "timeout"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5.0
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reward.close()
+    assert not alive(child), "a child of the killed worker outlived it"
