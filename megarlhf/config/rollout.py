@@ -30,6 +30,9 @@ class EnvConfig:
     # system message); off when the data already describes them (megarlhf.envs.prompting)
     describe_tools: bool = True
     worker_memory_mb: int = 4096  # address space of each worker process (a stateless environment's)
+    # episodes that may end in an error (the model's output broke the chat template or the tokenizer) over
+    # the run, per rank: each ends with finish reason "error"; one more stops the run (megarlhf.rollout.multi_turn)
+    failed_episodes_budget: int = 32
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):
@@ -40,6 +43,9 @@ class EnvConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"EnvConfig.{name} must be an int >= 1, got {value!r}")
+        budget = self.failed_episodes_budget
+        if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0):
+            raise ValueError(f"EnvConfig.failed_episodes_budget must be an int >= 0, got {budget!r}")
         if not isinstance(self.describe_tools, bool):
             raise ValueError(f"EnvConfig.describe_tools must be true or false, got {self.describe_tools!r}")
         check_timeout(self.timeout_s, "EnvConfig.timeout_s")

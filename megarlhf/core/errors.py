@@ -21,3 +21,8 @@ class DataError(UserError):
 class CheckpointError(UserError):
     """A checkpoint (HF directory or Megatron distributed checkpoint) is missing, incomplete, incompatible
     with the model, or cannot be written; the message names the path and what is wrong."""
+
+
+class EpisodeFailureBudgetError(UserError):
+    """More multi-turn episodes ended in an error than ``rollout.env.failed_episodes_budget`` allows; the
+    message gives the count, the budget and the first failures."""

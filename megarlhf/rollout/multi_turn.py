@@ -38,6 +38,7 @@ join the sample's reward. Metrics (counts, summed over turns): the runner's ``to
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -50,14 +51,21 @@ from megarlhf.envs.api import ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
 from megarlhf.envs.runner import ToolRunner
-from megarlhf.core.errors import ConfigError
+from megarlhf.core.errors import ConfigError, EpisodeFailureBudgetError
 from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import merge_turns, unrouted
 from megarlhf.core.seeds import TURN_STRIDE
 
+logger = logging.getLogger(__name__)
+
+# model turns the start-up probe renders: a trailing newline (templates that trim), reasoning tags (templates
+# that strip or move reasoning)
+_PROBE_TURNS = ("Let me use a tool.\n", "<think>\nThe tool will know.\n</think>\n\nLet me use a tool.")
+
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
-                  "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers")
+                  "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers",
+                  "tools/failed_episodes")
 TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
 
 
@@ -85,6 +93,7 @@ class MultiTurnRollout:
         self.config, self.tokenizer, self.chat = config, tokenizer, chat
         self.max_new_tokens, self.budget = max_new_tokens, budget
         self.runner = ToolRunner(config, tokenizer)
+        self.failures: list[str] = []  # why each failed episode of the run ended (rollout.env.failed_episodes_budget)
         parser = PARSERS.get(config.parser)([], tokenizer)
         # a turn also ends on the format's end-of-call token, where the tokenizer has one (e.g. Qwen2.5's
         # </tool_call>): the observation then follows the call directly
@@ -137,19 +146,21 @@ class MultiTurnRollout:
         return min(self.max_new_tokens, self.budget - len(episode.response))
 
     def _check_template(self) -> None:
-        """Renders a probe conversation (a model turn that ends in a newline, then a tool message) the way
-        every turn will be, so that a template that rewrites the model's text (trims it, adds or strips
-        reasoning tags) stops the run at start-up rather than in the middle of a rollout."""
-        turn = "Let me use a tool.\n"
+        """Renders probe conversations (a model turn that ends in a newline, one with reasoning tags, each then
+        a tool message) the way every turn will be, so that a template that rewrites the model's text (trims
+        it, adds or strips reasoning as DeepSeek-R1's does at ``</think>``) stops the run at start-up rather
+        than failing episodes in the middle of a rollout."""
         tools = [PROBE_TOOL] if self.template_tools else None
-        probe = _Episode(prompt=0, seed=None, messages=[{"role": "user", "content": "probe"},
-                                                         {"role": "assistant", "content": turn}],
-                         turn_ids=self.tokenizer.encode(turn, add_special_tokens=False), tools=tools)
-        try:
-            self._observation_ids(probe, "probe observation")
-        except (ValueError, TemplateError) as exc:  # TemplateError: the template itself refuses a tool message
-            raise ConfigError(f"rollout.env: the tokenizer's chat template cannot run multi-turn episodes: {exc} "
-                              f"(checked at start-up on a probe conversation)") from None
+        for turn in _PROBE_TURNS:
+            probe = _Episode(prompt=0, seed=None, messages=[{"role": "user", "content": "probe"},
+                                                             {"role": "assistant", "content": turn}],
+                             turn_ids=self.tokenizer.encode(turn, add_special_tokens=False), tools=tools)
+            try:
+                self._observation_ids(probe, "probe observation")
+            except (ValueError, TemplateError) as exc:  # TemplateError: the template refuses a tool message
+                raise ConfigError(f"rollout.env: the tokenizer's chat template cannot run multi-turn episodes: "
+                                  f"{exc} (checked at start-up on a probe conversation whose model turn is "
+                                  f"{turn!r})") from None
 
     # ---- one turn ------------------------------------------------------------------------------------
     def _start_messages(self, prompt: PromptExample) -> list[dict[str, str]]:
@@ -199,7 +210,12 @@ class MultiTurnRollout:
             episode.reward += outcome.reward or 0.0
             if outcome.done or outcome.observation is None:
                 continue
-            observation = self._observation_ids(episode, outcome.observation)
+            try:
+                observation = self._observation_ids(episode, outcome.observation)
+            except Exception as exc:  # noqa: BLE001 - the model's output broke the template: ends this episode
+                self._fail(episode, exc, prompt_index=i)
+                sums["tools/failed_episodes"] += 1.0
+                continue
             if len(episode.response) + len(observation) + 1 > self.budget:
                 episode.finish = "length"
                 continue
@@ -209,6 +225,19 @@ class MultiTurnRollout:
             episode.messages.append({"role": "tool", "content": outcome.observation})
             going.append(i)
         return going
+
+    def _fail(self, episode: _Episode, exc: Exception, prompt_index: int) -> None:
+        """Ends ``episode`` with finish reason "error" (model output is an episode's outcome, never a run's):
+        logged, counted, and past ``rollout.env.failed_episodes_budget`` over the run, the run stops."""
+        episode.finish = "error"
+        message = f"episode {prompt_index} (turn {episode.turns}) ended in an error: {type(exc).__name__}: {exc}"
+        self.failures.append(message[:500])
+        logger.warning("%s", message[:500])
+        if len(self.failures) > self.config.failed_episodes_budget:
+            raise EpisodeFailureBudgetError(
+                f"rollout.env.failed_episodes_budget={self.config.failed_episodes_budget}: {len(self.failures)} "
+                f"multi-turn episodes of this run ended in an error (the model's output broke the chat template or "
+                f"the tokenizer), the first: {'; '.join(self.failures[:3])}")
 
     def _decode(self, ids: list[int], special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)

@@ -342,3 +342,46 @@ def test_hostile_model_turns_never_stop_the_run(tokenizer):
         assert observation.encode("utf-8").decode("utf-8") == observation, name  # valid text
         assert len(observation) < 2200, name
     assert metrics["tools/calls"] >= 4
+
+
+def test_a_template_that_strips_reasoning_is_refused_at_start_up(tmp_path):
+    """DeepSeek-R1's template keeps only what follows </think> of an assistant message: it renders a plain
+    probe turn as written, so only a probe with reasoning tags sees it at start-up (not mid-run)."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from megarlhf.core.errors import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model("qwen2", tmp_path / "m", seed=0))
+    stripping = copy.deepcopy(tokenizer)
+    stripping.chat_template = tokenizer.chat_template.replace(
+        "message['content']", "(message['content'].split('</think>')[-1] if message['role'] == 'assistant' "
+                              "else message['content'])")
+    assert stripping.chat_template != tokenizer.chat_template
+    with pytest.raises(ConfigError, match="cannot run multi-turn episodes: .* model turn is '<think>"):
+        _rollout(stripping)
+
+
+def test_an_episode_whose_output_breaks_the_template_ends_and_the_budget_stops_the_run(tokenizer):
+    """A template that rewrites a turn by content the probe cannot foresee: that episode ends with finish
+    reason "error" (counted), its neighbours go on; one failure past rollout.env.failed_episodes_budget
+    stops the run with an error naming it."""
+    import copy
+
+    from megarlhf.core.errors import EpisodeFailureBudgetError
+
+    rewriting = copy.deepcopy(tokenizer)
+    rewriting.chat_template = tokenizer.chat_template.replace(
+        "message['content']", "message['content'].replace('REWRITE', 'rewritten')")
+    breaking = "REWRITE " + CALL
+    turns = {(0, 0): CALL, (1, 0): breaking, (2, 0): CALL}
+    sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=128, prompt_seeds=(0, 1, 2))
+    config = EnvConfig(name="test_add", max_turns=3, parser="hermes", timeout_s=2.0, failed_episodes_budget=1)
+    rollout = MultiTurnRollout(config, rewriting, chat=True, max_new_tokens=128, budget=600)
+    batch, metrics = rollout.run(Script(rewriting, 0, turns), _prompts(rewriting, 3), sampling)
+    assert batch.finish_reasons == ["stop", "error", "stop"] and metrics["tools/failed_episodes"] == 1.0
+    assert batch.tool_calls == [1, 1, 1] and all(batch.loss_masks[1])  # its call ran; no observation was added
+    with pytest.raises(EpisodeFailureBudgetError, match=r"failed_episodes_budget=1: 2 multi-turn episodes .* "
+                                                        r"episode 1 \(turn 1\) ended in an error"):
+        rollout.run(Script(rewriting, 0, turns), _prompts(rewriting, 3), sampling)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from megarlhf.config.rollout import RolloutConfig
 
 # "stop": an EOS or stop token (kept in the response); "length": the token limit; "abort": RolloutEngine.abort
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: an episode its output broke
 
 
 @dataclass
