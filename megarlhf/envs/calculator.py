@@ -47,6 +47,8 @@ _REFUSED = {  # node types with a message of their own; any other node type gets
 }
 
 
+_FLOAT_RANGE = "a value is too large for a floating-point number (beyond about 1.8e308)"
+
 # Upper bounds of the limits a recipe may set (rollout.env.kwargs): results are printed, and Python refuses
 # to print integers of more than 4300 digits; the bound itself (10**max_exponent10) is computed per call.
 MAX_EXPONENT10, MAX_CHARS, MAX_TIME_LIMIT_S = 4000, 100_000, 60.0
@@ -155,10 +157,16 @@ class _Evaluator:
             return self.checked(_BINARY[op](left, right))
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
-        except OverflowError:
-            raise ToolError(f"a value exceeds 10**{self.limits.max_exponent10} in magnitude") from None
+        except OverflowError:  # an int past the float range met a float (or a true division)
+            raise ToolError(_FLOAT_RANGE) from None
 
     def call(self, name: str, args: list[Number]) -> Number:
+        try:
+            return self._call(name, args)
+        except OverflowError:  # sqrt of an int past the float range (max_exponent10 > 308)
+            raise ToolError(_FLOAT_RANGE) from None
+
+    def _call(self, name: str, args: list[Number]) -> Number:
         if name == "sqrt":
             if args[0] < 0:
                 raise ToolError("sqrt of a negative number")

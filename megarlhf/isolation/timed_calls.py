@@ -63,8 +63,7 @@ class TimedThreadPool:
         self._lock = threading.Condition()
         self._num_workers = num_workers
         self.abandoned = 0  # threads stuck in a timed-out call right now
-        for _ in range(num_workers):
-            self._start_worker()
+        self._started = False  # the workers start with the first run: a pool nothing calls holds no threads
 
     def _start_worker(self) -> None:
         threading.Thread(target=self._work, name="megarlhf-timed-call", daemon=True).start()
@@ -88,6 +87,10 @@ class TimedThreadPool:
 
     def run(self, calls: Sequence[TimedCall], timeout_s: float) -> list[bool]:
         """Runs ``calls``; returns, per call, whether it timed out (its thread is then abandoned)."""
+        if calls and not self._started:
+            self._started = True
+            for _ in range(self._num_workers):
+                self._start_worker()
         for call in calls:
             self._queue.put(call)
         timed_out = [False] * len(calls)
@@ -114,5 +117,5 @@ class TimedThreadPool:
         return timed_out
 
     def close(self) -> None:
-        for _ in range(self._num_workers):
+        for _ in range(self._num_workers if self._started else 0):
             self._queue.put(None)

@@ -179,6 +179,11 @@ def test_limits():
     assert evaluate("10**20", CalculatorLimits(max_exponent10=20)) == 10 ** 20
     with pytest.raises(ToolError, match=r"^a value exceeds 10\*\*20 in magnitude$"):
         evaluate("10**20 + 1", CalculatorLimits(max_exponent10=20))
+    past_floats = CalculatorLimits(max_exponent10=500)  # ints beyond the float range, which float operations refuse
+    for text in ("sqrt(10**400)", "10**400 / 3", "10**400 + 0.5", "max(10**400, 0.5) * 1.5"):
+        with pytest.raises(ToolError, match=r"^a value is too large for a floating-point number"):
+            evaluate(text, past_floats)
+    assert evaluate("10**400 // 7", past_floats) == 10**400 // 7 and evaluate("sqrt(10**300)", past_floats) == 1e150
     with pytest.raises(ValueError, match=r"calculator max_chars must be an int in \[1, 100000\], got 0"):
         CalculatorLimits(max_chars=0)
     start = time.perf_counter()

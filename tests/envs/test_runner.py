@@ -267,15 +267,19 @@ def test_stateless_tools_run_in_worker_processes_that_are_killed_in_bounded_time
 def test_a_hundred_hanging_tool_calls_leave_nothing_behind():
     import threading
 
+    threads, children = threading.active_count(), len(live_children())
     runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", timeout_s=0.3, parser="hermes", num_workers=4))
-    threads = threading.active_count()
     start = time.monotonic()
     batch = runner.step(runner.start([{"row": i} for i in range(100)]), _acts(*["hang"] * 100))
     assert batch.metrics["tools/timeouts"] == 100.0 and batch.metrics["tools/killed_workers"] == 100.0
     assert time.monotonic() - start < 100 / 4 * (0.3 + 2.0)
-    assert threading.active_count() <= threads  # no thread is abandoned
-    assert len(live_children()) <= 4  # the 4 live workers
+    assert threading.active_count() <= threads  # none abandoned, none started for calls that run in processes
+    assert len(live_children()) <= children + 4  # the 4 live workers
     runner.close()
+    deadline = time.monotonic() + 5.0
+    while len(live_children()) > children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(live_children()) == children and threading.active_count() <= threads
 
 
 def test_built_in_environments_are_stateless_and_user_ones_keep_their_state_in_process():
@@ -284,6 +288,16 @@ def test_built_in_environments_are_stateless_and_user_ones_keep_their_state_in_p
 
     assert all(is_stateless(ENVIRONMENTS.get(name)) for name in ("calculator", "lookup", "code"))
     assert not ToolRunner(EnvConfig(f"{HERE}:Finisher")).stateless
+
+
+def test_a_stateless_environment_starts_no_threads():
+    import threading
+
+    threads = threading.active_count()
+    runner = ToolRunner(EnvConfig(f"{HERE}:hostile_tools", parser="hermes", num_workers=4))
+    assert [o.observation for o in runner.step(runner.start([{"row": 0}]), _acts("fine")).outcomes] == ["fine"]
+    assert threading.active_count() == threads  # its calls run in worker processes
+    runner.close()
 
 
 def test_a_long_observation_is_cut_in_the_worker_not_lost_with_it():
