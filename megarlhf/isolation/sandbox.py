@@ -65,6 +65,7 @@ from typing import Any
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 MAX_TESTS = 1000
+MAX_FILES, MAX_FILE_BYTES = 200, 4 * 2**20  # files written into the working directory before the program runs
 _CHANNEL_BYTES = 2**20  # the most of the child's report the parent reads
 _PROGRAM_UID = 65534  # the program's user inside its own user namespace (a trainer that is not root)
 _UID_RANGE = (2**31, 2**24)  # a root trainer runs each program as a fresh user drawn from [start, start + size)
@@ -290,10 +291,14 @@ def isolation() -> str:
     return _sandbox()[0]
 
 
-def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits()) -> CodeResult:
-    """Runs ``program`` and then each of ``tests`` (:func:`row_tests`' forms) in a sandbox (module docstring)."""
+def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits(),
+              files: dict[str, str] | None = None) -> CodeResult:
+    """Runs ``program`` and then each of ``tests`` (:func:`row_tests`' forms) in a sandbox (module docstring).
+    ``files`` (relative path -> text, e.g. a small repository the program imports) are written into the
+    program's working directory first, which is then first on its ``sys.path``."""
     if not isinstance(program, str):
         raise TypeError(f"run_tests: the program must be a string, got {type(program).__name__}")
+    files = check_files(files or {})
     for index, test in enumerate(tests):
         _check_test(test, index, "run_tests:", allow_asserts=True)
     mode, python = _sandbox()
@@ -302,7 +307,7 @@ def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits()
                                  "PID, mount and network namespaces here: run as root or allow user namespaces); "
                                  "set allow_unisolated to run them with resource limits only")
     token = secrets.token_hex(16)
-    request = json.dumps({"token": token, "program": program,
+    request = json.dumps({"token": token, "program": program, "files": files,
                           "tests": [{"assert": t} if isinstance(t, str) else {"call": t["call"]} for t in tests]})
     harness = [python, "-I", "-c", HARNESS.read_text(encoding="utf-8")]
     start = time.monotonic()
@@ -317,6 +322,24 @@ def run_tests(program: str, tests: list, limits: SandboxLimits = SandboxLimits()
         reports = _read_reports(channel.read(_CHANNEL_BYTES), token)
         printed = _start_of(output.read(limits.report_chars * 4), limits.report_chars)
     return _result(reports, tests, status, mode, time.monotonic() - start, printed)
+
+
+def check_files(files: Any) -> dict[str, str]:
+    """``files`` if it maps relative paths (no ``..``, no absolute path) to texts, at most :data:`MAX_FILES`
+    of them and :data:`MAX_FILE_BYTES` in all; else ValueError naming the path."""
+    if not isinstance(files, dict) or len(files) > MAX_FILES:
+        raise ValueError(f"run_tests: files must be a mapping of at most {MAX_FILES} paths to texts")
+    size = 0
+    for path, text in files.items():
+        parts = path.split("/") if isinstance(path, str) else []
+        if not parts or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in path:
+            raise ValueError(f"run_tests: file path {path!r} must be relative, without '.', '..' or empty parts")
+        if not isinstance(text, str):
+            raise ValueError(f"run_tests: file {path!r} must be text, got {type(text).__name__}")
+        size += len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"run_tests: the files hold {size} bytes (at most {MAX_FILE_BYTES})")
+    return files
 
 
 def _wait(child: subprocess.Popen, request: bytes, wall_s: float) -> str:

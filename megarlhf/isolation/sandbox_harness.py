@@ -2,7 +2,8 @@
 executes the model's program, then each test in the program's namespace, reporting every outcome.
 
 Standard library only: it must not import megarlhf into a process that runs model-written code. Input:
-one JSON object on stdin, ``{"token", "program", "tests"}``, read and closed before the program runs; a
+one JSON object on stdin, ``{"token", "program", "files", "tests"}`` (``files``: relative path -> text,
+written under the working directory before the program runs), read and closed before the program runs; a
 test is ``{"call": "f(2)"}`` (its value is reported, as plain JSON, for the parent to compare with the
 expected value it never sent here) or ``{"assert": "assert f(2) == 4"}`` (passes if it raises nothing).
 Output: one line ``<token> <json>`` per outcome on the descriptor that was stdout at start; the
@@ -33,6 +34,18 @@ def plain(value, depth=0):
     raise TypeError(f"the call returned a {kind.__name__}, not plain data (numbers, strings, lists, dicts)")
 
 
+def write_files(files):
+    """The request's files (checked by the parent: relative paths) under the working directory, which goes
+    first on ``sys.path`` so that the program imports them."""
+    root = os.getcwd()
+    for path, text in files.items():
+        target = os.path.join(root, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+    sys.path.insert(0, root)
+
+
 def main(compile=compile, exec=exec, eval=eval, dumps=json.dumps, write=os.write):
     # the builtins are bound here, before the program can replace them
     request = json.loads(sys.stdin.read())
@@ -52,6 +65,7 @@ def main(compile=compile, exec=exec, eval=eval, dumps=json.dumps, write=os.write
 
     namespace = {"__name__": "__main__"}
     try:
+        write_files(request.get("files") or {})
         exec(compile(request["program"], "solution.py", "exec"), namespace)
     except BaseException:  # the program raising, calling sys.exit, ... fails every test
         report({"solution_error": error()})

@@ -30,14 +30,20 @@ def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[Combin
     return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model
 
 
+def model_turns(tokenizer, response_ids: list[int], loss_mask: list[int]) -> list[str]:
+    """The model's own turns of a multi-turn response (each decoded alone, stripped), without the
+    observations between them."""
+    runs = itertools.groupby(zip(response_ids, loss_mask), key=lambda pair: bool(pair[1]))
+    return [tokenizer.decode([token for token, _ in run], skip_special_tokens=True).strip() for own, run in runs
+            if own]
+
+
 def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) -> str:
-    """What the model wrote in a response: with a multi-turn ``loss_mask``, its own turns (each decoded
-    alone, joined by newlines) without the observations between them, which are not its answer."""
+    """What the model wrote in a response: with a multi-turn ``loss_mask``, its own turns (:func:`model_turns`)
+    joined by newlines, without the observations between them, which are not its answer."""
     if not loss_mask:
         return tokenizer.decode(response_ids, skip_special_tokens=True)
-    runs = itertools.groupby(zip(response_ids, loss_mask), key=lambda pair: bool(pair[1]))
-    turns = [[token for token, _ in run] for own, run in runs if own]
-    return "\n".join(tokenizer.decode(turn, skip_special_tokens=True).strip() for turn in turns)
+    return "\n".join(model_turns(tokenizer, response_ids, loss_mask))
 
 
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
@@ -49,7 +55,8 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
     masks = rollout.loss_masks or [None] * len(rollout.response_ids)
     samples = [RewardInput(prompt=examples[p].prompt, response=model_text(tokenizer, r, m),
                            ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
-                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r))
+                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r),
+                           turns=tuple(model_turns(tokenizer, r, m)) if m else ())
                for p, r, m in zip(rollout.prompt_index, rollout.response_ids, masks)]
     result = reward(samples)
     for failure in result.failures:

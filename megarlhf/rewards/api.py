@@ -30,6 +30,9 @@ class RewardInput:
     metadata: dict[str, Any] = field(default_factory=dict)  # the dataset row's other fields
     prompt_ids: tuple[int, ...] = ()  # the tokens the policy saw and produced (a reward model scores these)
     response_ids: tuple[int, ...] = ()
+    # a multi-turn episode's model turns, each decoded alone (``response`` joins them with newlines): a reward
+    # that replays the episode's tool calls reads them turn by turn; () for a single-turn sample
+    turns: tuple[str, ...] = ()
 
 
 RewardFn = Callable[..., float]

@@ -220,6 +220,11 @@ def test_bad_rows_and_limits_are_named():
         row_tests({"tests": [{"call": "f(1)", "expected": float("nan")}]}, "tests")
     with pytest.raises(ValueError, match="SandboxLimits.wall_s"):
         SandboxLimits(wall_s=0)
+    for path in ("../escape.py", "/etc/x.py", "a//b.py", "./a.py", ""):
+        with pytest.raises(ValueError, match="must be relative"):
+            run_tests(SOLVES, TESTS, LIMITS, files={path: "x = 1"})
+    with pytest.raises(ValueError, match="at most"):
+        run_tests(SOLVES, TESTS, LIMITS, files={"big.py": "x" * (5 * 2**20)})
     report = CodeResult(passed=1, total=2, status="timeout", isolation="none", seconds=1.0, errors={1: "x"}).report()
     assert report.startswith("1/2 tests passed (timeout)") and "test 1 failed: x" in report
 
