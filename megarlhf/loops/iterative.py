@@ -79,10 +79,10 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
 
 
 def _allowed(got: Collected, config: RunConfig) -> list[bool]:
-    """Which samples may be kept or chosen: those the token limit did not cut off (unless keep_truncated)."""
-    if config.iterative.keep_truncated:
-        return [True] * len(got.rewards)
-    return [reason != "length" for reason in got.rollout.finish_reasons]
+    """Which samples may be kept or chosen: those the token limit did not cut off (unless keep_truncated), and
+    never an episode that ended in an error (its conversation broke the chat template)."""
+    cut_ok = config.iterative.keep_truncated
+    return [reason != "error" and (cut_ok or reason != "length") for reason in got.rollout.finish_reasons]
 
 
 def _sample_record(got: Collected, k: int, tokenizer) -> dict:

@@ -93,3 +93,10 @@ def test_keep_truncated_keeps_the_cut_off_sample(tok):
     assert [r["finish_reason"] for r in records] == ["stop", "length"]
     _, pairs, _ = _odpo_round(got, config, tok, step=0)
     assert [p["chosen"] for p in pairs] == ["2 + 3 = 5. The answer is 5.", "7 - 4 = 3. The answer"]
+
+
+def test_an_episode_that_ended_in_an_error_is_never_kept(tok):
+    got, config = _round(tok, False, keep_truncated=True)
+    got.rollout.finish_reasons[0] = got.rollout.finish_reasons[2] = "error"  # prompt 0's two best samples
+    _, records, _ = _rs_round(got, config, tok, step=0)
+    assert [r["finish_reason"] for r in records] == ["length"]  # prompt 0 keeps nothing above the threshold
