@@ -385,3 +385,37 @@ def test_an_episode_whose_output_breaks_the_template_ends_and_the_budget_stops_t
     with pytest.raises(EpisodeFailureBudgetError, match=r"failed_episodes_budget=1: 2 multi-turn episodes .* "
                                                         r"episode 1 \(turn 1\) ended in an error"):
         rollout.run(Script(rewriting, 0, turns), _prompts(rewriting, 3), sampling)
+
+
+def test_a_repo_episode_fixes_its_bug_and_the_reward_replays_the_fix(tokenizer, tmp_path):
+    """The repo environment in a rollout (its calls in worker processes): the model views the module,
+    edits the buggy line, runs the visible tests (3/3 after the edit: the worker replayed it) and stops;
+    the reward replays the same turns and scores the hidden tests 1.0."""
+    from megarlhf.data.repo_tasks import TEMPLATES, write_tasks
+    from megarlhf.isolation.sandbox import isolation
+    from megarlhf.loops.rewarding import model_turns
+    from megarlhf.rewards import RewardInput
+    from megarlhf.rewards.repo import repo_tests
+
+    if isolation() != "namespaces":
+        pytest.skip("the code sandbox cannot isolate here")
+    write_tasks(tmp_path, 1, 0, seed=5)
+    row = json.loads((tmp_path / "train.jsonl").read_text())
+    template = next(t for t in TEMPLATES if t.name == row["template"])
+    module = next(p for p in row["files"] if p.endswith("/core.py"))
+    call = lambda name, **args: '<tool_call>' + json.dumps({"name": name, "arguments": args}) + '</tool_call>'  # noqa
+    turns = {(0, 0): call("view", path=module), (0, 1): call("edit", path=module, old=template.buggy,
+                                                             new=template.correct),
+             (0, 2): call("run_tests"), (0, 3): "Done."}
+    prompt = PromptExample(0, "Fix it.", tokenizer.encode("Fix it."), "", row)
+    config = EnvConfig(name="repo", max_turns=4, parser="hermes", timeout_s=10.0, num_workers=1,
+                       describe_tools=False)
+    rollout = MultiTurnRollout(config, tokenizer, chat=False, max_new_tokens=2000, budget=20000)
+    batch, metrics = rollout.run(Script(tokenizer, 0, turns, end=tokenizer.eos_token), [prompt],
+                                 SamplingConfig(n=1, temperature=1.0, max_new_tokens=2000, seed=0))
+    rollout.close()
+    text = tokenizer.decode(batch.response_ids[0])
+    assert metrics["tools/calls"] == 3 and "1  def " in text and "edited " + module in text
+    assert "3/3 tests passed" in text, text
+    own = model_turns(tokenizer, batch.response_ids[0], batch.loss_masks[0])
+    assert repo_tests(RewardInput("p", "r", metadata=row, turns=tuple(own))) == 1.0
