@@ -54,6 +54,15 @@ def row_repository(metadata: dict[str, Any]) -> tuple[dict[str, str], str]:
     return dict(files), program
 
 
+def check_parser(parser: str) -> None:
+    """The call formats whose calls survive in the text a reward reads (the model's turns decoded without
+    special tokens): ``hermes`` (its tags are text, or added tokens that are not special). Mistral's
+    ``[TOOL_CALLS]`` is a special token: a reward could not replay those calls."""
+    if parser != "hermes":
+        raise ValueError(f"the repo environment and the repo_tests reward replay calls in the 'hermes' format "
+                         f"(rollout.env.parser: hermes), got parser {parser!r}")
+
+
 def apply_edit(files: dict[str, str], path: Any, old: Any, new: Any) -> str:
     """Replaces the one occurrence of ``old`` in ``files[path]`` with ``new`` (in place); returns the
     observation, or raises ToolError saying why not."""
@@ -68,9 +77,9 @@ def apply_edit(files: dict[str, str], path: Any, old: Any, new: Any) -> str:
                         else "'old' must not be empty")
     edited = {**files, path: files[path].replace(old, new, 1)}
     try:
-        check_files(edited)  # still within the sandbox's size limit
+        check_files(edited)  # still what the sandbox takes: its size limit, valid text
     except ValueError as exc:
-        raise ToolError(f"the edit would make the repository too large: {exc}") from None
+        raise ToolError(f"the edit is refused: {exc}") from None
     files[path] = edited[path]
     return f"edited {path}"
 
@@ -132,6 +141,7 @@ def repo_env(metadata: dict, parser: str = "hermes", wall_s: float = 4.0, cpu_s:
              report_chars: int = 1000, allow_unisolated: bool = False) -> RepoEpisode:
     """An episode over this row's repository and its visible tests (module docstring). ``parser`` is the
     episode's call format (``rollout.env.parser``), with which earlier turns' edits are replayed."""
+    check_parser(parser)
     files, program = row_repository(metadata)
     tests = row_tests(metadata, "visible_tests")
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, report_chars=report_chars,

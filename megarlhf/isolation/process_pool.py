@@ -145,21 +145,34 @@ class _Worker:
     def _died(self, call: TimedCall, deadline: float) -> str:
         """The reply pipe closed before ``deadline``: the worker died, or closed its end and went on (it is
         then given until the deadline to exit, and killed by the pool after)."""
-        try:
-            code = self.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
+        if not self._exited_by(deadline):
             call.error = WorkerError("the worker process closed its reply pipe during the call")
             return "dead"
+        self.kill()  # its process group too, while its unreaped pid still names the group
+        code = self.process.returncode
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         call.error = WorkerError(f"the worker process died during the call ({why}: a CPU or memory limit, a crash "
                                  f"or an exit in the called function)")
         return "dead"
 
+    def _exited_by(self, deadline: float) -> bool:
+        """Whether the worker exits before ``deadline``; it is left unreaped (a zombie keeps its pid)."""
+        while True:
+            try:
+                if os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # reaped already
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     def kill(self) -> None:
-        try:  # its process group: a child the called function started (a subprocess) dies with it
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.process.returncode is None:  # not reaped: its pid (and group id) cannot have been reused
+            try:  # its process group: a child the called function started (a subprocess) dies with it
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
             try:
@@ -210,9 +223,11 @@ class TimedProcessPool:
                     call.error, outcome = WorkerError(f"talking to the worker failed: {exc!r}"), "dead"
                 call.done = True
                 timed_out[index] = outcome == "timeout"
-                if outcome != "ok":
-                    worker = self._replace(worker)
-                self._idle.put(worker)
+                try:
+                    if outcome != "ok":
+                        worker = self._replace(worker)
+                finally:
+                    self._idle.put(worker)  # else the next call would wait for it forever
 
         threads = [threading.Thread(target=drive, daemon=True) for _ in self._workers[:len(calls)]]
         for thread in threads:

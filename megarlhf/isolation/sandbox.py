@@ -20,31 +20,37 @@ report), open files, no core dumps; a wall-clock limit enforced by the parent (t
 tree is killed with SIGKILL); and ``PR_SET_PDEATHSIG``, so the sandbox dies with the thread that started
 it. Isolation (:func:`isolation`, probed once per process):
 
-* ``"namespaces"`` (``unshare``): new PID, mount and network namespaces, and an empty root. No network but
-  loopback; ``/proc`` shows only the sandbox's processes. The program sees an allowlist, read-only: the
-  system's ``/usr`` (and ``/bin``, ``/lib``...), the interpreter's own installation, ``/etc/ld.so.cache``,
+* ``"namespaces"`` (``unshare``): new PID, mount, IPC and network namespaces, and an empty root. No network
+  but loopback; ``/proc`` shows only the sandbox's processes; SysV and POSIX IPC objects are its own and
+  go with it. The program sees an allowlist, read-only: the system's ``/usr`` (and ``/bin``, ``/lib``...),
+  the installation of the interpreter (``sys.base_prefix``, never a home directory), ``/etc/ld.so.cache``,
   ``/dev/null``, ``/dev/zero``, ``/dev/urandom``; its one writable place is a private, size-capped tmpfs
   ``/tmp`` (the working directory). Nothing else of the machine exists for it (home directories, datasets,
   checkpoints, ``/etc``, the trainer's files), world-readable or not. It runs with no capabilities and
-  ``no_new_privs`` (set-user-ID programs and file capabilities give it nothing), as a user that owns no
-  file it can see: started as root, a fresh user per run (drawn from 2**31 + [0, 2**24)); started as
-  another user, user 65534 of a user namespace nested in the one that made the mounts, so the mounts are
-  locked (it cannot unmount its ``/tmp`` or make its root writable, not even from a user namespace it makes
-  itself). ``RLIMIT_NPROC`` caps its processes, counted per run (per user as root, per user namespace
-  otherwise): one sandbox's fork bomb does not starve another's. When the shell that is the namespaces'
-  first process exits, every process in them is killed.
+  ``no_new_privs`` (set-user-ID programs and file capabilities give it nothing): started as root, as a
+  fresh user per run (drawn from 2**31 + [0, 2**24)); started as another user, as user 65534 of a user
+  namespace nested in the one that made the mounts, so the mounts are locked (it cannot unmount its
+  ``/tmp`` or make its root writable, not even from a user namespace it makes itself); to the kernel it is
+  then still the trainer's user (it can read the trainer's private files among the allowed ones, and use
+  the trainer's kernel keyrings). ``RLIMIT_NPROC`` caps its processes, counted per run (per user as root,
+  per user namespace otherwise): one sandbox's fork bomb does not starve another's. When the shell that is
+  the namespaces' first process exits, every process in them is killed.
 
   Threat model: it holds against a program that tries to read or write the machine's files, reach the
-  network, signal other processes, outlive its run or exhaust memory, processes, disk or CPU time beyond
-  its limits. It does not hold against a kernel exploit (the program can make system calls, including
-  user namespaces of its own: there is no seccomp filter), reads what the allowlist shows (the installed
-  software), and shares the machine's CPU and memory bandwidth (no cgroups).
+  network, signal other processes, outlive its run, or exhaust processes, disk or CPU time beyond its
+  limits. It does not hold against a kernel exploit (the program can make system calls, including user
+  namespaces of its own: there is no seccomp filter), reads what the allowlist shows (the installed
+  software: a package installed into the interpreter's own prefix, not a virtual environment, is
+  readable), may use the session keyring it inherits, and does not bound the memory of a run as a whole:
+  ``RLIMIT_AS`` bounds each of its up to ``max_processes`` processes, and memory held in tmpfs or
+  ``memfd`` files (of its ``/tmp``, or of a tmpfs it mounts in a user namespace of its own) counts against
+  no process limit (no cgroups); nor the machine's CPU and memory bandwidth.
 * ``"none"``: ``unshare`` is missing or not permitted (e.g. a container without ``CAP_SYS_ADMIN``).
   Only the rlimits and the wall clock hold: the program can use the network and read and write what the
   user can. :func:`run_tests` refuses to run there unless ``SandboxLimits.allow_unisolated``.
 
-Not contained: memory held outside the address space (``memfd`` files count against tmpfs, not
-``RLIMIT_AS``) and, without cgroups, the machine's total CPU: run fewer workers than cores.
+Without cgroups, neither a run's total memory nor the machine's total CPU is contained: run fewer workers
+than cores, on a machine with memory to spare.
 """
 from __future__ import annotations
 
@@ -83,6 +89,7 @@ _SYSTEM_FILES = ("/etc/ld.so.cache", "/dev/null", "/dev/zero", "/dev/urandom")
 # new one made read-only. The shell then runs the program as its child, so the program's own signals and
 # limits end it as anywhere else and the shell reports how (128 + signal). Any failure before that exits.
 _PREPARE = r"""set -ef
+umask 022
 root=$(pwd)
 mount -t tmpfs -o size=1m,mode=755 megarlhf-sandbox "$root"
 cd "$root"
@@ -100,9 +107,15 @@ while [ "$1" != "--" ]; do
   esac
 done
 shift
-awk -v top="$root/" 'index($2, top) == 1 && $4 !~ /^ro(,|$)/ {print $2}' /proc/self/mounts > .writable
+export top="$root/"
+writable='{m = $2; gsub(/\\040/, " ", m); gsub(/\\011/, "\t", m); gsub(/\\134/, "\\", m)}
+  index(m, ENVIRON["top"]) == 1 && $4 !~ /^ro(,|$)/ {print m}'
+awk "$writable" /proc/self/mounts > .writable
 while read -r m; do mount -o remount,bind,ro,nosuid,nodev "$m"; done < .writable
+awk "$writable" /proc/self/mounts > .writable
+test ! -s .writable
 rm .writable
+unset top
 mount -t tmpfs -o size=32m,mode=1777,nosuid,nodev tmpfs tmp
 mount -t proc -o nosuid,nodev,noexec proc proc
 pivot_root . .old
@@ -225,13 +238,13 @@ def _allowlist(python: str) -> list[str]:
             links.append(f"link:{top}={os.readlink(top)}")
         elif os.path.isdir(top):
             dirs.append(top)
-    real = os.path.realpath(python)
-    prefixes = {os.path.dirname(os.path.dirname(real))}
-    if real == os.path.realpath(sys.executable):
-        prefixes |= {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    prefixes = set()
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    homes = {os.path.realpath(os.path.expanduser("~")), "/root", "/home"}
     for prefix in sorted(prefixes):
         covered = any(prefix == d or prefix.startswith(d + "/") for d in dirs)
-        if prefix != "/" and not covered and os.path.isdir(prefix):
+        if prefix not in homes | {"/"} and not covered and os.path.isdir(prefix):
             dirs.append(prefix)
     files = [f for f in _SYSTEM_FILES if os.path.exists(f)]
     made = {d.lstrip("/") for d in dirs} | {os.path.dirname(f).lstrip("/") for f in files} | {"tmp", "proc", ".old"}
@@ -254,7 +267,7 @@ def _command(python: list[str], limits: SandboxLimits, mode: str) -> list[str]:
         return ["prlimit", *caps, "--", *python]
     caps.append(f"--nproc={limits.max_processes}")
     python = [os.path.realpath(python[0]), *python[1:]]
-    unshare = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--propagation=private"]
+    unshare = ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--propagation=private"]
     if os.geteuid() == 0:
         uid = _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1])
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
@@ -336,7 +349,11 @@ def check_files(files: Any) -> dict[str, str]:
             raise ValueError(f"run_tests: file path {path!r} must be relative, without '.', '..' or empty parts")
         if not isinstance(text, str):
             raise ValueError(f"run_tests: file {path!r} must be text, got {type(text).__name__}")
-        size += len(text.encode("utf-8", "surrogatepass"))
+        try:
+            size += len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ValueError(f"run_tests: file {path!r} holds text that is not valid Unicode "
+                             f"(a lone surrogate)") from None
     if size > MAX_FILE_BYTES:
         raise ValueError(f"run_tests: the files hold {size} bytes (at most {MAX_FILE_BYTES})")
     return files
@@ -399,24 +416,32 @@ def _same(value: Any, expected: Any) -> bool:
         return False
 
 
+def _shown(value: Any, chars: int = 300) -> str:
+    """The start of ``str(value)`` for a report; a value nested too deep to print is described instead."""
+    try:
+        return str(value)[:chars]
+    except RecursionError:
+        return "(a value nested too deeply to show)"
+
+
 def _result(reports: list[dict], tests: list, status: str, mode: str, seconds: float, output: str) -> CodeResult:
     result = CodeResult(passed=0, total=len(tests), status=status, isolation=mode, seconds=seconds, output=output)
     seen = set()
     for record in reports:
         index = record.get("test")
         if "solution_error" in record:
-            result.solution_error = str(record["solution_error"])[:300]
+            result.solution_error = _shown(record["solution_error"])
         elif type(index) is int and 0 <= index < len(tests) and index not in seen:
             seen.add(index)
             test = tests[index]
             if "error" in record:
-                result.errors[index] = str(record["error"])[:300]
+                result.errors[index] = _shown(record["error"])
             elif isinstance(test, str):
                 result.passed += record.get("passed") is True
             elif "value" in record and _same(record["value"], test["expected"]):
                 result.passed += 1
             else:
-                result.errors[index] = f"{test['call']} returned {str(record.get('value'))[:100]}"
+                result.errors[index] = f"{test['call']} returned {_shown(record.get('value'), 100)}"
     if status == "ok" and not any(record.get("done") is True for record in reports) and result.solution_error is None:
         result.status = "error"  # exited without finishing its tests (os._exit, a closed channel, ...)
     return result

@@ -8,7 +8,7 @@ expected values never enter it. A single-turn sample (no turns) scores the row's
 """
 from __future__ import annotations
 
-from megarlhf.envs.repo import replay, row_repository
+from megarlhf.envs.repo import check_parser, replay, row_repository
 from megarlhf.isolation.sandbox import SandboxLimits, row_tests, run_tests
 from megarlhf.rewards.api import REWARDS, RewardInput, in_process
 
@@ -18,6 +18,7 @@ from megarlhf.rewards.api import REWARDS, RewardInput, in_process
 def repo_tests(sample: RewardInput, parser: str = "hermes", wall_s: float = 5.0, cpu_s: int = 5,
                memory_mb: int = 512, allow_unisolated: bool = False) -> float:
     """Share of the row's ``hidden_tests`` passing on the repository the episode left (module docstring)."""
+    check_parser(parser)
     files, program = row_repository(sample.metadata)
     tests = row_tests(sample.metadata, "hidden_tests")
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated)

@@ -107,7 +107,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("algorithm.policy_loss=clip", r"algorithm\.policy_loss: unknown policy loss 'clip'; known: cispo, gspo, ppo_clip"),
     ("algorithm.kl.estimator=k4", r"algorithm\.kl\.estimator: unknown KL estimator 'k4'; known: k1, k2, k3"),
     ("reward.functions.0.name=math", r"reward\.functions\.0: unknown reward function 'math'; known: code_tests, exact_match, "
-                                     r"math_verify, numeric, or a dotted path"),
+                                     r"math_verify, numeric, repo_tests, or a dotted path"),
     # checks across sections
     ("rollout.n_samples=1",
      r"algorithm\.estimator 'grpo' compares samples of a prompt: rollout\.n_samples must be >= 2"),
@@ -118,7 +118,7 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.max_staleness=true", r"rollout\.max_staleness: expected int, got True \(bool\)"),
     ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
     ("rollout.env={name: nope}", r"rollout\.env\.name: unknown environment 'nope'; known: calculator, code, lookup, "
-                                 r"or a dotted path"),
+                                 r"repo, or a dotted path"),
     ("rollout.env={name: calculator, parser: xml}",
      r"rollout\.env\.parser: unknown tool-call parser 'xml'; known: hermes, mistral, tokenizer"),
     ("rollout.backend=sglang", r"rollout\.backend: unknown rollout engine 'sglang'; known: fake, hf, vllm"),

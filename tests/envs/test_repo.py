@@ -85,7 +85,8 @@ def test_each_call_sees_the_repository_with_the_earlier_turns_edits(rows):
     ({"path": "test_core.py", "old": "assert", "new": "b"}, "found 3 times"),
     ({"path": "test_core.py", "old": "", "new": "b"}, "must not be empty"),
     ({"path": "test_core.py", "old": ["a"], "new": "b"}, "'old' must be a string, got list"),
-    ({"path": "test_core.py", "old": "test_0", "new": "x" * (5 * 2**20)}, "too large"),
+    ({"path": "test_core.py", "old": "test_0", "new": "x" * (5 * 2**20)}, "bytes (at most"),
+    ({"path": "test_core.py", "old": "test_0", "new": "\udc80"}, "not valid Unicode"),
 ])
 def test_bad_edits_are_refused_and_change_nothing(rows, arguments, message):
     row = _one_per_template(rows)[0]
@@ -94,6 +95,13 @@ def test_bad_edits_are_refused_and_change_nothing(rows, arguments, message):
     assert result.observation.startswith("error: ") and message in result.observation, result.observation
     assert episode.files == row["files"]
     assert episode.step([], ParsedCall("view", {"path": "/etc/passwd"})).observation.startswith("error: no file")
+
+
+def test_a_call_format_a_reward_cannot_replay_is_refused(rows):
+    with pytest.raises(ValueError, match="replay calls in the 'hermes' format"):
+        ENVIRONMENTS.get("repo")(rows[0][0], parser="mistral")
+    with pytest.raises(ValueError, match="replay calls in the 'hermes' format"):
+        repo_tests(RewardInput("p", "r", metadata=rows[0][0]), parser="mistral")
 
 
 def test_a_row_without_a_repository_is_named():

@@ -178,6 +178,37 @@ def test_the_program_sees_only_the_allowlist():
 
 
 @pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
+def test_shared_memory_does_not_outlive_the_run():
+    # a SysV segment the program creates and detaches from would stay (with its memory) in the machine's
+    # IPC namespace when kernel.shm_rmid_forced is 0, as it is by default
+    program = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmget.restype = ctypes.c_int\n"
+               "key = libc.shmget(0x6d656761, 4096, 0o1666)\nassert key >= 0, ctypes.get_errno()\n"
+               "print('segment', key)\n" + SOLVES)
+    before = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    result = run_tests(program, TESTS, LIMITS)
+    after = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    leaked = [line for line in after if line not in before and int(line.split()[0]) == 0x6d656761]
+    for line in leaked:  # do not leave it on the machine when the test fails
+        os.system(f"ipcrm -m {line.split()[1]}")
+    assert result.passed == 3 and "segment" in result.output, result.report()
+    assert leaked == []
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
+def test_a_strict_umask_does_not_lock_the_program_out_of_its_root():
+    # the directories of the new root are made by the namespace's shell: under the caller's umask 077 the
+    # program's user (another uid when started as root) could not enter them
+    import subprocess
+
+    code = ("import os; os.umask(0o077)\nfrom megarlhf.isolation.sandbox import run_tests, _sandbox\n"
+            f"r = run_tests({SOLVES!r}, {TESTS!r})\nimport sys\nprint(_sandbox()[0], _sandbox()[1] == sys.executable, "
+            "r.passed)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert done.stdout.split() == ["namespaces", "True", "3"], done.stdout + done.stderr[-2000:]  # no fallback
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="the machine does not allow the sandbox's namespaces")
 def test_a_fork_bomb_does_not_starve_a_concurrent_sandbox():
     # each run's process limit counts its own processes: the bomb holds all of its own, the other program
     # still starts the children it needs
@@ -225,6 +256,14 @@ def test_bad_rows_and_limits_are_named():
             run_tests(SOLVES, TESTS, LIMITS, files={path: "x = 1"})
     with pytest.raises(ValueError, match="at most"):
         run_tests(SOLVES, TESTS, LIMITS, files={"big.py": "x" * (5 * 2**20)})
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        run_tests(SOLVES, TESTS, LIMITS, files={"a.py": "x = '\udc80'"})
+    from megarlhf.isolation.sandbox import _result
+
+    deep = {"solution_error": [[[[1]]]]}
+    for _ in range(20000):  # a report the parser would not accept, built directly: str() of it recurses
+        deep = {"solution_error": [deep["solution_error"]]}
+    assert _result([deep], TESTS, "ok", "none", 0.0, "").solution_error == "(a value nested too deeply to show)"
     report = CodeResult(passed=1, total=2, status="timeout", isolation="none", seconds=1.0, errors={1: "x"}).report()
     assert report.startswith("1/2 tests passed (timeout)") and "test 1 failed: x" in report
 

@@ -56,6 +56,17 @@ def numpy_reward_in_process(sample):
     return numpy_reward(sample)
 
 
+def exiting_spawner_reward(sample, pid_file: str):
+    """Starts a child that would sleep for 1000 s, then ends its worker process."""
+    import os
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "1000"])
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    os._exit(3)
+
+
 def spawning_reward(sample, pid_file: str):
     """Starts a child that would sleep for 1000 s, then hangs past its time limit."""
     import subprocess
@@ -302,13 +313,14 @@ def test_numpy_numbers_are_rewards_in_a_worker_as_in_process():
         assert result.rewards == [0.5, 2.0] and not result.failures, [str(f) for f in result.failures]
 
 
-def test_a_killed_workers_children_die_with_it(tmp_path):
+@pytest.mark.parametrize("function, kind", [("spawning_reward", "timeout"), ("exiting_spawner_reward", "error")])
+def test_a_killed_or_dead_workers_children_die_with_it(tmp_path, function, kind):
     pid_file = tmp_path / "child.pid"
-    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:spawning_reward",
+    reward = CombinedReward(RewardConfig(functions=[RewardSpec(f"{HERE}:{function}",
                                                                kwargs={"pid_file": str(pid_file)})],
                                          timeout_s=1.0, num_workers=1))
     result = reward(_samples("x"))
-    assert result.failures[0].kind == "timeout"
+    assert result.failures[0].kind == kind
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5.0
     while alive(child) and time.monotonic() < deadline:
