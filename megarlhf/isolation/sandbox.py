@@ -229,9 +229,9 @@ class CodeResult:
 
 def _allowlist(python: str) -> list[str]:
     """What the program sees of the machine, read-only, as :data:`_PREPARE`'s arguments: the system's programs
-    and libraries, the installation of the interpreter ``python`` (which may lie elsewhere, in a home directory
-    or a pyenv/conda tree: then the program sees that installation too), the dynamic linker's cache and the
-    harmless device files."""
+    and libraries, the installation of the interpreter ``python`` when it is this process's (its
+    ``sys.base_prefix``, which may lie elsewhere, e.g. a pyenv or conda tree; never a whole home directory or
+    ``/``), the dynamic linker's cache and the harmless device files."""
     links, dirs = [], []
     for top in _SYSTEM_DIRS:
         if os.path.islink(top):
