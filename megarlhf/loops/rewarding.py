@@ -53,11 +53,11 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
     rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join; evaluation scores
     the answer only."""
     masks = rollout.loss_masks or [None] * len(rollout.response_ids)
-    samples = [RewardInput(prompt=examples[p].prompt, response=model_text(tokenizer, r, m),
+    turns = [tuple(model_turns(tokenizer, r, m)) if m else () for r, m in zip(rollout.response_ids, masks)]
+    samples = [RewardInput(prompt=examples[p].prompt, response="\n".join(t) if m else model_text(tokenizer, r, m),
                            ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
-                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r),
-                           turns=tuple(model_turns(tokenizer, r, m)) if m else ())
-               for p, r, m in zip(rollout.prompt_index, rollout.response_ids, masks)]
+                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r), turns=t)
+               for p, r, m, t in zip(rollout.prompt_index, rollout.response_ids, masks, turns)]
     result = reward(samples)
     for failure in result.failures:
         print(f"[reward] sample {failure}", flush=True)

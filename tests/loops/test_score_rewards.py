@@ -7,6 +7,7 @@ import pytest
 from megarlhf.config import RunConfig, load_config
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward
+from megarlhf.rewards.api import in_process
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.rewarding import score_rewards
 from model_providers.tiny_models import train_tiny_tokenizer
@@ -39,3 +40,28 @@ def test_verifiers_read_the_models_turns_and_evaluation_leaves_env_rewards_out(t
     answered = _episode(tokenizer, [("Let me add.", 1), (" 5", 0), (" The answer is 5.", 1)], env_reward=0.25)
     assert score_rewards(reward, examples, answered, tokenizer, config)[0] == [1.25]
     assert score_rewards(reward, examples, answered, tokenizer, config, training=False)[0] == [1.0]
+
+
+@in_process  # records into this process
+def in_process_seen_turns(sample) -> float:
+    """Records what a reward function is given (the test reads it back)."""
+    SEEN.append((sample.response, sample.turns))
+    return 0.0
+
+
+SEEN: list = []
+
+
+def test_a_reward_gets_the_models_turns_one_by_one_and_joined(tokenizer):
+    config = load_config(RunConfig, None, ["model.path=unused", "data.train_path=unused.jsonl",
+                                           f"reward.functions=[{{name: '{__name__}:in_process_seen_turns'}}]"])
+    examples = [PromptExample(0, "What is 2 + 3?", [1, 2], "5", {})]
+    SEEN.clear()
+    episode = _episode(tokenizer, [("Let me add. ", 1), (" 5", 0), (" The answer is 5.", 1)], env_reward=0.0)
+    score_rewards(CombinedReward(config.reward), examples, episode, tokenizer, config)
+    assert SEEN == [("Let me add.\nThe answer is 5.", ("Let me add.", "The answer is 5."))]
+    single = RolloutBatch(prompt_index=[0], prompt_ids=[[1, 2]], response_ids=[tokenizer.encode("The answer is 5.")],
+                          logprobs=[[0.0]], finish_reasons=["stop"])
+    SEEN.clear()
+    score_rewards(CombinedReward(config.reward), examples, single, tokenizer, config)
+    assert SEEN == [("The answer is 5.", ())]
