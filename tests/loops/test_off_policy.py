@@ -3,6 +3,8 @@ t+1's batch while the trainers update on step t's; with k=1 every batch after st
 and the importance weights see it, the overlap is measured, and a resumed run trains on exactly the batch
 the uninterrupted one trained on (the batch in flight is saved in the checkpoint); k=2 bounds the
 staleness and skips syncs; dynamic sampling's extra rounds sample with fresh weights."""
+import shutil
+
 import pytest
 
 from megarlhf.records.metrics import read_metrics
@@ -52,7 +54,12 @@ def test_staleness_overlap_and_off_policy_gap(uninterrupted):
 def test_resumed_run_trains_on_the_saved_batch_in_flight(uninterrupted, rl_assets, tmp_path):
     recipe = write_recipe(tmp_path / "cut.yaml", rl_assets, "grpo", tmp_path / "cut")
     checkpoints = tmp_path / "cut" / "checkpoints"  # killed after step 1, step 2's batch in flight and saved
-    kill_after_checkpoint(WORKER, [str(recipe), *OFF_POLICY], checkpoints / "step_2", checkpoints / "step_4")
+    try:
+        kill_after_checkpoint(WORKER, [str(recipe), *OFF_POLICY], checkpoints / "step_2", checkpoints / "step_4")
+    except AssertionError as error:  # on a loaded machine the run once finished before the kill landed (CI)
+        if "killed too late" not in str(error):
+            raise
+        shutil.rmtree(checkpoints / "step_4")  # the resume then starts from step 2's checkpoint all the same
     resumed = _run(tmp_path, "cut", "checkpoint.resume=auto")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(uninterrupted, resumed):
