@@ -38,12 +38,14 @@ def model_turns(tokenizer, response_ids: list[int], loss_mask: list[int]) -> lis
             if own]
 
 
-def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) -> str:
-    """What the model wrote in a response: with a multi-turn ``loss_mask``, its own turns (:func:`model_turns`)
-    joined by newlines, without the observations between them, which are not its answer."""
+def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) -> tuple[str, tuple[str, ...]]:
+    """What the model wrote in a response, and its turns: with a multi-turn ``loss_mask``, its own turns
+    (:func:`model_turns`) joined by newlines, without the observations between them, which are not its
+    answer; else the whole response and no turns."""
     if not loss_mask:
-        return tokenizer.decode(response_ids, skip_special_tokens=True)
-    return "\n".join(model_turns(tokenizer, response_ids, loss_mask))
+        return tokenizer.decode(response_ids, skip_special_tokens=True), ()
+    turns = tuple(model_turns(tokenizer, response_ids, loss_mask))
+    return "\n".join(turns), turns
 
 
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
@@ -53,11 +55,11 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
     rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join; evaluation scores
     the answer only."""
     masks = rollout.loss_masks or [None] * len(rollout.response_ids)
-    turns = [tuple(model_turns(tokenizer, r, m)) if m else () for r, m in zip(rollout.response_ids, masks)]
-    samples = [RewardInput(prompt=examples[p].prompt, response="\n".join(t) if m else model_text(tokenizer, r, m),
-                           ground_truth=examples[p].ground_truth, metadata=examples[p].metadata,
-                           prompt_ids=tuple(examples[p].prompt_ids), response_ids=tuple(r), turns=t)
-               for p, r, m, t in zip(rollout.prompt_index, rollout.response_ids, masks, turns)]
+    written = [model_text(tokenizer, r, m) for r, m in zip(rollout.response_ids, masks)]
+    samples = [RewardInput(prompt=examples[p].prompt, response=text, ground_truth=examples[p].ground_truth,
+                           metadata=examples[p].metadata, prompt_ids=tuple(examples[p].prompt_ids),
+                           response_ids=tuple(r), turns=turns)
+               for p, r, (text, turns) in zip(rollout.prompt_index, rollout.response_ids, written)]
     result = reward(samples)
     for failure in result.failures:
         print(f"[reward] sample {failure}", flush=True)
