@@ -3,10 +3,14 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup demo preference-demo test test-slow bench
+.PHONY: setup setup-openenv demo preference-demo test test-slow bench
 
 setup:
 	bash tools/setup_env.sh
+
+# the environment OpenEnv servers run from (tests/envs/test_openenv.py, examples/openenv): not megarlhf's own
+setup-openenv:
+	bash tools/setup_openenv.sh
 
 demo: setup
 	$(PY) examples/demo.py
@@ -23,10 +27,10 @@ preference-demo: setup
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-test: setup
+test: setup setup-openenv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST)
 
-test-slow: setup
+test-slow: setup setup-openenv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(XDIST)
 
 bench: setup

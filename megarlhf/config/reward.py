@@ -25,6 +25,7 @@ class RewardSpec:
 class RewardConfig:
     """How rewards are computed (the only place their defaults live)."""
 
+    # may be empty where a reward model or the multi-turn environment's own rewards (rollout.env) score the samples
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math_verify")])
     timeout_s: float = 10.0  # per call; a call that runs longer gets failure_reward and a report
     failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
@@ -39,8 +40,6 @@ class RewardConfig:
     def __post_init__(self):
         if self.reward_model_clip is not None and not self.reward_model_clip > 0:
             raise ValueError(f"RewardConfig.reward_model_clip must be > 0 or null, got {self.reward_model_clip}")
-        if not self.functions and self.reward_model_path is None:
-            raise ValueError("RewardConfig needs at least one reward function or a reward_model_path")
         check_timeout(self.timeout_s, "RewardConfig.timeout_s")
         for name in ("num_workers", "worker_memory_mb"):
             value = getattr(self, name)

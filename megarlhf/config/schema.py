@@ -46,6 +46,9 @@ class RunConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        check(bool(self.reward.functions) or self.reward.reward_model_path is not None or self.rollout.env is not None,
+              "reward.functions is empty and there is no reward_model_path: with no rollout.env (whose rewards "
+              "would be the reward) nothing would score the samples")
         check(self.eval.every == 0 or self.eval_reward is not None,
               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
               "reward only), so set eval.reward_functions (e.g. [{name: math_verify}])")

@@ -9,7 +9,9 @@ The rollout loop calls, per batch of samples::
 
 For each turn :meth:`ToolRunner.step` parses the last (assistant) message with the episode's parser and:
 
-* no tool call: the episode is done (the turn is the model's answer), no observation;
+* no tool call: the episode is done (the turn is the model's answer), no observation. An episode that
+  defines ``answer(messages) -> StepResult | None`` is given it first (timed like a call, also in the last
+  turn): its reward counts, its observation and ``done`` do not (the episode ends), None is no answer;
 * a malformed call (:class:`~megarlhf.envs.api.ParseError`): observation ``"error: <why>"``, not done;
 * a call: ``episode.step(messages, call)`` runs limited to ``timeout_s`` from the moment it starts:
 
@@ -37,11 +39,13 @@ the model has no turn left to read its result, and a reward for a result it neve
 call tools it cannot use. Its outcome is done, without observation or reward, ``info={"not_run":
 "max_turns"}``; an environment that rewards a final "submit" call needs ``max_turns`` to leave a turn for
 it. Metrics of one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls``
-(well-formed calls run), ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
+(well-formed calls run), ``tools/answers`` (answers an episode's ``answer`` took), ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
 invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
 with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; ``tools/abandoned_threads``
 (threads stuck right now) and ``tools/killed_workers`` (worker processes killed or found dead since the
 runner started).
+
+:meth:`ToolRunner.finish` ends a batch's episodes: it calls ``close()`` on those that define one.
 """
 from __future__ import annotations
 
@@ -108,8 +112,17 @@ class StepBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _run_step(episode: Episode, messages: list[Message], call: ParsedCall) -> Any:
-    return episode.step(messages, call)
+def _run_step(episode: Episode, messages: list[Message], call: ParsedCall | None) -> Any:
+    return episode.step(messages, call) if call is not None else episode.answer(messages)
+
+
+def _answers(episode: Any) -> bool:
+    """Whether the episode takes the final answer (a turn without a tool call): it defines ``answer``."""
+    return callable(getattr(episode, "answer", None))
+
+
+def _called(parsed: ParsedCall | None) -> str:
+    return "(answer)" if parsed is None else parsed.name
 
 
 def stateless_step(name: str):
@@ -120,7 +133,10 @@ def stateless_step(name: str):
 
     def step(item: dict[str, Any]) -> dict[str, Any]:
         episode = factory(item["metadata"], **item["kwargs"])
-        result = episode.step(item["messages"], ParsedCall(**item["call"]))
+        call = None if item["call"] is None else ParsedCall(**item["call"])
+        result = _run_step(episode, item["messages"], call)
+        if result is None and call is None:
+            return {"no_answer": True}
         if (problem := _check_result(result)) is not None:
             return {"problem": problem}
         observation, info = result.observation, dict(result.info)
@@ -211,16 +227,16 @@ class ToolRunner:
         for slot, (handle, messages, turn) in enumerate(zip(handles, conversations, turns)):
             handle.turns += 1
             parsed = handle.parser(turn)
-            if parsed is None:
+            if parsed is None and not _answers(handle.episode):
                 outcomes[slot] = TurnOutcome(None, True)
             elif isinstance(parsed, ParseError):
                 outcomes[slot] = TurnOutcome(self._fit(f"error: {parsed.message}"), False, call=parsed)
-            elif handle.turns >= self.config.max_turns:  # no turn left to read the result: not run
+            elif parsed is not None and handle.turns >= self.config.max_turns:  # no turn left to read the result
                 outcomes[slot] = TurnOutcome(None, True, info={"not_run": "max_turns"}, call=parsed)
             elif handle.running is not None and not handle.running.done:
                 message = "the previous tool call of this episode is still running"
-                failures.append(ToolFailure(handle.index, parsed.name, "busy", message, _truncate(turn)))
-                outcomes[slot] = TurnOutcome(self._fit(f"error: {message}"), False, call=parsed)
+                failures.append(ToolFailure(handle.index, _called(parsed), "busy", message, _truncate(turn)))
+                outcomes[slot] = TurnOutcome(self._fit(f"error: {message}"), parsed is None, call=parsed)
             else:
                 calls.append(self._call(handle, messages, parsed))
                 slots.append((slot, parsed))
@@ -240,12 +256,13 @@ class ToolRunner:
             logger.warning("%s", failure)
         return StepBatch(outcomes, failures, self._metrics(outcomes, failures))
 
-    def _call(self, handle: EpisodeHandle, messages: list[Message], parsed: ParsedCall) -> TimedCall:
+    def _call(self, handle: EpisodeHandle, messages: list[Message], parsed: ParsedCall | None) -> TimedCall:
+        """The timed call of a tool call, or of the episode's ``answer`` when ``parsed`` is None."""
         messages = [dict(m) for m in messages]
         if not self.stateless:
             return TimedCall(_run_step, handle.episode, {"messages": messages, "call": parsed})
-        item = {"metadata": handle.metadata, "kwargs": self.config.kwargs, "messages": messages,
-                "call": {"name": parsed.name, "arguments": parsed.arguments},
+        call = None if parsed is None else {"name": parsed.name, "arguments": parsed.arguments}
+        item = {"metadata": handle.metadata, "kwargs": self.config.kwargs, "messages": messages, "call": call,
                 "max_chars": self.config.max_observation_chars}
         return TimedCall(self.config.name, item, {})
 
@@ -257,28 +274,39 @@ class ToolRunner:
                              f"({{'role': 'assistant', 'content': str}}), got {messages[-1] if messages else None!r}")
         return messages[-1]["content"]
 
-    def _outcome(self, handle: EpisodeHandle, call: TimedCall, parsed: ParsedCall, timed_out: bool,
+    def _outcome(self, handle: EpisodeHandle, call: TimedCall, parsed: ParsedCall | None, timed_out: bool,
                  turn: str) -> tuple[TurnOutcome, ToolFailure | None]:
-        if self.stateless:
+        """The outcome of a tool call, or of an answer (``parsed`` None: the episode ends whatever it says)."""
+        no_answer = parsed is None and call.error is None and call.value in (None, {"no_answer": True})
+        if no_answer:
+            result, problem = None, None
+        elif self.stateless:
             result, problem = _reply_result(call.value)
         else:
             result, problem = call.value, _check_result(call.value)
+        what = "the answer" if parsed is None else f"tool {parsed.name!r}"
         if timed_out:
-            kind, message = "timeout", f"the call of tool {parsed.name!r} timed out after {self.config.timeout_s} s"
+            kind, message = "timeout", f"the call of {what} timed out after {self.config.timeout_s} s"
         elif call.error is not None and self.stateless:  # raised in the worker, or the worker died
-            kind, message = "error", f"tool {parsed.name!r} failed: {call.error}"
+            kind, message = "error", f"{what} failed: {call.error}"
         elif call.error is not None:
-            kind, message = "error", f"tool {parsed.name!r} raised {type(call.error).__name__}: {call.error}"
+            kind, message = "error", f"{what} raised {type(call.error).__name__}: {call.error}"
+        elif no_answer:
+            return TurnOutcome(None, True), None
         elif problem is not None:
-            kind, message = "invalid", f"tool {parsed.name!r} {problem}"
+            kind, message = "invalid", f"{what} {problem}"
         else:
             observation = None if result.observation is None else self._fit(result.observation)
             reward = None if result.reward is None else float(result.reward)
             info = dict(result.info)
+            if parsed is None:
+                return TurnOutcome(None, True, reward, {**info, "answer": True}), None
             if observation != result.observation:
                 info["truncated_from"] = len(result.observation)
             return TurnOutcome(observation, result.done, reward, info, parsed), None
-        failure = ToolFailure(handle.index, parsed.name, kind, message, _truncate(turn))
+        failure = ToolFailure(handle.index, _called(parsed), kind, message, _truncate(turn))
+        if parsed is None:
+            return TurnOutcome(None, True, info={"failure": kind}), failure
         return TurnOutcome(self._fit(f"error: {message}"), False, info={"failure": kind}, call=parsed), failure
 
     def _fit(self, text: str) -> str:
@@ -298,8 +326,21 @@ class ToolRunner:
             "tools/parse_errors": float(sum(isinstance(o.call, ParseError) for o in outcomes)),
             "tools/refused": float(sum("tool_error" in o.info for o in outcomes)),
             "tools/truncated": float(sum("truncated_from" in o.info for o in outcomes)),
+            "tools/answers": float(sum("answer" in o.info for o in outcomes)),
             **self.gauges(),
         }
+
+    def finish(self, handles: Sequence[EpisodeHandle]) -> None:
+        """Ends the batch's episodes: calls ``close()`` of those that define it (an environment that holds a
+        connection or a process per episode). A close that raises is logged, never raised."""
+        for handle in handles:
+            close = getattr(handle.episode, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - user code; the episode's results are already in
+                    logger.warning("closing the episode of sample %d raised %s: %s", handle.index,
+                                   type(exc).__name__, exc)
 
     def close(self) -> None:
         """Stops the workers (abandoned threads exit when their call returns)."""

@@ -64,8 +64,8 @@ logger = logging.getLogger(__name__)
 _PROBE_TURNS = ("Let me use a tool.\n", "<think>\nThe tool will know.\n</think>\n\nLet me use a tool.")
 
 RUNNER_METRICS = ("tools/calls", "tools/not_run", "tools/errors", "tools/timeouts", "tools/parse_errors",
-                  "tools/refused", "tools/truncated", "tools/abandoned_threads", "tools/killed_workers",
-                  "tools/failed_episodes")
+                  "tools/refused", "tools/truncated", "tools/answers", "tools/abandoned_threads",
+                  "tools/killed_workers", "tools/failed_episodes")
 TurnGenerator = Callable[[list[list[int]], SamplingConfig], RolloutBatch]
 
 
@@ -122,13 +122,16 @@ class MultiTurnRollout:
         _check_described_tools(episodes, handles, prompts)
         sums = {**dict.fromkeys(RUNNER_METRICS, 0.0), **self.runner.gauges()}
         running = list(range(len(episodes)))
-        while True:
-            self._take_turns([episodes[i] for i in running], turn)
-            running = self._run_tools(episodes, handles, running, sums)
-            if not running:
-                break
-            turn = generate([prompts[episodes[i].prompt].prompt_ids + episodes[i].response for i in running],
-                            self._turn_sampling(sampling, [episodes[i] for i in running]))
+        try:
+            while True:
+                self._take_turns([episodes[i] for i in running], turn)
+                running = self._run_tools(episodes, handles, running, sums)
+                if not running:
+                    break
+                turn = generate([prompts[episodes[i].prompt].prompt_ids + episodes[i].response for i in running],
+                                self._turn_sampling(sampling, [episodes[i] for i in running]))
+        finally:
+            self.runner.finish(handles)
         return self._batch(prompts, episodes), self._metrics(episodes, sums)
 
     def _turn_sampling(self, sampling: SamplingConfig, running: list[_Episode]) -> SamplingConfig:

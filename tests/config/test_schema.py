@@ -118,7 +118,8 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.max_staleness=true", r"rollout\.max_staleness: expected int, got True \(bool\)"),
     ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
     ("rollout.env={name: nope}", r"rollout\.env\.name: unknown environment 'nope'; known: calculator, code, lookup, "
-                                 r"repo, or a dotted path"),
+                                 r"openenv, repo, or a dotted path"),
+    ("reward.functions=[]", r"reward\.functions is empty and there is no reward_model_path: with no rollout\.env"),
     ("rollout.env={name: calculator, parser: xml}",
      r"rollout\.env\.parser: unknown tool-call parser 'xml'; known: hermes, mistral, tokenizer"),
     ("rollout.backend=sglang", r"rollout\.backend: unknown rollout engine 'sglang'; known: fake, hf, vllm"),
@@ -149,6 +150,12 @@ def test_what_an_engine_supports_comes_from_its_registry_entry(recipe):
         load_checked(recipe, [*lora, "rollout.backend=hf"])
     with pytest.raises(ConfigError, match=r"model\.lora\.rank: LoRA rank 600: vLLM serves adapters of rank at most 512"):
         load_checked(recipe, ["model.lora={rank: 600}", "rollout.weight_sync.lora=adapter", "model.dtype=bfloat16"])
+
+
+def test_an_environments_rewards_alone_are_a_reward(recipe):
+    config = load_checked(recipe, ["reward.functions=[]", "rollout.env={name: calculator}",
+                                   "eval.reward_functions=[{name: math_verify}]"])
+    assert config.reward.functions == [] and config.eval_reward.functions[0].name == "math_verify"
 
 
 def test_off_policy_with_multi_turn_and_dynamic_sampling_is_accepted(recipe):

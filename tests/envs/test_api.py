@@ -44,10 +44,10 @@ def _guess(number: int) -> list[dict]:
 
 def test_registry_lists_known_names():
     assert {"calculator", "lookup"} <= set(ENVIRONMENTS.names())
-    with pytest.raises(ValueError, match=r"^unknown environment 'chess'; known: calculator, code, lookup, repo, or a "
+    with pytest.raises(ValueError, match=r"^unknown environment 'chess'; known: calculator, code, lookup, openenv, repo, or a "
                                          r"dotted path 'pkg.module:factory'$"):
         resolve_environment("chess")
-    with pytest.raises(KeyError, match="unknown environment 'chess'; known: calculator, code, lookup, repo"):
+    with pytest.raises(KeyError, match="unknown environment 'chess'; known: calculator, code, lookup, openenv, repo"):
         ENVIRONMENTS.get("chess")
     assert resolve_environment("calculator") is ENVIRONMENTS.get("calculator")
 

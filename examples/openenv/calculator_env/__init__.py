@@ -1,0 +1,1 @@
+"""An OpenEnv MCP environment with a calculator tool."""

@@ -1,0 +1,1 @@
+"""An OpenEnv environment that scores a final answer to an arithmetic question."""
