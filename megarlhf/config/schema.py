@@ -51,7 +51,7 @@ class RunConfig:
               "would be the reward) nothing would score the samples")
         check(self.eval.every == 0 or self.eval_reward is not None,
               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
-              "reward only), so set eval.reward_functions (e.g. [{name: math_verify}])")
+              "reward or the environment's rewards only), so set eval.reward_functions (e.g. [{name: math_verify}])")
         overlong = self.algorithm.overlong
         check(overlong is None or overlong.buffer_length < self.rollout.response_budget,
               f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "

@@ -39,6 +39,17 @@ class PromptExample:
     messages: list[dict[str, str]] | None = None  # chat mode: the messages the prompt renders (None: plain)
     tools: list[dict[str, Any]] | None = None  # the tool schemas described in the prompt (None: no tools)
 
+    @property
+    def episode_fields(self) -> dict[str, Any]:
+        """What a multi-turn episode of this row is made from (:func:`episode_fields`)."""
+        return episode_fields(self.ground_truth, self.metadata)
+
+
+def episode_fields(ground_truth: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    """A row's fields as an environment's factory gets them: its other fields and its answer as
+    ``ground_truth`` (an environment that scores answers itself needs it; a row's own field of that name wins)."""
+    return {"ground_truth": ground_truth, **metadata}
+
 
 @dataclass(frozen=True)
 class ToolDescription:
@@ -162,8 +173,9 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     template_tools = chat and describe_tools is not None and template_renders_tools(tokenizer)
     skip = {config.prompt_key, config.answer_key, config.messages_key}
     metadata = [{k: v for k, v in row.items() if k not in skip} for row in rows]
-    tools = [None if describe_tools is None else _row_tools(describe_tools, fields, f"{source} row {i}")
-             for i, fields in enumerate(metadata)]
+    tools = [None if describe_tools is None else
+             _row_tools(describe_tools, episode_fields(row.get(config.answer_key), fields), f"{source} row {i}")
+             for i, (row, fields) in enumerate(zip(rows, metadata))]
     rendered = [render_prompt(row, tokenizer, config, chat, f"{source} row {i}", tools[i], template_tools)
                 for i, row in enumerate(rows)]
     # a chat template writes its own special tokens; plain text gets the tokenizer's usual ones (BOS)

@@ -7,7 +7,8 @@ An environment is a **per-episode object made by a factory** (one episode = one 
     episode.tools: Sequence[ToolSpec]                     # what the model may call in this episode
     episode.step(messages, call: ParsedCall) -> StepResult
 
-``metadata`` is the dataset row's other fields (the same dict a reward sees as ``RewardInput.metadata``);
+``metadata`` is the dataset row's other fields (the same dict a reward sees as ``RewardInput.metadata``) and,
+in a rollout, the row's answer as ``ground_truth`` (None without one; a row's own field of that name wins);
 ``kwargs`` are :attr:`EnvConfig.kwargs`. ``messages`` is the conversation so far (``{"role", "content"}``
 dicts, the last one the model's turn holding the call) and ``call`` the parsed tool call. A class whose
 ``__init__(self, metadata, **kwargs)`` sets ``tools`` and defines ``step`` is a factory as it stands.
@@ -16,7 +17,7 @@ Why an episode object rather than a stateless callable: a game or a search sessi
 turns (the board, the pages already opened), and a factory per sample is the one place such state can
 live without the caller threading it through. Stateless tools pay nothing for it: :class:`ToolEpisode`
 wraps plain functions ``tool(**arguments) -> str`` and a factory may hand every sample the same one.
-Two optional methods: ``episode.answer(messages) -> StepResult | None`` takes the model's final turn (one
+Two optional methods: ``episode.final_answer(messages) -> StepResult | None`` takes the model's final turn (one
 without a tool call) and may reward it (an environment that scores answers itself); ``episode.close()`` is
 called once when the batch's rollout ends (an episode holding a connection or a process releases it).
 A tool signals a refusal the model should read (bad arguments, "division by zero") by raising

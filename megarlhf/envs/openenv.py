@@ -26,7 +26,13 @@ Two kinds of environment (``mode``):
 
 A model turn without a tool call is the episode's final answer. With ``answer_field`` set, it is sent to the
 environment (``action``: ``{answer_field: text}`` as a step; ``mcp``: a call of ``answer_tool`` with
-``{answer_field: text}``) and the step's reward counts; the episode ends there whatever the step says.
+``{answer_field: text}``; both checked against the server's schema or tools at start-up) and the step's reward
+counts; the episode ends there whatever the step says. An ``MCPEnvironment`` rewards a tool call only where
+the environment sets the observation's reward (OpenEnv's default leaves it None).
+
+Each episode holds one server session (one environment instance) from its first call until it is done or the
+rollout ends, so the server's ``max_concurrent_envs`` must allow a session per episode a rank runs at once
+(``rollout.n_samples`` x the rank's prompts); OpenEnv's default is 1.
 
 An episode resets its environment when it first needs it, with the dataset row's fields (``reset_fields``,
 default all) as ``reset``'s keyword arguments (the server passes those its ``reset`` accepts). Rewards are
@@ -40,6 +46,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megarlhf.envs.api import ENVIRONMENTS, Message, ParsedCall, StepResult, ToolSpec
@@ -56,14 +64,22 @@ def _settings_error(key: str, why: str) -> ValueError:
 class OpenEnvEpisode:
     """One sample's session with an OpenEnv server (see the module docstring)."""
 
-    def __init__(self, metadata: dict[str, Any], server: Any, mode: str, tool_name: str, answer_field: str | None,
-                 answer_tool: str | None, reset_fields: list[str] | None, observation_field: str | None):
-        self.server, self.mode, self.tool_name = server, mode, tool_name
-        self.answer_field, self.answer_tool, self.observation_field = answer_field, answer_tool, observation_field
-        fields = metadata if reset_fields is None else {k: metadata[k] for k in reset_fields if k in metadata}
-        self.reset_data = dict(fields)
-        self.tools = server.tools(mode, tool_name)
-        self.session = None  # opened at the first step: describing the tools of a row needs no session
+    def __init__(self, metadata: dict[str, Any], server: Any, settings: "OpenEnvSettings"):
+        self.server, self.mode, self.tool_name = server, settings.mode, settings.tool_name
+        self.answer_field, self.answer_tool = settings.answer_field, settings.answer_tool
+        self.observation_field, reset_fields = settings.observation_field, settings.reset_fields
+        missing = [k for k in reset_fields or () if k not in metadata]
+        if missing:
+            raise ValueError(f"rollout.env.kwargs.reset_fields names {missing}, which the row does not have "
+                             f"(its fields: {sorted(metadata)})")
+        self.reset_data = dict(metadata if reset_fields is None else {k: metadata[k] for k in reset_fields})
+        self.tools = server.tools(self.mode, self.tool_name)
+        server.check_answer(self.mode, self.tool_name, self.answer_field, self.answer_tool)
+        # opened at the first step (describing the tools of a row needs no session), closed when the episode is
+        # done or the rollout ends; the lock orders a late step of a timed-out call against close()
+        self.session = None
+        self.closed = False
+        self.lock = threading.Lock()
 
     def step(self, messages: list[Message], call: ParsedCall) -> StepResult:
         if self.mode == "mcp":
@@ -72,8 +88,9 @@ class OpenEnvEpisode:
             return _refused(f"unknown tool {call.name!r}; the tool is {self.tool_name!r}")
         return self._act(dict(call.arguments))
 
-    def answer(self, messages: list[Message]) -> StepResult | None:
-        """The final answer (a turn without a tool call) as a step, when ``answer_field`` is set."""
+    def final_answer(self, messages: list[Message]) -> StepResult | None:
+        """The final answer (a turn without a tool call) as a step, when ``answer_field`` is set. An answer the
+        server rejects fails (the setting does not fit the environment's action: nothing would reward it)."""
         if self.answer_field is None:
             return None
         text = messages[-1]["content"]
@@ -81,22 +98,37 @@ class OpenEnvEpisode:
             action = {"type": "call_tool", "tool_name": self.answer_tool, "arguments": {self.answer_field: text}}
         else:
             action = {self.answer_field: text}
-        result = self._act(action)
+        result = self._act(action, final=True)
+        if "tool_error" in result.info:
+            raise OpenEnvProtocolError(f"the server rejected the final answer as {action!r}: "
+                                       f"{result.info['tool_error']}")
         return StepResult(None, True, result.reward, result.info)
 
     def close(self) -> None:
-        if self.session is not None:
+        with self.lock:
+            self.closed = True
             session, self.session = self.session, None
+        if session is not None:
             session.close()
 
-    def _act(self, action: dict[str, Any]) -> StepResult:
-        if self.session is None:
-            self.session = self.server.session()
-            self.session.request("reset", self.reset_data)
-        reply = self.session.request("step", action)
-        if reply["kind"] == "refused":
-            return _refused(reply["message"])
-        return self._result(reply["data"])
+    def _act(self, action: dict[str, Any], final: bool = False) -> StepResult:
+        with self.lock:
+            if self.closed:
+                raise OpenEnvProtocolError("the episode was closed (its rollout ended) before this call ran")
+            if self.session is None:
+                session = self.server.session()
+                try:
+                    session.request("reset", self.reset_data)
+                except Exception:
+                    session.close()
+                    raise
+                self.session = session
+            session = self.session
+        reply = session.request("step", action)
+        result = _refused(reply["message"]) if reply["kind"] == "refused" else self._result(reply["data"])
+        if result.done or final:  # the server's environment is no longer needed: its slot is freed now
+            self.close()
+        return result
 
     def _result(self, data: dict[str, Any]) -> StepResult:
         observation, reward, done = data.get("observation"), data.get("reward"), data.get("done", False)
@@ -153,25 +185,46 @@ def _quoted(value: Any) -> str:
     return repr(text[:_SHOWN]) + ("..." if len(text) > _SHOWN else "")
 
 
+@dataclass(frozen=True)
+class OpenEnvSettings:
+    """``rollout.env.kwargs`` of the ``openenv`` environment (see the module docstring)."""
+
+    url: str | None = None  # a running server
+    command: list[str] | None = None  # or a server to start, with a "{port}" placeholder
+    mode: str = "action"  # or "mcp"
+    tool_name: str = "step"  # action mode: the name of the one tool
+    answer_field: str | None = None  # the final answer goes to this action field / answer_tool argument
+    answer_tool: str | None = None  # mcp mode: the tool the final answer goes to
+    reset_fields: list[str] | None = None  # the row's fields reset receives (None: all)
+    observation_field: str | None = None  # the observation's field shown to the model
+    timeout_s: float = 30.0  # per message to the server
+    start_timeout_s: float = 120.0  # for a started server to answer /health
+    max_message_mb: int = 16  # the largest reply taken
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise _settings_error("mode", f"must be one of {list(_MODES)}, got {self.mode!r}")
+        for key in ("tool_name", "answer_field", "answer_tool", "observation_field"):
+            value = getattr(self, key)
+            if not (value is None and key != "tool_name" or isinstance(value, str) and value):
+                raise _settings_error(key, f"must be a non-empty string{'' if key == 'tool_name' else ' or null'}, "
+                                           f"got {value!r}")
+        if (self.mode == "mcp" and self.answer_field is not None) != (self.answer_tool is not None):
+            raise _settings_error("answer_tool", "names the MCP tool the final answer goes to: it is needed with "
+                                  "answer_field in mcp mode and only there")
+        if self.reset_fields is not None and not (isinstance(self.reset_fields, list)
+                                                  and all(isinstance(f, str) for f in self.reset_fields)):
+            raise _settings_error("reset_fields", f"must be a list of field names or null, got {self.reset_fields!r}")
+
+
 @ENVIRONMENTS.register("openenv")
-def openenv_env(metadata: dict, url: str | None = None, command: list[str] | None = None, mode: str = "action",
-                tool_name: str = "step", answer_field: str | None = None, answer_tool: str | None = None,
-                reset_fields: list[str] | None = None, observation_field: str | None = None,
-                timeout_s: float = 30.0, start_timeout_s: float = 120.0,
-                max_message_mb: int = 16) -> OpenEnvEpisode:
+def openenv_env(metadata: dict, **kwargs: Any) -> OpenEnvEpisode:
     """An episode of the OpenEnv server at ``url``, or of the one ``command`` starts (see the module docstring)."""
-    if mode not in _MODES:
-        raise _settings_error("mode", f"must be one of {list(_MODES)}, got {mode!r}")
-    if not (isinstance(tool_name, str) and tool_name):
-        raise _settings_error("tool_name", f"must be a non-empty string, got {tool_name!r}")
-    if answer_field is not None and not (isinstance(answer_field, str) and answer_field):
-        raise _settings_error("answer_field", f"must be a non-empty string or null, got {answer_field!r}")
-    if (mode == "mcp" and answer_field is not None) != (answer_tool is not None):
-        raise _settings_error("answer_tool", "names the MCP tool the final answer goes to: it is needed with "
-                              "answer_field in mcp mode and only there")
-    if reset_fields is not None and not (isinstance(reset_fields, list)
-                                         and all(isinstance(f, str) for f in reset_fields)):
-        raise _settings_error("reset_fields", f"must be a list of field names or null, got {reset_fields!r}")
-    settings = ServerSettings.make(url, command, timeout_s, start_timeout_s, max_message_mb)
-    return OpenEnvEpisode(metadata, server_for(settings), mode, tool_name, answer_field, answer_tool,
-                          reset_fields, observation_field)
+    known = [f.name for f in fields(OpenEnvSettings)]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"rollout.env.kwargs of the openenv environment: unknown key(s) {unknown}; known: {known}")
+    settings = OpenEnvSettings(**kwargs)
+    server = server_for(ServerSettings.make(settings.url, settings.command, settings.timeout_s,
+                                            settings.start_timeout_s, settings.max_message_mb))
+    return OpenEnvEpisode(metadata, server, settings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,18 @@ class OpenEnvProtocolError(RuntimeError):
     """The server's reply is not OpenEnv's protocol, or the server failed the message itself."""
 
 
+class OpenEnvStepError(OpenEnvProtocolError):
+    """The environment raised in ``step`` (the server says EXECUTION_ERROR): that call fails, the session
+    goes on."""
+
+
+# resolved before any fork: the server's pre-exec hook must not load libraries in the child
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+# the servers are local or named by URL: a proxy from the environment (http_proxy) must not come between
+_no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_STOP_GRACE_S = 5.0  # a stopped server's process group gets SIGTERM, then SIGKILL after this
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     url: str | None
@@ -61,10 +74,11 @@ class ServerSettings:
                                         and any("{port}" in part for part in command)):
             raise ValueError(f"rollout.env.kwargs.command must be a list of strings with a '{{port}}' placeholder "
                              f"for the port the server is to listen on, got {command!r}")
-        for key, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s),
-                           ("max_message_mb", max_message_mb)):
+        for key, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise ValueError(f"rollout.env.kwargs.{key} must be a positive number, got {value!r}")
+        if isinstance(max_message_mb, bool) or not isinstance(max_message_mb, int) or not 1 <= max_message_mb <= 1024:
+            raise ValueError(f"rollout.env.kwargs.max_message_mb must be an int in [1, 1024], got {max_message_mb!r}")
         return ServerSettings(url.rstrip("/") if url else None, tuple(command) if command else None,
                               float(timeout_s), float(start_timeout_s), int(max_message_mb))
 
@@ -119,9 +133,11 @@ class OpenEnvServer:
         if self.process is None or self.process.poll() is None:
             return
         with self._lock:
+            if self.process.poll() is None:
+                return
             self.restarts += 1
-            logger.warning("the OpenEnv server %s exited with code %s; restarting it", self._name(),
-                           self.process.returncode)
+            logger.warning("the OpenEnv server %s exited with code %s; restarting it. Its output ended: %s",
+                           self._name(), self.process.returncode, self._log_tail())
             self._start()
 
     def _start(self) -> None:
@@ -132,7 +148,8 @@ class OpenEnvServer:
         fd, self.log_path = tempfile.mkstemp(prefix="megarlhf-openenv-", suffix=".log")
         try:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True,
+                                            preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         except OSError as exc:
             raise ConfigError(f"rollout.env.kwargs.command {command!r} could not start: {exc}") from None
         finally:
@@ -146,23 +163,32 @@ class OpenEnvServer:
             if self._healthy(timeout=1.0):
                 return
             time.sleep(0.2)
+        tail = self._log_tail()
         self.stop()
         raise ConfigError(f"rollout.env.kwargs.command {command!r} did not answer at {self.url}/health within "
-                          f"start_timeout_s={self.settings.start_timeout_s}; its output ends: {self._log_tail()}")
+                          f"start_timeout_s={self.settings.start_timeout_s}; its output ends: {tail}")
 
     def stop(self) -> None:
+        """SIGTERM to the server's process group (a wrapper such as ``docker run`` stops its container on
+        it), SIGKILL after a grace period."""
         if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout=_STOP_GRACE_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             self.process.wait()
         if self.log_path is not None and os.path.exists(self.log_path):
             os.unlink(self.log_path)
 
     def _healthy(self, timeout: float) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as reply:
+            with _no_proxy.open(f"{self.url}/health", timeout=timeout) as reply:
                 return reply.status == 200
         except (OSError, urllib.error.URLError, ValueError):
             return False
@@ -197,14 +223,17 @@ class OpenEnvServer:
         return ToolSpec(tool_name, str(description), parameters)
 
     def _mcp_tools(self) -> list[ToolSpec]:
-        session = self.session()
         try:
-            session.request("reset", {})
-            reply = session.request("step", {"type": "list_tools"})
-        finally:
-            session.close()
-        tools = reply.get("data", {}).get("observation", {}).get("tools")
-        if reply["kind"] != "observation" or not isinstance(tools, list) or not tools:
+            session = self.session()
+            try:
+                reply = session.request("step", {"type": "list_tools"})
+            finally:
+                session.close()
+        except OpenEnvProtocolError as exc:
+            raise ConfigError(f"the OpenEnv server {self._name()} could not list its MCP tools: {exc}") from None
+        observation = reply.get("data", {}).get("observation") if reply["kind"] == "observation" else None
+        tools = observation.get("tools") if isinstance(observation, dict) else None
+        if not isinstance(tools, list) or not tools:
             raise ConfigError(f"the OpenEnv server {self._name()} listed no MCP tools (mode: mcp needs an "
                               f"MCPEnvironment): {str(reply)[:_SHOWN]}")
         try:
@@ -213,9 +242,26 @@ class OpenEnvServer:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the OpenEnv server {self._name()} listed a tool megarlhf cannot offer: {exc}") from None
 
+    def check_answer(self, mode: str, tool_name: str, answer_field: str | None, answer_tool: str | None) -> None:
+        """The final answer's setting fits the server: ``answer_field`` is a string field of the action, or an
+        argument of ``answer_tool``, one of its MCP tools (otherwise every answer would be refused and nothing
+        would reward it)."""
+        if answer_field is None:
+            return
+        tools = {spec.name: spec for spec in self.tools(mode, tool_name)}
+        name = answer_tool if mode == "mcp" else tool_name
+        if name not in tools:
+            raise ConfigError(f"rollout.env.kwargs.answer_tool {answer_tool!r} is not one of the OpenEnv server's MCP "
+                              f"tools {sorted(tools)}")
+        spec = tools[name]
+        if answer_field not in spec.properties or set(spec.required) - {answer_field}:
+            raise ConfigError(f"rollout.env.kwargs.answer_field {answer_field!r} must be the one required field of "
+                              f"{'the tool ' + repr(name) if mode == 'mcp' else 'the action'} "
+                              f"(its fields: {spec.properties}, required: {spec.required})")
+
     def _get_json(self, path: str) -> dict[str, Any]:
         try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=self.settings.timeout_s) as reply:
+            with _no_proxy.open(f"{self.url}{path}", timeout=self.settings.timeout_s) as reply:
                 data = json.loads(reply.read(self.settings.max_message_mb << 20))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"the OpenEnv server {self._name()} did not answer GET {path}: {exc}") from None
@@ -236,7 +282,7 @@ class Session:
         self.broken: str | None = None
         try:
             self.socket = connect(url, open_timeout=settings.timeout_s, max_size=settings.max_message_mb << 20,
-                                  proxy=None, compression=None)
+                                  proxy=None, compression=None, close_timeout=min(settings.timeout_s, 1.0))
         except (OSError, WebSocketException, TimeoutError) as exc:
             raise OpenEnvProtocolError(f"could not open a session at {url}: {exc}") from None
 
@@ -249,14 +295,16 @@ class Session:
             raise OpenEnvProtocolError(f"the episode's session was lost earlier ({self.broken})")
         try:
             return self._request(kind, data)
-        except OpenEnvProtocolError as exc:
+        except OpenEnvStepError:
+            raise
+        except Exception as exc:
             self.broken = str(exc)[:_SHOWN]
             self.socket.close()
             raise
 
     def _request(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
         try:
-            self.socket.send(json.dumps({"type": kind, "data": data}))
+            self.socket.send(json.dumps({"type": kind, "data": data}, default=str))
             raw = self.socket.recv(timeout=self.timeout_s)
         except TimeoutError:
             raise OpenEnvProtocolError(f"the server did not answer a {kind!r} within {self.timeout_s} s") from None
@@ -274,6 +322,8 @@ class Session:
             message = f"{body.get('message')}{_validation_details(body.get('errors'))}"
             if body.get("code") == "VALIDATION_ERROR" and kind == "step":
                 return {"kind": "refused", "message": message[:2 * _SHOWN]}
+            if body.get("code") == "EXECUTION_ERROR" and kind == "step":
+                raise OpenEnvStepError(f"the environment failed the step: {message[:2 * _SHOWN]}")
             if body.get("code") == "CAPACITY_REACHED":
                 message += " (the server's max_concurrent_envs must allow one session per running episode)"
             raise OpenEnvProtocolError(f"the server refused a {kind!r}: {message[:2 * _SHOWN]}")
@@ -300,6 +350,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the server's process before exec: the kernel kills it when the process that started it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(parent: int) -> None:
+    """In the server's process before exec: the kernel kills it when the thread that started it dies (servers
+    are started on the rollout's thread, which lives as long as the process)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the hook ran
+        os._exit(1)

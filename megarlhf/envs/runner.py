@@ -10,7 +10,7 @@ The rollout loop calls, per batch of samples::
 For each turn :meth:`ToolRunner.step` parses the last (assistant) message with the episode's parser and:
 
 * no tool call: the episode is done (the turn is the model's answer), no observation. An episode that
-  defines ``answer(messages) -> StepResult | None`` is given it first (timed like a call, also in the last
+  defines ``final_answer(messages) -> StepResult | None`` is given it first (timed like a call, also in the last
   turn): its reward counts, its observation and ``done`` do not (the episode ends), None is no answer;
 * a malformed call (:class:`~megarlhf.envs.api.ParseError`): observation ``"error: <why>"``, not done;
 * a call: ``episode.step(messages, call)`` runs limited to ``timeout_s`` from the moment it starts:
@@ -39,8 +39,8 @@ the model has no turn left to read its result, and a reward for a result it neve
 call tools it cannot use. Its outcome is done, without observation or reward, ``info={"not_run":
 "max_turns"}``; an environment that rewards a final "submit" call needs ``max_turns`` to leave a turn for
 it. Metrics of one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls``
-(well-formed calls run), ``tools/answers`` (answers an episode's ``answer`` took), ``tools/not_run`` (well-formed calls in a last turn), ``tools/errors`` (raised,
-invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
+(well-formed calls run), ``tools/answers`` (answers an episode's ``final_answer`` took), ``tools/not_run``
+(well-formed calls in a last turn), ``tools/errors`` (raised, invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
 with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; ``tools/abandoned_threads``
 (threads stuck right now) and ``tools/killed_workers`` (worker processes killed or found dead since the
 runner started).
@@ -89,6 +89,7 @@ class TurnOutcome:
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     call: ParsedCall | ParseError | None = None
+    answered: bool = False  # the turn was a final answer the episode's final_answer took
 
 
 @dataclass
@@ -113,12 +114,17 @@ class StepBatch:
 
 
 def _run_step(episode: Episode, messages: list[Message], call: ParsedCall | None) -> Any:
-    return episode.step(messages, call) if call is not None else episode.answer(messages)
+    if call is not None:
+        return episode.step(messages, call)
+    result = episode.final_answer(messages)
+    if isinstance(result, StepResult):  # an answer ends the episode: its observation and done are not read
+        result = StepResult(None, True, result.reward, result.info)
+    return result
 
 
-def _answers(episode: Any) -> bool:
-    """Whether the episode takes the final answer (a turn without a tool call): it defines ``answer``."""
-    return callable(getattr(episode, "answer", None))
+def takes_answers(episode: Any) -> bool:
+    """Whether the episode takes the final answer (a turn without a tool call): it defines ``final_answer``."""
+    return callable(getattr(episode, "final_answer", None))
 
 
 def _called(parsed: ParsedCall | None) -> str:
@@ -216,23 +222,30 @@ class ToolRunner:
             handles.append(EpisodeHandle(index, episode, parser, dict(fields)))
         return handles
 
-    def step(self, handles: Sequence[EpisodeHandle], conversations: Sequence[list[Message]]) -> StepBatch:
-        """Handles the model turn that ends each conversation (see the module docstring)."""
-        if len(handles) != len(conversations):
-            raise ValueError(f"step got {len(handles)} episodes and {len(conversations)} conversations")
+    def step(self, handles: Sequence[EpisodeHandle], conversations: Sequence[list[Message]],
+             final: Sequence[bool] | None = None) -> StepBatch:
+        """Handles the model turn that ends each conversation (see the module docstring). ``final[i]``: episode
+        i has no turn after this one whatever ``max_turns`` says (its response budget is spent): it is done, a
+        call in it is not run, an answer is."""
+        final = [False] * len(handles) if final is None else list(final)
+        if not len(handles) == len(conversations) == len(final):
+            raise ValueError(f"step got {len(handles)} episodes, {len(conversations)} conversations and "
+                             f"{len(final)} final flags")
         outcomes: list[TurnOutcome | None] = [None] * len(handles)
         failures: list[ToolFailure] = []
         calls, slots = [], []
         turns = [self._model_turn(h, m) for h, m in zip(handles, conversations)]  # all checked before any runs
         for slot, (handle, messages, turn) in enumerate(zip(handles, conversations, turns)):
             handle.turns += 1
+            last = final[slot] or handle.turns >= self.config.max_turns
             parsed = handle.parser(turn)
-            if parsed is None and not _answers(handle.episode):
+            if parsed is None and not takes_answers(handle.episode):
                 outcomes[slot] = TurnOutcome(None, True)
             elif isinstance(parsed, ParseError):
                 outcomes[slot] = TurnOutcome(self._fit(f"error: {parsed.message}"), False, call=parsed)
-            elif parsed is not None and handle.turns >= self.config.max_turns:  # no turn left to read the result
-                outcomes[slot] = TurnOutcome(None, True, info={"not_run": "max_turns"}, call=parsed)
+            elif parsed is not None and last:  # no turn left to read the result: not run
+                why = "max_turns" if handle.turns >= self.config.max_turns else "budget"
+                outcomes[slot] = TurnOutcome(None, True, info={"not_run": why}, call=parsed)
             elif handle.running is not None and not handle.running.done:
                 message = "the previous tool call of this episode is still running"
                 failures.append(ToolFailure(handle.index, _called(parsed), "busy", message, _truncate(turn)))
@@ -249,15 +262,15 @@ class ToolRunner:
             outcomes[slot], failure = self._outcome(handle, call, parsed, late, turns[slot])
             if failure is not None:
                 failures.append(failure)
-        for handle, outcome in zip(handles, outcomes):
-            outcome.done = outcome.done or handle.turns >= self.config.max_turns
+        for handle, outcome, end in zip(handles, outcomes, final):
+            outcome.done = outcome.done or end or handle.turns >= self.config.max_turns
             handle.done = outcome.done
         for failure in failures[:_LOGGED_FAILURES]:
             logger.warning("%s", failure)
         return StepBatch(outcomes, failures, self._metrics(outcomes, failures))
 
     def _call(self, handle: EpisodeHandle, messages: list[Message], parsed: ParsedCall | None) -> TimedCall:
-        """The timed call of a tool call, or of the episode's ``answer`` when ``parsed`` is None."""
+        """The timed call of a tool call, or of the episode's ``final_answer`` when ``parsed`` is None."""
         messages = [dict(m) for m in messages]
         if not self.stateless:
             return TimedCall(_run_step, handle.episode, {"messages": messages, "call": parsed})
@@ -300,7 +313,7 @@ class ToolRunner:
             reward = None if result.reward is None else float(result.reward)
             info = dict(result.info)
             if parsed is None:
-                return TurnOutcome(None, True, reward, {**info, "answer": True}), None
+                return TurnOutcome(None, True, reward, info, answered=True), None
             if observation != result.observation:
                 info["truncated_from"] = len(result.observation)
             return TurnOutcome(observation, result.done, reward, info, parsed), None
@@ -326,7 +339,7 @@ class ToolRunner:
             "tools/parse_errors": float(sum(isinstance(o.call, ParseError) for o in outcomes)),
             "tools/refused": float(sum("tool_error" in o.info for o in outcomes)),
             "tools/truncated": float(sum("truncated_from" in o.info for o in outcomes)),
-            "tools/answers": float(sum("answer" in o.info for o in outcomes)),
+            "tools/answers": float(sum(o.answered for o in outcomes)),
             **self.gauges(),
         }
 

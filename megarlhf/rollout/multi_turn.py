@@ -50,7 +50,7 @@ from megarlhf.config.rollout import EnvConfig
 from megarlhf.envs.api import ParsedCall
 from megarlhf.envs.parsers import PARSERS, added_tokens
 from megarlhf.envs.prompting import tool_schemas
-from megarlhf.envs.runner import ToolRunner
+from megarlhf.envs.runner import ToolRunner, takes_answers
 from megarlhf.core.errors import ConfigError, EpisodeFailureBudgetError
 from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.rollout.engines.sampling import RolloutBatch
@@ -118,7 +118,7 @@ class MultiTurnRollout:
         episodes = [_Episode(p, None if sampling.prompt_seed(p) is None else sampling.prompt_seed(p) + j,
                              messages=self._start_messages(prompts[p]), tools=prompts[p].tools)
                     for p, j in _sample_positions(turn, sampling.n)]
-        handles = self.runner.start([prompts[e.prompt].metadata for e in episodes])
+        handles = self.runner.start([prompts[e.prompt].episode_fields for e in episodes])
         _check_described_tools(episodes, handles, prompts)
         sums = {**dict.fromkeys(RUNNER_METRICS, 0.0), **self.runner.gauges()}
         running = list(range(len(episodes)))
@@ -193,16 +193,18 @@ class MultiTurnRollout:
     def _run_tools(self, episodes: list[_Episode], handles, running: list[int], sums: dict[str, float]) -> list[int]:
         """Runs the tools of the turns just taken; returns the episodes that go on. A turn cut by the
         per-turn limit is still parsed (a complete call in it runs); an episode whose response filled the
-        budget ends there, truncated."""
-        live = []
+        budget ends there, truncated (its turn still goes to an environment that takes final answers)."""
+        live, final = [], []
         for i in running:
-            if len(episodes[i].response) >= self.budget:
+            full = len(episodes[i].response) >= self.budget
+            if full:
                 episodes[i].finish = "length"
-            else:
+            if not full or takes_answers(handles[i].episode):
                 live.append(i)
+                final.append(full)
         if not live:
             return []
-        step = self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live])
+        step = self.runner.step([handles[i] for i in live], [episodes[i].messages for i in live], final)
         for name, value in step.metrics.items():
             gauge = name in ("tools/abandoned_threads", "tools/killed_workers")  # states, not counts per turn
             sums[name] = value if gauge else sums.get(name, 0.0) + value

@@ -153,7 +153,7 @@ def test_what_an_engine_supports_comes_from_its_registry_entry(recipe):
 
 
 def test_an_environments_rewards_alone_are_a_reward(recipe):
-    config = load_checked(recipe, ["reward.functions=[]", "rollout.env={name: calculator}",
+    config = load_checked(recipe, ["reward.functions=[]", "rollout.env={name: openenv, kwargs: {url: 'http://e:1'}}",
                                    "eval.reward_functions=[{name: math_verify}]"])
     assert config.reward.functions == [] and config.eval_reward.functions[0].name == "math_verify"
 

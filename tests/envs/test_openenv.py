@@ -52,14 +52,14 @@ def test_an_action_environment_scores_calls_and_final_answers():
     config = EnvConfig("openenv", {"command": _command("sums_env.server.app:app"), "tool_name": "submit",
                                    "answer_field": "answer"}, parser="hermes", max_turns=2)
     runner = ToolRunner(config)
-    handles = runner.start([{"answer": "168", "expression": "97 + 71"}] * 4)
+    handles = runner.start([{"ground_truth": "168", "expression": "97 + 71"}] * 4)
     assert handles[0].episode.tools == [ToolSpec("submit", "The model's final answer, as it wrote it.", {
         "additionalProperties": False, "type": "object", "required": ["answer"],
         "properties": {"answer": {"description": "your final answer", "title": "Answer", "type": "string"}}})]
     batch = runner.step(handles, [_turn("97 + 71 = 168. The answer is 168."), _turn("The answer is 170."),
                                   _call("submit", {"answer": "168"}), _call("submit", {"answer": 168})])
     right, wrong, called, invalid = batch.outcomes
-    assert (right.observation, right.done, right.reward, right.info) == (None, True, 1.0, {"answer": True})
+    assert (right.observation, right.done, right.reward, right.answered) == (None, True, 1.0, True)
     assert (wrong.observation, wrong.done, wrong.reward) == (None, True, 0.0)
     assert (called.observation, called.done, called.reward) == ("correct", True, 1.0)
     assert invalid.observation == "error: Invalid message (answer: Input should be a valid string)"
@@ -102,14 +102,14 @@ def test_a_server_that_dies_fails_its_calls_and_is_restarted_for_the_next_batch(
     config = EnvConfig("openenv", {"command": _command("sums_env.server.app:app"), "tool_name": "submit",
                                    "answer_field": "answer", "timeout_s": 5}, parser="hermes")
     runner = ToolRunner(config)
-    handles = runner.start([{"answer": "1"}] * 2)
+    handles = runner.start([{"ground_truth": "1"}] * 2)
     server = handles[0].episode.server
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait()
     batch = runner.step(handles, [_call("submit", {"answer": "1"}), _turn("The answer is 1.")])
     assert [f.kind for f in batch.failures] == ["error", "error"]
     assert "could not open a session" in batch.outcomes[0].observation and batch.outcomes[1].reward is None
-    handles = runner.start([{"answer": "1"}])  # the next batch: the command runs again
+    handles = runner.start([{"ground_truth": "1"}])  # the next batch: the command runs again
     assert server.restarts == 1
     assert runner.step(handles, [_turn("The answer is 1.")]).outcomes[0].reward == 1.0
     runner.finish(handles)
@@ -163,7 +163,8 @@ class HostileServer:
             self.open -= 1
 
 
-def test_whatever_a_server_answers_is_an_episode_outcome_never_a_crash():
+def test_whatever_a_server_answers_is_an_episode_outcome_never_a_crash(monkeypatch):
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a proxy for the world must not come between
     hostile = HostileServer()
     config = EnvConfig("openenv", {"url": hostile.url, "timeout_s": 1, "max_message_mb": 1},
                        parser="hermes", timeout_s=10, num_workers=9)
@@ -176,10 +177,12 @@ def test_whatever_a_server_answers_is_an_episode_outcome_never_a_crash():
     assert sorted(f.index for f in batch.failures) == list(range(len(kinds) - 1))
     assert "non-JSON 'not json'" in shown["text"] and "not an observation" in shown["list"]
     assert "reward is not a finite number" in shown["nan"] and "not an OpenEnv step result" in shown["done"]
-    assert "message too big" in shown["huge"] and "refused a 'step': boom" in shown["error"]
+    assert "message too big" in shown["huge"] and "the environment failed the step: boom" in shown["error"]
     assert "session broke" in shown["close"] and "did not answer a 'step' within 1.0 s" in shown["silent"]
-    again = runner.step([handles[kinds.index("silent")]], [_call("step", {"answer": "fine"})]).outcomes[0]
-    assert "session was lost earlier (the server did not answer a 'step' within 1.0 s)" in again.observation
+    again = runner.step([handles[kinds.index("silent")], handles[kinds.index("error")]],
+                        [_call("step", {"answer": "fine"})] * 2).outcomes
+    assert "session was lost earlier (the server did not answer a 'step' within 1.0 s)" in again[0].observation
+    assert again[1].observation == shown["fine"]  # an environment that raised in a step keeps its session
     runner.finish(handles)
     deadline = time.monotonic() + 10
     while hostile.open and time.monotonic() < deadline:  # the silent handler wakes after 3 s
@@ -193,15 +196,36 @@ def test_whatever_a_server_answers_is_an_episode_outcome_never_a_crash():
     ({}, "needs exactly one of rollout.env.kwargs.url"),
     ({"url": "ftp://x"}, "url must be an http:// or https:// URL"),
     ({"command": ["python", "-m", "server"]}, r"with a '\{port\}' placeholder"),
-    ({"url": "http://127.0.0.1:9", "mode": "gym"}, r"mode of the openenv environment must be one of \['action', 'mcp'\]"),
+    ({"url": "http://127.0.0.1:9", "mode": "gym"},
+     r"mode of the openenv environment must be one of \['action', 'mcp'\]"),
     ({"url": "http://127.0.0.1:9", "mode": "mcp", "answer_field": "a"}, "answer_tool of the openenv environment names"),
     ({"url": "http://127.0.0.1:9", "timeout_s": 0}, "timeout_s must be a positive number"),
     ({"url": "http://127.0.0.1:9", "timeout_s": 1}, r"no OpenEnv server answers at http://127\.0\.0\.1:9/health"),
     ({"command": [sys.executable, "-c", "print('cannot serve {port}'); raise SystemExit(3)"]},
      r"exited with code 3 before serving; its output ends: 'cannot serve \d+\\n'"),
-    ({"command": [sys.executable, "-c", "import time; time.sleep(60) # {port}"], "start_timeout_s": 1},
-     r"did not answer at http://127\.0\.0\.1:\d+/health within start_timeout_s=1\.0"),
+    ({"command": [sys.executable, "-c", "import time; print('starting {port}', flush=True); time.sleep(60)"],
+      "start_timeout_s": 1},
+     r"did not answer at http://127\.0\.0\.1:\d+/health within start_timeout_s=1\.0; its output ends: 'starting \d+"),
+    ({"url": "http://127.0.0.1:9", "max_message_mb": 0.5}, r"max_message_mb must be an int in \[1, 1024\]"),
+    ({"url": "http://127.0.0.1:9", "observation_field": 3}, r"observation_field of the openenv environment must be a "
+                                                            r"non-empty string or null, got 3"),
+    ({"url": "http://127.0.0.1:9", "answr_field": "a"}, r"unknown key\(s\) \['answr_field'\]; known: \['url', "),
 ])
 def test_bad_settings_and_unreachable_servers_stop_the_run_at_start_up(kwargs, message):
     with pytest.raises((ValueError, ConfigError), match=message):
         openenv_env({}, **kwargs)
+
+
+def test_settings_that_do_not_fit_the_server_and_a_closed_episode():
+    hostile = HostileServer()
+    with pytest.raises(ConfigError, match=r"answer_field 'text' must be the one required field of the action "
+                                          r"\(its fields: \['answer'\], required: \['answer'\]\)"):
+        openenv_env({}, url=hostile.url, answer_field="text")
+    with pytest.raises(ValueError, match=r"reset_fields names \['level'\], which the row does not have"):
+        openenv_env({"ground_truth": "1"}, url=hostile.url, reset_fields=["level"])
+    episode = openenv_env({}, url=hostile.url, answer_field="answer")
+    episode.close()  # the rollout ended while a timed-out call had not yet opened the session
+    with pytest.raises(Exception, match="the episode was closed"):
+        episode.final_answer([{"role": "assistant", "content": "fine"}])
+    assert hostile.open == 0
+    hostile.server.shutdown()

@@ -177,7 +177,7 @@ def test_bad_use_is_an_error_naming_the_sample(runner):
     with pytest.raises(ValueError, match="the conversation of sample 1 must end with the model's turn"):
         runner.step(handles, [_call("echo", '{"text": "x"}'), [{"role": "user", "content": "hi"}]])
     assert [h.turns for h in handles] == [0, 0]  # a bad batch changes no episode
-    with pytest.raises(ValueError, match="step got 2 episodes and 1 conversations"):
+    with pytest.raises(ValueError, match="step got 2 episodes, 1 conversations and 2 final flags"):
         runner.step(handles, [_call("echo", '{"text": "x"}')])
 
 

@@ -18,7 +18,7 @@ CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", 
                "demo_grpo_calculator.yaml", "smollm2_grpo_arithmetic.yaml", "smollm2_sft_arithmetic.yaml",
                "smollm2_sft_multistep.yaml", "smollm2_grpo_multistep.yaml", "smollm2_rs_multistep.yaml",
                "smollm2_online_dpo_multistep.yaml", "smollm2_sft_tools.yaml", "smollm2_grpo_tools.yaml",
-               "smollm2_grpo_repo.yaml"]
+               "smollm2_grpo_repo.yaml", "smollm2_grpo_openenv.yaml"]
 
 
 def _command(recipe: str) -> str:

@@ -1,4 +1,5 @@
-"""The sums environment: reset with the row's expected answer, one step scores the model's answer."""
+"""The sums environment: reset with the row's answer (megarlhf sends it as ``ground_truth``), one step scores
+the model's answer."""
 import re
 from typing import Any, Optional
 from uuid import uuid4
@@ -18,10 +19,10 @@ class SumsEnvironment(Environment):
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self._answer: Optional[str] = None
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, answer: Optional[str] = None,
-              **kwargs: Any) -> SumsObservation:
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+              ground_truth: Optional[str] = None, **kwargs: Any) -> SumsObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        self._answer = answer
+        self._answer = ground_truth
         return SumsObservation(feedback="ready", done=False, reward=0.0)
 
     def step(self, action: SumsAction) -> SumsObservation:  # type: ignore[override]
