@@ -23,6 +23,16 @@ def test_chat_template_applied(tokenizer):
     assert example.ground_truth == "5" and example.metadata == {"source": "hand"}
 
 
+def test_an_environment_is_made_from_the_rows_fields_and_its_answer(tokenizer):
+    seen = []
+    config = DataConfig(train_path="-", prompt_key="question", answer_key="gold")
+    [example] = build_prompt_dataset(ROWS[:1], tokenizer, config, describe_tools=lambda m: seen.append(m) or
+                                     _describe(m)).examples
+    assert seen == [example.episode_fields] == [{"ground_truth": "5", "source": "hand"}]  # at load as in rollouts
+    rows = [{"question": "q", "gold": "5", "ground_truth": "the row's own"}]
+    assert build_prompt_dataset(rows, tokenizer, config).examples[0].episode_fields["ground_truth"] == "the row's own"
+
+
 def test_messages_field(tokenizer):
     rows = [{"msgs": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], "answer": "x"}]
     config = DataConfig(train_path="-", messages_key="msgs", system_prompt="ignored: the row has one")
