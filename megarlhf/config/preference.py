@@ -8,6 +8,7 @@ from typing import Literal
 
 from megarlhf.config.data import PreferenceDataConfig
 from megarlhf.config.validate import check
+from megarlhf.core.errors import ConfigError
 
 
 @dataclass
@@ -75,7 +76,10 @@ class IterativeConfig:
     # rs: "best" keeps each prompt's best sample if its reward is >= rs_threshold (null: always);
     # "threshold" keeps every sample whose reward is >= rs_threshold (which must then be set)
     rs_keep: Literal["best", "threshold"] = "best"
-    rs_threshold: float | None = 0.5  # 0.5: a 0/1 verifier's correct answers only
+    # "auto": 0.5 (a 0/1 verifier's correct answers only) for rule rewards; with a learned reward
+    # (reward.reward_model_path), whose scores have no fixed scale, null for rs_keep=best (each prompt's best)
+    # and an error for rs_keep=threshold (a learned reward's threshold must be chosen)
+    rs_threshold: float | Literal["auto"] | None = "auto"
     # online-dpo: "best_worst" (one pair per prompt) or "all" (every pair of a prompt's samples)
     pair_rule: Literal["best_worst", "all"] = "best_worst"
     min_margin: float = 0.0  # online-dpo: a reward gap at or below this is a tie: no pair
@@ -89,7 +93,19 @@ class IterativeConfig:
     def __post_init__(self):
         check(self.rs_keep != "threshold" or self.rs_threshold is not None,
               "IterativeConfig.rs_keep='threshold' needs rs_threshold (the reward a kept sample reaches)")
-        check(self.rs_threshold is None or math.isfinite(self.rs_threshold),
+        check(self.rs_threshold in (None, "auto") or math.isfinite(self.rs_threshold),
               f"IterativeConfig.rs_threshold must be finite or null, got {self.rs_threshold}")
         check(math.isfinite(self.min_margin) and self.min_margin >= 0,
               f"IterativeConfig.min_margin must be a finite number >= 0, got {self.min_margin}")
+
+    def keep_threshold(self, learned_reward: bool) -> float | None:
+        """The reward a kept sample reaches (None: each prompt's best is kept whatever its reward), with
+        "auto" resolved for a run whose reward is (``learned_reward``) or is not a learned reward model."""
+        if self.rs_threshold != "auto":
+            return self.rs_threshold
+        if not learned_reward:
+            return 0.5
+        if self.rs_keep == "threshold":
+            raise ConfigError("iterative.rs_keep='threshold' with a learned reward (reward.reward_model_path) needs an "
+                              "explicit iterative.rs_threshold: its scores have no fixed scale")
+        return None

@@ -45,6 +45,7 @@ class Collected:
     group_offset: int  # global batch position of ``examples[0]``
     informative: list[bool] | None  # per sample, dynamic sampling only (False: masked out of the update)
     metrics: dict[str, float]
+    failed: list[bool] | None = None  # per sample: its reward failed (rs / online-dpo skip it); None: unknown
 
 
 def _generate(run: RunContext, examples: list[PromptExample], seed: int, sync_weights: bool
@@ -62,10 +63,10 @@ def score_round(run: RunContext, examples: list[PromptExample], rollout: Rollout
                 metrics: dict[str, float]) -> Collected:
     """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
     runtime = run.runtime
-    rewards, reward_metrics = score_rewards(run.reward, examples, rollout, run.tokenizer, run.config)
+    rewards, reward_metrics, failed = score_rewards(run.reward, examples, rollout, run.tokenizer, run.config)
     metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
                **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
-    return Collected(examples, rollout, rewards, replica_offset(run), None, metrics)
+    return Collected(examples, rollout, rewards, replica_offset(run), None, metrics, failed)
 
 
 def collect(run: RunContext, sampler, prompts, step: int) -> Collected:
@@ -94,7 +95,7 @@ def fill_groups(run: RunContext, got: Collected, sampler, prompts, step: int, be
         examples = [prompts[i] for i in sampler.next_batch()]
         seed = sample_seed(config.seed + len(rounds) * ROUND_STRIDE, step, offset, n)
         rollout, _ = _generate(run, examples, seed, False)
-        rewards, _ = score_rewards(run.reward, examples, rollout, run.tokenizer, config)
+        rewards, _, _ = score_rewards(run.reward, examples, rollout, run.tokenizer, config)
         rounds.append(_groups(examples, rollout, rewards, runtime))
         found += sum(g[0] for g in rounds[-1])
     chosen = _choose(rounds, size)

@@ -76,8 +76,8 @@ def evaluate(run: RunContext, examples: list[PromptExample], step: int) -> dict[
     seed = sample_seed(config.seed + EVAL_OFFSET, step, share[0] if share else 0, n)
     # every replica generates, even with no prompt of its own: the weight sync inside is collective
     rollout, tools = run.rollout.generate(mine, eval_sampling(config, run.stop_token_ids), seed)
-    rewards, _ = (score_rewards(run.eval_reward, mine, rollout, run.tokenizer, config, training=False) if mine
-                  else ([], {}))
+    rewards = (score_rewards(run.eval_reward, mine, rollout, run.tokenizer, config, training=False)[0] if mine
+               else [])
     if run.samples is not None:  # collective over data-parallel ranks, so called with an empty share too
         run.samples.write(step, "eval", mine, rollout, rewards)
     correct = [0.0] * len(mine)

@@ -28,10 +28,13 @@ tool observations would not survive as such rows.
 
 Kept samples or pairs are gathered over the data-parallel replicas in replica order and dealt out
 round-robin, so every replica trains on a share; a round with fewer than one per replica trains on
-nothing (``*/skipped_updates`` counts it). Evaluation, checkpoints (every ``checkpoint.every`` rounds),
-resume and metrics work as in RL; metrics per round: ``rs/kept``, ``rs/kept_fraction`` (of the
-samples), ``rs/prompts_kept_fraction``, ``rs/reward_kept`` (mean reward of the kept samples) and
-``reward/mean`` (of all); ``odpo/pairs``, ``odpo/prompts_paired_fraction``, ``odpo/reward_gap``; the
+nothing (``*/skipped_updates`` counts it) but advances the learning-rate schedule as a trained round would,
+so the schedule ends where ``train.steps`` puts its end. A sample whose reward failed (``reward/failures``:
+a reward model's NaN, a verifier that timed out) is neither kept nor paired. ``iterative.rs_threshold``
+"auto" is 0.5 for rule rewards and none (each prompt's best) under a learned reward. Evaluation,
+checkpoints (every ``checkpoint.every`` rounds), resume and metrics work as in RL; metrics per round:
+``rs/kept``, ``rs/kept_fraction`` (of the samples), ``rs/prompts_kept_fraction``, ``rs/reward_kept`` (mean
+reward of the kept samples) and ``reward/mean`` (of all); ``odpo/pairs``, ``odpo/prompts_paired_fraction``, ``odpo/reward_gap``; the
 SFT or DPO step's metrics of the round's last optimizer step.
 """
 from __future__ import annotations
@@ -69,6 +72,8 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
     if config.rollout.env is not None:
         raise ConfigError(f"megarlhf {mode}: rollout.env (multi-turn tool episodes) is not supported: the kept rows "
                           f"would lose the tool observations between the model's turns")
+    if mode == "rs":
+        config.iterative.keep_threshold(config.reward.reward_model_path is not None)  # refuses what cannot resolve
     if mode == "online-dpo":
         if not PREFERENCE_LOSSES.get(config.preference.loss).paired:
             raise ConfigError(f"megarlhf online-dpo: preference.loss={config.preference.loss!r} reads unpaired "
@@ -85,6 +90,12 @@ def _allowed(got: Collected, config: RunConfig) -> list[bool]:
     return [reason != "error" and (cut_ok or reason != "length") for reason in got.rollout.finish_reasons]
 
 
+def _scored(got: Collected) -> list[int]:
+    """The samples whose reward did not fail: a failed one (a NaN from a reward model, a verifier that timed
+    out) is counted in ``reward/failures`` and takes no part in the round, neither kept nor in a pair."""
+    return [k for k in range(len(got.rewards)) if not (got.failed and got.failed[k])]
+
+
 def _sample_record(got: Collected, k: int, tokenizer) -> dict:
     """Sample ``k`` as an SFT row: the conversation (chat mode) or the prompt and response text."""
     example = got.examples[got.rollout.prompt_index[k]]
@@ -97,11 +108,13 @@ def _sample_record(got: Collected, k: int, tokenizer) -> dict:
 def _rs_round(got: Collected, config: RunConfig, tokenizer, step: int):
     """(this replica's kept samples as SFT examples, their log records, metric sums) of an RS round."""
     settings, rollout = config.iterative, got.rollout
-    allowed = _allowed(got, config)
+    scored = set(_scored(got))
+    allowed = [ok and k in scored for k, ok in enumerate(_allowed(got, config))]
+    threshold = settings.keep_threshold(config.reward.reward_model_path is not None)
     if settings.rs_keep == "best":
-        kept = keep_best(got.rewards, rollout.prompt_index, settings.rs_threshold, allowed)
+        kept = keep_best(got.rewards, rollout.prompt_index, threshold, allowed)
     else:
-        kept = keep_above(got.rewards, settings.rs_threshold, allowed)
+        kept = keep_above(got.rewards, threshold, allowed)
     items, records = [], []
     for k in kept:
         prompt, response = rollout.prompt_ids[k], rollout.response_ids[k]
@@ -117,8 +130,11 @@ def _rs_round(got: Collected, config: RunConfig, tokenizer, step: int):
 def _odpo_round(got: Collected, config: RunConfig, tokenizer, step: int):
     """(this replica's pairs, their log records, metric sums) of an online-DPO round."""
     settings, rollout = config.iterative, got.rollout
-    pairs = preference_pairs(got.rewards, rollout.prompt_index, rollout.response_ids, settings.pair_rule,
-                             settings.min_margin, _allowed(got, config))
+    use, allowed = _scored(got), _allowed(got, config)
+    pairs = preference_pairs([got.rewards[k] for k in use], [rollout.prompt_index[k] for k in use],
+                             [rollout.response_ids[k] for k in use], settings.pair_rule, settings.min_margin,
+                             [allowed[k] for k in use])
+    pairs = [(use[w], use[l]) for w, l in pairs]
     items, records = [], []
     for w, l in pairs:
         prompt, chosen, rejected = (list(x) for x in (rollout.prompt_ids[w], rollout.response_ids[w],
@@ -229,6 +245,8 @@ def _round(run: RunContext, mode: str, got: Collected, step: int, kept_log: Kept
     skipped = len(everything) < runtime.dp.size
     if not skipped:
         metrics.update(_train_round(run, mode, everything[runtime.dp.rank::runtime.dp.size]))
+    else:  # the schedule runs over the rounds (train.steps x epochs_per_step), trained or not
+        run.actor.scheduler.step(increment=run.config.train.epochs_per_step)
     metrics.update({f"{'rs' if mode == 'rs' else 'odpo'}/skipped_updates": float(skipped),
                     "time/train_s": time.perf_counter() - train_start})
     return metrics

@@ -49,11 +49,12 @@ def model_text(tokenizer, response_ids: list[int], loss_mask: list[int] | None) 
 
 
 def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout: RolloutBatch, tokenizer,
-                  config: RunConfig, training: bool = True) -> tuple[list[float], dict[str, float]]:
-    """Rewards (one per sample of the rollout) and metrics. Reward functions read the model's own text
-    (:func:`model_text`); a reward model scores the whole token sequence. In ``training`` the environment's
-    rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join; evaluation scores
-    the answer only."""
+                  config: RunConfig, training: bool = True) -> tuple[list[float], dict[str, float], list[bool]]:
+    """Rewards (one per sample of the rollout), metrics, and which samples' reward failed (a term raised,
+    timed out or returned a non-number: its value is ``reward.failure_reward``). Reward functions read the
+    model's own text (:func:`model_text`); a reward model scores the whole token sequence. In ``training``
+    the environment's rewards of multi-turn episodes and DAPO's overlong penalty (when configured) join;
+    evaluation scores the answer only."""
     masks = rollout.loss_masks or [None] * len(rollout.response_ids)
     written = [model_text(tokenizer, r, m) for r, m in zip(rollout.response_ids, masks)]
     samples = [RewardInput(prompt=examples[p].prompt, response=text, ground_truth=examples[p].ground_truth,
@@ -74,4 +75,7 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
         penalty = overlong_penalty(lengths, config.rollout.response_budget, overlong)
         rewards = (torch.tensor(rewards, dtype=torch.float32) + penalty).tolist()  # host: as above
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
-    return rewards, metrics
+    failed = [False] * len(rewards)
+    for failure in result.failures:
+        failed[failure.index] = True
+    return rewards, metrics, failed

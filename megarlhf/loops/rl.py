@@ -113,7 +113,7 @@ def greedy_baseline(run: RunContext, got: Collected, step: int) -> list[float] |
         return None
     greedy, _ = run.rollout.generate(got.examples, greedy_sampling(config.rollout, run.stop_token_ids),
                                      sample_seed(config.seed, step, got.group_offset, 1), sync_weights=False)
-    greedy_rewards, _ = score_rewards(run.reward, got.examples, greedy, run.tokenizer, config)
+    greedy_rewards, _, _ = score_rewards(run.reward, got.examples, greedy, run.tokenizer, config)
     return [greedy_rewards[p] for p in got.rollout.prompt_index]
 
 

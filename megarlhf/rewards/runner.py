@@ -103,7 +103,7 @@ class CombinedReward:
             components[name] = values
         weights = {name: weight for name, weight, _, _ in self.terms}
         if self.reward_model is not None:
-            components["reward_model"] = self._score_with_model(samples)
+            components["reward_model"] = self._score_with_model(samples, failures)
             weights["reward_model"] = self.config.reward_model_weight
         rewards = [sum(weights[name] * components[name][i] for name in components) for i in range(len(samples))]
         for failure in failures[:_LOGGED_FAILURES]:
@@ -122,14 +122,20 @@ class CombinedReward:
         return RewardFailure(index, name, kind, message, _truncate(call.item.prompt),
                              _truncate(call.item.response))
 
-    def _score_with_model(self, samples: list[RewardInput]) -> list[float]:
+    def _score_with_model(self, samples: list[RewardInput], failures: list[RewardFailure]) -> list[float]:
+        """The reward model's scores; a non-finite one (a judge or a model that overflowed on one sample) is a
+        failure of that sample, scored ``failure_reward`` and reported, as a function's would be."""
         scores = list(self.reward_model(samples))
         if len(scores) != len(samples):
             raise ValueError(f"the reward model returned {len(scores)} scores for {len(samples)} samples")
-        bad = [i for i, s in enumerate(scores) if _check_value(s) is not None]
-        if bad:
-            raise ValueError(f"the reward model returned non-finite scores at samples {bad[:10]}")
-        return [float(s) for s in scores]
+        values = []
+        for i, (sample, score) in enumerate(zip(samples, scores)):
+            problem = _check_value(score)
+            if problem is not None:
+                failures.append(RewardFailure(i, "reward_model", "invalid", problem, _truncate(sample.prompt),
+                                              _truncate(sample.response)))
+            values.append(self.config.failure_reward if problem else float(score))
+        return values
 
     def _metrics(self, rewards, components, failures) -> dict[str, float]:
         n = max(len(rewards), 1)

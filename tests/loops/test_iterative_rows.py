@@ -3,6 +3,7 @@
 Qwen2 tokenizer's template, with a system prompt) and in plain mode. A sample cut off by the token
 limit is neither kept nor chosen (it may be rejected), and is kept with ``iterative.keep_truncated``."""
 import json
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -14,7 +15,8 @@ from megarlhf.data.sft import load_sft_dataset
 from megarlhf.config.data import DataConfig
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.loops.collect import Collected
-from megarlhf.loops.iterative import _odpo_round, _rs_round
+from megarlhf.core.errors import ConfigError
+from megarlhf.loops.iterative import _odpo_round, _round as iterative_round, _rs_round, check_iterative_config
 from model_providers.tiny_models import make_tiny_model
 
 ROWS = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is 7 - 4?", "answer": "3"}]
@@ -33,7 +35,7 @@ def tok(tmp_path_factory):
     return tokenizer
 
 
-def _round(tok, chat: bool, **iterative):
+def _round(tok, chat: bool, rewards: dict | None = None, **iterative):
     data = DataConfig(train_path="-", chat_template="always" if chat else "never", system_prompt="Be brief.")
     prompts = build_prompt_dataset(ROWS, tok, data).examples
     rollout = RolloutBatch()
@@ -45,7 +47,8 @@ def _round(tok, chat: bool, **iterative):
         rollout.logprobs.append([0.0] * len(ids))
         rollout.finish_reasons.append(finish)
     got = Collected(prompts, rollout, [r for _, r, _ in RESPONSES], 0, None, {})
-    config = from_dict(RunConfig, {"model": {"path": "x"}, "data": {"train_path": "x"}, "iterative": iterative})
+    config = from_dict(RunConfig, {"model": {"path": "x"}, "data": {"train_path": "x"}, "iterative": iterative,
+                                   "reward": rewards or {}})
     return got, config
 
 
@@ -100,3 +103,41 @@ def test_an_episode_that_ended_in_an_error_is_never_kept(tok):
     got.rollout.finish_reasons[0] = got.rollout.finish_reasons[2] = "error"  # prompt 0's two best samples
     _, records, _ = _rs_round(got, config, tok, step=0)
     assert [r["finish_reason"] for r in records] == ["length"]  # prompt 0 keeps nothing above the threshold
+
+
+LEARNED = {"functions": [], "reward_model_path": "/models/rm"}
+
+
+def test_a_learned_rewards_default_threshold_keeps_each_prompts_best(tok):
+    got, config = _round(tok, False, rewards=LEARNED)
+    got.rewards = [-1.5, -3.0, 0.2, -0.4, -2.0, -0.9]  # a reward model's scores: no 0.5 to reach
+    _, records, _ = _rs_round(got, config, tok, step=0)
+    assert [r["reward"] for r in records] == [-1.5, -0.9]  # each prompt's best not cut off
+    got, config = _round(tok, False)  # a rule reward: the correct answers (>= 0.5) only
+    got.rewards = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert _rs_round(got, config, tok, step=0)[1] == []
+    with pytest.raises(ConfigError, match=r"rs_keep='threshold' with a learned reward \(reward\.reward_model_path\) "
+                                          r"needs an explicit iterative\.rs_threshold"):
+        check_iterative_config(_round(tok, False, rewards=LEARNED, rs_keep="threshold")[1], "rs")
+
+
+def test_a_sample_whose_reward_failed_is_neither_kept_nor_paired(tok):
+    got, config = _round(tok, False, rewards=LEARNED)
+    got.rewards = [-1.0, -3.0, -2.0, -0.4, -2.5, -0.9]
+    got.failed = [True, False, False, False, False, False]  # prompt 0's best: a NaN the reward replaced
+    _, records, _ = _rs_round(got, config, tok, step=0)
+    assert [r["reward"] for r in records] == [-3.0, -0.9]
+    _, pairs, _ = _odpo_round(got, config, tok, step=0)
+    assert [(p["chosen_reward"], p["rejected_reward"]) for p in pairs] == [(-0.9, -2.5)]  # prompt 0: no pair
+
+
+def test_a_skipped_round_advances_the_learning_rate_schedule(tok):
+    got, config = _round(tok, False, rs_threshold=2.0)  # nothing reaches it: the round trains on nothing
+    config.train.epochs_per_step = 3
+    steps = []
+    runtime = SimpleNamespace(dp=SimpleNamespace(size=1, rank=0), all_reduce=lambda sums: sums,
+                              all_gather_objects=lambda value, over: [value])
+    run = SimpleNamespace(runtime=runtime, config=config, tokenizer=tok,
+                          actor=SimpleNamespace(scheduler=SimpleNamespace(step=lambda increment: steps.append(increment))))
+    metrics = iterative_round(run, "rs", got, 0, SimpleNamespace(write=lambda records: None))
+    assert metrics["rs/skipped_updates"] == 1.0 and steps == [3]

@@ -4,6 +4,7 @@ so that samples of a prompt differ in reward): the rounds record their documente
 samples and pairs are written as rows ``megarlhf sft`` and ``megarlhf dpo`` read, and their numbers agree
 with the rules of :mod:`megarlhf.algorithms.selection` applied to the logged rewards; a run killed after a
 checkpoint and resumed matches the uninterrupted one bit for bit (metrics and the kept-data file)."""
+import math
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,17 @@ def test_online_dpo_run_forms_pairs_from_the_rewards_and_writes_dpo_rows(tmp_pat
     first = next(r for r in rounds if "dpo/loss" in r)
     if first["step"] == 0:  # the policy is the fixed reference at round 0: log 2
         assert first["dpo/loss"] == pytest.approx(0.693147, abs=1e-5)
+
+
+@pytest.mark.slow  # about 50 s: make test-slow
+def test_online_dpo_with_a_refreshed_reference_starts_every_round_at_log_2(tmp_path, rl_assets):
+    """iterative.reference=refresh: the reference is the policy as the round began, so each round's first
+    step compares the policy with itself (every log-ratio 0): the DPO loss is log 2 whatever the pairs."""
+    run_dir = _run("online-dpo", tmp_path, rl_assets, "refresh", "iterative.pair_rule=all",
+                   "iterative.reference=refresh", "train.epochs_per_step=1")
+    trained = [r for r in _rounds(run_dir) if "dpo/loss" in r]
+    assert len(trained) >= 2, "fewer than two rounds trained: the test proves nothing"
+    assert [r["dpo/loss"] for r in trained] == pytest.approx([math.log(2)] * len(trained), abs=1e-6)
 
 
 @pytest.mark.slow  # three 2-rank runs of each mode and two kills (~4 min): make test-slow

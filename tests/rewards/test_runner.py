@@ -178,6 +178,18 @@ def test_reward_model_slot():
         CombinedReward(config, reward_model=lambda s: [1.0])(_samples("a", "b"))
 
 
+def test_a_reward_models_non_finite_score_is_a_counted_failure_of_that_sample():
+    config = RewardConfig(functions=[RewardSpec("exact_match")], reward_model_path="/models/rm",
+                          failure_reward=-1.0)
+    reward = CombinedReward(config, reward_model=lambda samples: [2.0, float("nan"), float("inf")])
+    result = reward(_samples("#### 42", "#### 42", "#### 4"))
+    assert result.components["reward_model"] == [2.0, -1.0, -1.0] and result.rewards == [3.0, 0.0, -1.0]
+    assert [(f.index, f.name, f.kind) for f in result.failures] == [(1, "reward_model", "invalid"),
+                                                                    (2, "reward_model", "invalid")]
+    assert result.metrics["reward/failures"] == 2.0
+    reward.close()
+
+
 # ---- worker processes: what a thread cannot bound ---------------------------------------------------------
 def hostile_reward(sample):
     """Misbehaves as the response says (megarlhf.testing.hostile); scores 3.0 otherwise."""
