@@ -94,7 +94,7 @@ class IterativeConfig:
         check(self.rs_keep != "threshold" or self.rs_threshold is not None,
               "IterativeConfig.rs_keep='threshold' needs rs_threshold (the reward a kept sample reaches)")
         check(self.rs_threshold in (None, "auto") or math.isfinite(self.rs_threshold),
-              f"IterativeConfig.rs_threshold must be finite or null, got {self.rs_threshold}")
+              f"IterativeConfig.rs_threshold must be a finite number, 'auto' or null, got {self.rs_threshold}")
         check(math.isfinite(self.min_margin) and self.min_margin >= 0,
               f"IterativeConfig.min_margin must be a finite number >= 0, got {self.min_margin}")
 

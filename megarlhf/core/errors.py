@@ -26,3 +26,8 @@ class CheckpointError(UserError):
 class EpisodeFailureBudgetError(UserError):
     """More multi-turn episodes ended in an error than ``rollout.env.failed_episodes_budget`` allows; the
     message gives the count, the budget and the first failures."""
+
+
+class RewardsFailedError(UserError):
+    """Every sample of a step failed its reward (a reward model that returned no finite score, a verifier
+    that raised or timed out on all of them): training on ``reward.failure_reward`` alone would teach nothing."""

@@ -19,7 +19,8 @@ live without the caller threading it through. Stateless tools pay nothing for it
 wraps plain functions ``tool(**arguments) -> str`` and a factory may hand every sample the same one.
 Two optional methods: ``episode.final_answer(messages) -> StepResult | None`` takes the model's final turn (one
 without a tool call) and may reward it (an environment that scores answers itself); ``episode.close()`` is
-called once when the batch's rollout ends (an episode holding a connection or a process releases it).
+called once, when the episode ends or at the latest when the batch's rollout does (an episode holding a
+connection or a process releases it).
 A tool signals a refusal the model should read (bad arguments, "division by zero") by raising
 :class:`ToolError`; :class:`ToolEpisode` turns it into the observation ``"error: <message>"``. Any other
 exception is a failure that :mod:`megarlhf.envs.runner` reports.

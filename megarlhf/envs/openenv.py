@@ -88,22 +88,6 @@ class OpenEnvEpisode:
             return _refused(f"unknown tool {call.name!r}; the tool is {self.tool_name!r}")
         return self._act(dict(call.arguments))
 
-    def final_answer(self, messages: list[Message]) -> StepResult | None:
-        """The final answer (a turn without a tool call) as a step, when ``answer_field`` is set. An answer the
-        server rejects fails (the setting does not fit the environment's action: nothing would reward it)."""
-        if self.answer_field is None:
-            return None
-        text = messages[-1]["content"]
-        if self.mode == "mcp":
-            action = {"type": "call_tool", "tool_name": self.answer_tool, "arguments": {self.answer_field: text}}
-        else:
-            action = {self.answer_field: text}
-        result = self._act(action, final=True)
-        if "tool_error" in result.info:
-            raise OpenEnvProtocolError(f"the server rejected the final answer as {action!r}: "
-                                       f"{result.info['tool_error']}")
-        return StepResult(None, True, result.reward, result.info)
-
     def close(self) -> None:
         with self.lock:
             self.closed = True
@@ -156,6 +140,25 @@ class OpenEnvEpisode:
         if len(fields) == 1 and isinstance(next(iter(fields.values())), str):
             return next(iter(fields.values()))
         return json.dumps(fields, ensure_ascii=False)
+
+
+class OpenEnvAnsweringEpisode(OpenEnvEpisode):
+    """An episode whose final answer (a turn without a tool call) goes to the environment (``answer_field``)."""
+
+    def final_answer(self, messages: list[Message]) -> StepResult:
+        """The answer as a step; its reward counts. An action-mode answer the server rejects fails (the setting
+        does not fit the environment's action, so nothing would reward it); an MCP answer tool's error is the
+        answer's outcome, unrewarded."""
+        text = messages[-1]["content"]
+        if self.mode == "mcp":
+            action = {"type": "call_tool", "tool_name": self.answer_tool, "arguments": {self.answer_field: text}}
+        else:
+            action = {self.answer_field: text}
+        result = self._act(action, final=True)
+        if "tool_error" in result.info and self.mode == "action":
+            raise OpenEnvProtocolError(f"the server rejected the final answer as {action!r}: "
+                                       f"{result.info['tool_error']}")
+        return StepResult(None, True, result.reward, result.info)
 
 
 def _refused(message: str) -> StepResult:
@@ -227,4 +230,5 @@ def openenv_env(metadata: dict, **kwargs: Any) -> OpenEnvEpisode:
     settings = OpenEnvSettings(**kwargs)
     server = server_for(ServerSettings.make(settings.url, settings.command, settings.timeout_s,
                                             settings.start_timeout_s, settings.max_message_mb))
-    return OpenEnvEpisode(metadata, server, settings)
+    episode = OpenEnvEpisode if settings.answer_field is None else OpenEnvAnsweringEpisode
+    return episode(metadata, server, settings)

@@ -171,17 +171,16 @@ class OpenEnvServer:
     def stop(self) -> None:
         """SIGTERM to the server's process group (a wrapper such as ``docker run`` stops its container on
         it), SIGKILL after a grace period."""
-        if self.process is not None and self.process.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(self.process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.process.wait(timeout=_STOP_GRACE_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if self.process is not None and self.process.returncode is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=_STOP_GRACE_S)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            try:  # whatever of its group is left (children of a leader that exited within the grace period)
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.process.wait()
         if self.log_path is not None and os.path.exists(self.log_path):
             os.unlink(self.log_path)
@@ -254,8 +253,9 @@ class OpenEnvServer:
             raise ConfigError(f"rollout.env.kwargs.answer_tool {answer_tool!r} is not one of the OpenEnv server's MCP "
                               f"tools {sorted(tools)}")
         spec = tools[name]
-        if answer_field not in spec.properties or set(spec.required) - {answer_field}:
-            raise ConfigError(f"rollout.env.kwargs.answer_field {answer_field!r} must be the one required field of "
+        field_type = spec.parameters.get("properties", {}).get(answer_field, {}).get("type", "string")
+        if answer_field not in spec.properties or set(spec.required) - {answer_field} or field_type != "string":
+            raise ConfigError(f"rollout.env.kwargs.answer_field {answer_field!r} must be the one required (string) field of "
                               f"{'the tool ' + repr(name) if mode == 'mcp' else 'the action'} "
                               f"(its fields: {spec.properties}, required: {spec.required})")
 

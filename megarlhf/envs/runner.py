@@ -45,7 +45,8 @@ with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; ``tools/abando
 (threads stuck right now) and ``tools/killed_workers`` (worker processes killed or found dead since the
 runner started).
 
-:meth:`ToolRunner.finish` ends a batch's episodes: it calls ``close()`` on those that define one.
+:meth:`ToolRunner.step` calls an episode's ``close()`` (where it defines one) when the episode is done;
+:meth:`ToolRunner.finish` closes the rest of a batch's episodes when the rollout ends.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class EpisodeHandle:
     turns: int = 0  # model turns seen so far
     done: bool = False
     running: Any = None  # a timed-out call whose abandoned thread may still be inside episode.step
+    closed: bool = False  # the episode's close() was called
 
 
 @dataclass
@@ -125,6 +127,19 @@ def _run_step(episode: Episode, messages: list[Message], call: ParsedCall | None
 def takes_answers(episode: Any) -> bool:
     """Whether the episode takes the final answer (a turn without a tool call): it defines ``final_answer``."""
     return callable(getattr(episode, "final_answer", None))
+
+
+def _close(handle: "EpisodeHandle") -> None:
+    """Calls the episode's ``close()`` once, if it defines one; one that raises is logged, never raised (the
+    episode's results are already in)."""
+    close = getattr(handle.episode, "close", None)
+    if handle.closed or not callable(close):
+        return
+    handle.closed = True
+    try:
+        close()
+    except Exception as exc:  # noqa: BLE001 - user code
+        logger.warning("closing the episode of sample %d raised %s: %s", handle.index, type(exc).__name__, exc)
 
 
 def _called(parsed: ParsedCall | None) -> str:
@@ -265,6 +280,8 @@ class ToolRunner:
         for handle, outcome, end in zip(handles, outcomes, final):
             outcome.done = outcome.done or end or handle.turns >= self.config.max_turns
             handle.done = outcome.done
+            if handle.done:  # an episode holding a connection or a process releases it as soon as it ends
+                _close(handle)
         for failure in failures[:_LOGGED_FAILURES]:
             logger.warning("%s", failure)
         return StepBatch(outcomes, failures, self._metrics(outcomes, failures))
@@ -344,16 +361,10 @@ class ToolRunner:
         }
 
     def finish(self, handles: Sequence[EpisodeHandle]) -> None:
-        """Ends the batch's episodes: calls ``close()`` of those that define it (an environment that holds a
-        connection or a process per episode). A close that raises is logged, never raised."""
+        """Ends the batch's episodes: calls ``close()`` of those that define it and were not closed when they
+        ended (an episode the rollout ended itself: its budget, a template failure, an error)."""
         for handle in handles:
-            close = getattr(handle.episode, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as exc:  # noqa: BLE001 - user code; the episode's results are already in
-                    logger.warning("closing the episode of sample %d raised %s: %s", handle.index,
-                                   type(exc).__name__, exc)
+            _close(handle)
 
     def close(self) -> None:
         """Stops the workers (abandoned threads exit when their call returns)."""

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megarlhf.data.prompts import row_messages, template_renders_tools, with_tool_text
+from megarlhf.data.prompts import episode_fields, row_messages, template_renders_tools, with_tool_text
 from megarlhf.config.data import DataConfig
 from megarlhf.data.source import read_records
 from megarlhf.data.synthetic import final_answer, write_jsonl
@@ -43,7 +43,7 @@ from megarlhf.core.errors import DataError
 def tool_conversation(metadata: dict, answer: str, config: EnvConfig, tokenizer: Any, where: str,
                       argument: str = "expression") -> list[dict[str, str]]:
     """A problem solved with one call of the environment's only tool on ``metadata[argument]``; the
-    episode is made from ``metadata`` as a rollout makes it (the row without its prompt and answer)."""
+    episode is made from ``metadata`` as a rollout makes it (``PromptExample.episode_fields``)."""
     try:
         episode = resolve_environment(config.name)(dict(metadata), **config.kwargs)
         tools = list(episode.tools)
@@ -97,7 +97,8 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
         if problem["prompt"] != solution["prompt"]:
             raise DataError(f"{where}: the problem's prompt {problem['prompt']!r} differs from the "
                             f"solution's {solution['prompt']!r}")
-        metadata = {k: v for k, v in problem.items() if k not in ("prompt", "answer")}  # what a rollout's env gets
+        # what a rollout's environment gets: the row's other fields and its answer as ground_truth
+        metadata = episode_fields(problem["answer"], {k: v for k, v in problem.items() if k not in ("prompt", "answer")})
         try:
             description = describe(metadata).text
         except Exception as exc:  # user code, as in build_prompt_dataset

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megarlhf.algorithms import dynamic_sampling_filter
+from megarlhf.core.errors import RewardsFailedError
 from megarlhf.core.seeds import ROUND_STRIDE, sample_seed
 from megarlhf.data.prompts import PromptExample
 from megarlhf.loops.rewarding import score_rewards
@@ -64,6 +65,10 @@ def score_round(run: RunContext, examples: list[PromptExample], rollout: Rollout
     """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
     runtime = run.runtime
     rewards, reward_metrics, failed = score_rewards(run.reward, examples, rollout, run.tokenizer, run.config)
+    failed_count, total = runtime.all_reduce([float(sum(failed)), float(len(failed))])
+    if total and failed_count == total:
+        raise RewardsFailedError(f"all {int(total)} samples of this step failed their reward (reward/failures; the "
+                                 f"first reasons are logged as '[reward] sample ...'): nothing scored them")
     metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
                **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
     return Collected(examples, rollout, rewards, replica_offset(run), None, metrics, failed)

@@ -65,6 +65,7 @@ def test_an_action_environment_scores_calls_and_final_answers():
     assert invalid.observation == "error: Invalid message (answer: Input should be a valid string)"
     assert (invalid.done, invalid.reward, batch.failures) == (False, None, [])
     assert batch.metrics["tools/answers"] == 2.0 and batch.metrics["tools/refused"] == 1.0
+    assert [h.episode.session is None for h in handles] == [True, True, True, False]  # closed when done
     runner.finish(handles)
     assert all(h.episode.session is None for h in handles)
     runner.close()
@@ -218,8 +219,8 @@ def test_bad_settings_and_unreachable_servers_stop_the_run_at_start_up(kwargs, m
 
 def test_settings_that_do_not_fit_the_server_and_a_closed_episode():
     hostile = HostileServer()
-    with pytest.raises(ConfigError, match=r"answer_field 'text' must be the one required field of the action "
-                                          r"\(its fields: \['answer'\], required: \['answer'\]\)"):
+    with pytest.raises(ConfigError, match=r"answer_field 'text' must be the one required \(string\) field of the "
+                                          r"action \(its fields: \['answer'\], required: \['answer'\]\)"):
         openenv_env({}, url=hostile.url, answer_field="text")
     with pytest.raises(ValueError, match=r"reset_fields names \['level'\], which the row does not have"):
         openenv_env({"ground_truth": "1"}, url=hostile.url, reset_fields=["level"])

@@ -65,3 +65,28 @@ def test_a_reward_gets_the_models_turns_one_by_one_and_joined(tokenizer):
     SEEN.clear()
     score_rewards(CombinedReward(config.reward), examples, single, tokenizer, config)
     assert SEEN == [("The answer is 5.", ())]
+
+
+def test_a_step_whose_every_reward_failed_stops_with_a_clear_error_and_one_that_partly_failed_goes_on(tokenizer):
+    """A reward model that returns NaN: a sample whose score is not finite is a counted failure (scored
+    reward.failure_reward, skipped by rs / online-dpo); a step where every sample failed stops the run."""
+    from types import SimpleNamespace
+
+    from megarlhf.core.errors import RewardsFailedError
+    from megarlhf.loops.collect import score_round
+
+    config = load_config(RunConfig, None, ["model.path=unused", "data.train_path=unused.jsonl",
+                                           "reward.functions=[]", "reward.reward_model_path=/rm"])
+    examples = [PromptExample(0, "What is 2 + 3?", [1, 2], "5", {})]
+    rollout = RolloutBatch(prompt_index=[0, 0], prompt_ids=[[1, 2]] * 2, response_ids=[[5], [6]],
+                           logprobs=[[0.0]] * 2, finish_reasons=["stop"] * 2)
+    runtime = SimpleNamespace(all_reduce=lambda values, op="sum": values, dp=SimpleNamespace(rank=0, size=1))
+
+    def run_with(scores):
+        reward = CombinedReward(config.reward, reward_model=lambda samples: scores)
+        return SimpleNamespace(reward=reward, tokenizer=tokenizer, config=config, runtime=runtime)
+
+    got = score_round(run_with([0.7, float("nan")]), examples, rollout, {})
+    assert got.rewards == [0.7, 0.0] and got.failed == [False, True] and got.metrics["reward/failures"] == 1.0
+    with pytest.raises(RewardsFailedError, match="all 2 samples of this step failed their reward"):
+        score_round(run_with([float("nan"), float("inf")]), examples, rollout, {})

@@ -35,8 +35,15 @@ class AddEpisode:
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
+    """Registers the test environments for this module only: a name left in the registry would show in the
+    "known:" lists other tests match in the same worker process."""
     if "test_add" not in ENVIRONMENTS:
         ENVIRONMENTS.register("test_add")(AddEpisode)
+    if "test_echo" not in ENVIRONMENTS:
+        ENVIRONMENTS.register("test_echo")(EchoEpisode)
+    yield
+    ENVIRONMENTS._entries.pop("test_add", None)
+    ENVIRONMENTS._entries.pop("test_echo", None)
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +335,6 @@ HOSTILE_TURNS = {
 def test_hostile_model_turns_never_stop_the_run(tokenizer):
     """Model output is hostile input: every turn above ends as an observation or a finished episode, the
     observations are valid text the tokenizer encodes, and the run goes on."""
-    if "test_echo" not in ENVIRONMENTS:
-        ENVIRONMENTS.register("test_echo")(EchoEpisode)
     turns = {(i, 0): text for i, text in enumerate(HOSTILE_TURNS.values())}
     config = EnvConfig(name="test_echo", max_turns=2, parser="hermes", timeout_s=5.0, max_observation_chars=2000)
     rollout = MultiTurnRollout(config, tokenizer, chat=True, max_new_tokens=60000, budget=200000)
