@@ -51,10 +51,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from megarlhf.envs.api import ENVIRONMENTS, Message, ParsedCall, StepResult, ToolSpec
-from megarlhf.envs.openenv_server import OpenEnvProtocolError, ServerSettings, server_for
+from megarlhf.envs.openenv_server import SHOWN_CHARS, OpenEnvProtocolError, ServerSettings, server_for
+from megarlhf.isolation.timed_calls import shown
 
 _MODES = ("action", "mcp")
-_SHOWN = 300  # characters of a server's reply quoted in an error
 
 
 def _settings_error(key: str, why: str) -> ValueError:
@@ -117,9 +117,10 @@ class OpenEnvEpisode:
     def _result(self, data: dict[str, Any]) -> StepResult:
         observation, reward, done = data.get("observation"), data.get("reward"), data.get("done", False)
         if not isinstance(observation, dict) or not isinstance(done, bool):
-            raise OpenEnvProtocolError(f"the server's observation is not an OpenEnv step result: {_quoted(data)}")
+            raise OpenEnvProtocolError(f"the server's observation is not an OpenEnv step result: "
+                                       f"{shown(data, SHOWN_CHARS)}")
         if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
-            raise OpenEnvProtocolError(f"the server's reward is not a finite number: {_quoted(reward)}")
+            raise OpenEnvProtocolError(f"the server's reward is not a finite number: {shown(reward, SHOWN_CHARS)}")
         reward = None if reward is None else float(reward)
         if self.mode == "mcp" and "tool_name" in observation:
             text, error = _tool_text(observation)
@@ -134,7 +135,7 @@ class OpenEnvEpisode:
         if self.observation_field is not None:
             if self.observation_field not in fields:
                 raise OpenEnvProtocolError(f"the observation has no field {self.observation_field!r} "
-                                           f"(rollout.env.kwargs.observation_field): {_quoted(observation)}")
+                                           f"(rollout.env.kwargs.observation_field): {shown(observation, SHOWN_CHARS)}")
             value = fields[self.observation_field]
             return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         if len(fields) == 1 and isinstance(next(iter(fields.values())), str):
@@ -170,7 +171,7 @@ def _tool_text(observation: dict[str, Any]) -> tuple[str, str | None]:
     error = observation.get("error")
     if error is not None:
         message = error.get("message") if isinstance(error, dict) else None
-        return "", message if isinstance(message, str) else _quoted(error)
+        return "", message if isinstance(message, str) else shown(error, SHOWN_CHARS)
     result = observation.get("result")
     if isinstance(result, dict):
         if isinstance(result.get("data"), str):
@@ -181,11 +182,6 @@ def _tool_text(observation: dict[str, Any]) -> tuple[str, str | None]:
             text = "\n".join(c["text"] for c in content)
             return text, (text if result.get("is_error") is True else None)
     return (result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)), None
-
-
-def _quoted(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=repr)
-    return repr(text[:_SHOWN]) + ("..." if len(text) > _SHOWN else "")
 
 
 @dataclass(frozen=True)

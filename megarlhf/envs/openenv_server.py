@@ -35,7 +35,7 @@ from megarlhf.envs.api import ToolSpec
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_SHOWN = 300  # characters of a reply or a log quoted in an error
+SHOWN_CHARS = 300  # characters of a reply or a log quoted in an error
 
 
 class OpenEnvProtocolError(RuntimeError):
@@ -195,7 +195,7 @@ class OpenEnvServer:
     def _log_tail(self) -> str:
         try:
             with open(self.log_path, "rb") as log:
-                log.seek(max(0, os.path.getsize(self.log_path) - _SHOWN))
+                log.seek(max(0, os.path.getsize(self.log_path) - SHOWN_CHARS))
                 return repr(log.read().decode(errors="replace"))
         except OSError:
             return "(no output)"
@@ -234,7 +234,7 @@ class OpenEnvServer:
         tools = observation.get("tools") if isinstance(observation, dict) else None
         if not isinstance(tools, list) or not tools:
             raise ConfigError(f"the OpenEnv server {self._name()} listed no MCP tools (mode: mcp needs an "
-                              f"MCPEnvironment): {str(reply)[:_SHOWN]}")
+                              f"MCPEnvironment): {str(reply)[:SHOWN_CHARS]}")
         try:
             return [ToolSpec(t["name"], t.get("description") or "", t.get("input_schema") or {"type": "object"})
                     for t in tools]
@@ -255,8 +255,8 @@ class OpenEnvServer:
         spec = tools[name]
         field_type = spec.parameters.get("properties", {}).get(answer_field, {}).get("type", "string")
         if answer_field not in spec.properties or set(spec.required) - {answer_field} or field_type != "string":
-            raise ConfigError(f"rollout.env.kwargs.answer_field {answer_field!r} must be the one required (string) field of "
-                              f"{'the tool ' + repr(name) if mode == 'mcp' else 'the action'} "
+            raise ConfigError(f"rollout.env.kwargs.answer_field {answer_field!r} must be the one required (string) "
+                              f"field of {'the tool ' + repr(name) if mode == 'mcp' else 'the action'} "
                               f"(its fields: {spec.properties}, required: {spec.required})")
 
     def _get_json(self, path: str) -> dict[str, Any]:
@@ -266,7 +266,7 @@ class OpenEnvServer:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"the OpenEnv server {self._name()} did not answer GET {path}: {exc}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"the OpenEnv server {self._name()} answered GET {path} with {str(data)[:_SHOWN]}")
+            raise ConfigError(f"the OpenEnv server {self._name()} answered GET {path} with {str(data)[:SHOWN_CHARS]}")
         return data
 
     def session(self) -> "Session":
@@ -298,7 +298,7 @@ class Session:
         except OpenEnvStepError:
             raise
         except Exception as exc:
-            self.broken = str(exc)[:_SHOWN]
+            self.broken = str(exc)[:SHOWN_CHARS]
             self.socket.close()
             raise
 
@@ -313,7 +313,8 @@ class Session:
         try:
             reply = json.loads(raw)
         except (TypeError, ValueError):
-            raise OpenEnvProtocolError(f"the server answered a {kind!r} with non-JSON {str(raw)[:_SHOWN]!r}") from None
+            raise OpenEnvProtocolError(f"the server answered a {kind!r} with non-JSON "
+                                       f"{str(raw)[:SHOWN_CHARS]!r}") from None
         kind_of_reply = reply.get("type") if isinstance(reply, dict) else None
         body = reply.get("data") if isinstance(reply, dict) else None
         if kind_of_reply == "observation" and isinstance(body, dict):
@@ -321,13 +322,14 @@ class Session:
         if kind_of_reply == "error" and isinstance(body, dict):
             message = f"{body.get('message')}{_validation_details(body.get('errors'))}"
             if body.get("code") == "VALIDATION_ERROR" and kind == "step":
-                return {"kind": "refused", "message": message[:2 * _SHOWN]}
+                return {"kind": "refused", "message": message[:2 * SHOWN_CHARS]}
             if body.get("code") == "EXECUTION_ERROR" and kind == "step":
-                raise OpenEnvStepError(f"the environment failed the step: {message[:2 * _SHOWN]}")
+                raise OpenEnvStepError(f"the environment failed the step: {message[:2 * SHOWN_CHARS]}")
             if body.get("code") == "CAPACITY_REACHED":
                 message += " (the server's max_concurrent_envs must allow one session per running episode)"
-            raise OpenEnvProtocolError(f"the server refused a {kind!r}: {message[:2 * _SHOWN]}")
-        raise OpenEnvProtocolError(f"the server answered a {kind!r} with {str(raw)[:_SHOWN]!r}, not an observation")
+            raise OpenEnvProtocolError(f"the server refused a {kind!r}: {message[:2 * SHOWN_CHARS]}")
+        raise OpenEnvProtocolError(f"the server answered a {kind!r} with {str(raw)[:SHOWN_CHARS]!r}, "
+                                   f"not an observation")
 
     def close(self) -> None:
         try:

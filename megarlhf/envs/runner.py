@@ -40,8 +40,9 @@ call tools it cannot use. Its outcome is done, without observation or reward, ``
 "max_turns"}``; an environment that rewards a final "submit" call needs ``max_turns`` to leave a turn for
 it. Metrics of one ``step`` (counts, to be summed over the turns of a rollout): ``tools/calls``
 (well-formed calls run), ``tools/answers`` (answers an episode's ``final_answer`` took), ``tools/not_run``
-(well-formed calls in a last turn), ``tools/errors`` (raised, invalid or busy), ``tools/timeouts``, ``tools/parse_errors``, ``tools/refused`` (calls a tool answered
-with :class:`~megarlhf.envs.api.ToolError`), ``tools/truncated``; ``tools/abandoned_threads``
+(well-formed calls in a last turn), ``tools/errors`` (raised, invalid or busy), ``tools/timeouts``,
+``tools/parse_errors``, ``tools/refused`` (calls a tool answered with :class:`~megarlhf.envs.api.ToolError`),
+``tools/truncated``; ``tools/abandoned_threads``
 (threads stuck right now) and ``tools/killed_workers`` (worker processes killed or found dead since the
 runner started).
 

@@ -98,7 +98,8 @@ def transcript_rows(problems: list[dict], solutions: list[dict], config: EnvConf
             raise DataError(f"{where}: the problem's prompt {problem['prompt']!r} differs from the "
                             f"solution's {solution['prompt']!r}")
         # what a rollout's environment gets: the row's other fields and its answer as ground_truth
-        metadata = episode_fields(problem["answer"], {k: v for k, v in problem.items() if k not in ("prompt", "answer")})
+        fields = {k: v for k, v in problem.items() if k not in ("prompt", "answer")}
+        metadata = episode_fields(problem["answer"], fields)
         try:
             description = describe(metadata).text
         except Exception as exc:  # user code, as in build_prompt_dataset

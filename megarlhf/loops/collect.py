@@ -65,11 +65,11 @@ def score_round(run: RunContext, examples: list[PromptExample], rollout: Rollout
     """Step 6 of one generation round of this replica: rewards and the round's metrics (global)."""
     runtime = run.runtime
     rewards, reward_metrics, failed = score_rewards(run.reward, examples, rollout, run.tokenizer, run.config)
-    failed_count, total = runtime.all_reduce([float(sum(failed)), float(len(failed))])
-    if total and failed_count == total:
-        raise RewardsFailedError(f"all {int(total)} samples of this step failed their reward (reward/failures; the "
+    reward_metrics, failed_total, total = global_reward_metrics(reward_metrics, len(rewards), sum(failed), runtime)
+    if total and failed_total == total:
+        raise RewardsFailedError(f"all {total} samples of this step failed their reward (reward/failures; the "
                                  f"first reasons are logged as '[reward] sample ...'): nothing scored them")
-    metrics = {**metrics, **global_reward_metrics(reward_metrics, len(rewards), runtime),
+    metrics = {**metrics, **reward_metrics,
                **rollout_metrics(rollout, rewards, runtime), **tool_metrics(metrics, runtime)}
     return Collected(examples, rollout, rewards, replica_offset(run), None, metrics, failed)
 

@@ -34,8 +34,8 @@ a reward model's NaN, a verifier that timed out) is neither kept nor paired. ``i
 "auto" is 0.5 for rule rewards and none (each prompt's best) under a learned reward. Evaluation,
 checkpoints (every ``checkpoint.every`` rounds), resume and metrics work as in RL; metrics per round:
 ``rs/kept``, ``rs/kept_fraction`` (of the samples), ``rs/prompts_kept_fraction``, ``rs/reward_kept`` (mean
-reward of the kept samples) and ``reward/mean`` (of all); ``odpo/pairs``, ``odpo/prompts_paired_fraction``, ``odpo/reward_gap``; the
-SFT or DPO step's metrics of the round's last optimizer step.
+reward of the kept samples) and ``reward/mean`` (of all); ``odpo/pairs``, ``odpo/prompts_paired_fraction``,
+``odpo/reward_gap``; the SFT or DPO step's metrics of the round's last optimizer step.
 """
 from __future__ import annotations
 
@@ -84,10 +84,12 @@ def check_iterative_config(config: RunConfig, mode: str) -> None:
 
 
 def _allowed(got: Collected, config: RunConfig) -> list[bool]:
-    """Which samples may be kept or chosen: those the token limit did not cut off (unless keep_truncated), and
-    never an episode that ended in an error (its conversation broke the chat template)."""
+    """Which samples may be kept or chosen: those the token limit did not cut off (unless keep_truncated), never
+    an episode that ended in an error (its conversation broke the chat template), and only those scored."""
     cut_ok = config.iterative.keep_truncated
-    return [reason != "error" and (cut_ok or reason != "length") for reason in got.rollout.finish_reasons]
+    scored = set(_scored(got))
+    return [k in scored and reason != "error" and (cut_ok or reason != "length")
+            for k, reason in enumerate(got.rollout.finish_reasons)]
 
 
 def _scored(got: Collected) -> list[int]:
@@ -108,8 +110,7 @@ def _sample_record(got: Collected, k: int, tokenizer) -> dict:
 def _rs_round(got: Collected, config: RunConfig, tokenizer, step: int):
     """(this replica's kept samples as SFT examples, their log records, metric sums) of an RS round."""
     settings, rollout = config.iterative, got.rollout
-    scored = set(_scored(got))
-    allowed = [ok and k in scored for k, ok in enumerate(_allowed(got, config))]
+    allowed = _allowed(got, config)
     threshold = settings.keep_threshold(config.reward.reward_model_path is not None)
     if settings.rs_keep == "best":
         kept = keep_best(got.rewards, rollout.prompt_index, threshold, allowed)

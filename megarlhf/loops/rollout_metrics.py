@@ -12,14 +12,16 @@ from megarlhf.rollout.engines.sampling import RolloutBatch
 from parallel.runtime import Runtime
 
 
-def global_reward_metrics(metrics: dict[str, float], samples: int, runtime: Runtime) -> dict[str, float]:
-    """This replica's reward metrics (``score_rewards``) over all replicas: means weighted by each
-    replica's ``samples``, counts summed."""
+def global_reward_metrics(metrics: dict[str, float], samples: int, failed: int, runtime: Runtime
+                          ) -> tuple[dict[str, float], int, int]:
+    """This replica's reward metrics (``score_rewards``) over all replicas (means weighted by each replica's
+    ``samples``, counts summed), the samples of all replicas that ``failed`` their reward, and all the samples;
+    one collective."""
     names = sorted(metrics)
     values = runtime.all_reduce([metrics[k] * samples if k.endswith("mean") else metrics[k] for k in names]
-                                + [float(samples)])
+                                + [float(failed), float(samples)])
     total = max(values[-1], 1.0)
-    return {k: v / total if k.endswith("mean") else v for k, v in zip(names, values)}
+    return {k: v / total if k.endswith("mean") else v for k, v in zip(names, values)}, int(values[-2]), int(values[-1])
 
 
 def tool_metrics(counts: dict[str, float], runtime: Runtime, prefix: str = "tools/") -> dict[str, float]:

@@ -84,8 +84,8 @@ def test_a_batch_of_every_kind(runner):
     assert [(f.index, f.tool, f.kind) for f in batch.failures] == [(1, "boom", "error"), (2, "number", "invalid")]
     assert batch.failures[0].turn == conversations[1][-1]["content"]
     assert batch.metrics == {"tools/calls": 4.0, "tools/errors": 2.0, "tools/timeouts": 0.0, "tools/parse_errors": 1.0,
-                             "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0, "tools/answers": 0.0,
-                             "tools/not_run": 0.0, "tools/killed_workers": 0.0}
+                             "tools/refused": 0.0, "tools/truncated": 1.0, "tools/abandoned_threads": 0.0,
+                             "tools/answers": 0.0, "tools/not_run": 0.0, "tools/killed_workers": 0.0}
     assert [h.done for h in handles] == [False] * 5 + [True]
     with pytest.raises(ValueError, match="the episode of sample 5 is done"):
         runner.step(handles[5:], [_call("echo", '{"text": "again"}')])

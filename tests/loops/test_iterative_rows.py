@@ -137,7 +137,7 @@ def test_a_skipped_round_advances_the_learning_rate_schedule(tok):
     steps = []
     runtime = SimpleNamespace(dp=SimpleNamespace(size=1, rank=0), all_reduce=lambda sums: sums,
                               all_gather_objects=lambda value, over: [value])
-    run = SimpleNamespace(runtime=runtime, config=config, tokenizer=tok,
-                          actor=SimpleNamespace(scheduler=SimpleNamespace(step=lambda increment: steps.append(increment))))
+    scheduler = SimpleNamespace(step=lambda increment: steps.append(increment))
+    run = SimpleNamespace(runtime=runtime, config=config, tokenizer=tok, actor=SimpleNamespace(scheduler=scheduler))
     metrics = iterative_round(run, "rs", got, 0, SimpleNamespace(write=lambda records: None))
     assert metrics["rs/skipped_updates"] == 1.0 and steps == [3]
