@@ -46,12 +46,15 @@ class RunConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        check(bool(self.reward.functions) or self.reward.reward_model_path is not None or self.rollout.env is not None,
-              "reward.functions is empty and there is no reward_model_path: with no rollout.env (whose rewards "
-              "would be the reward) nothing would score the samples")
+        reward = self.reward
+        check(bool(reward.functions) or reward.reward_model_path is not None or reward.judge is not None
+              or self.rollout.env is not None,
+              "reward.functions is empty and there is no reward_model_path or judge: with no rollout.env (whose "
+              "rewards would be the reward) nothing would score the samples")
         check(self.eval.every == 0 or self.eval_reward is not None,
               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
-              "reward or the environment's rewards only), so set eval.reward_functions (e.g. [{name: math_verify}])")
+              "reward, a judge or the environment's rewards only), so set eval.reward_functions "
+              "(e.g. [{name: math_verify}])")
         overlong = self.algorithm.overlong
         check(overlong is None or overlong.buffer_length < self.rollout.response_budget,
               f"algorithm.overlong.buffer_length ({overlong and overlong.buffer_length}) must be < "
@@ -85,7 +88,7 @@ class RunConfig:
     @property
     def eval_reward(self) -> RewardConfig | None:
         """The reward evaluation scores with: ``eval.reward_functions`` (default ``reward.functions``) with
-        the run's timeouts and no reward model; None when there is no function to score with."""
+        the run's timeouts and no reward model or judge; None when there is no function to score with."""
         functions = self.eval.reward_functions if self.eval.reward_functions is not None else self.reward.functions
         if not functions:
             return None

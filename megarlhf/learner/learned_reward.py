@@ -1,6 +1,6 @@
 """A learned reward in the RL loop: a value-head reward model scoring each sampled response.
 
-:class:`LearnedReward` fills :class:`megarlhf.rewards.api.RewardModel`'s slot of
+:class:`LearnedReward` fills the reward model's :class:`megarlhf.rewards.api.BatchScorer` slot of
 :class:`~megarlhf.rewards.runner.CombinedReward`. It scores the tokens the policy saw and produced
 (``RewardInput.prompt_ids`` + ``response_ids``, so the recipe's chat template is in them exactly as the
 policy was prompted) with a frozen value-head model built from ``reward.reward_model_path`` on the

@@ -14,20 +14,30 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptExample
 from megarlhf.rewards import CombinedReward, RewardInput
 from megarlhf.rollout.engines.sampling import RolloutBatch
+from megarlhf.rollout.judge import EngineJudge
 from megarlhf.learner import TrainModel, build_reward_model
 from megarlhf.learner.learned_reward import LearnedReward, check_reward_model
 from parallel.runtime import Runtime
 
 
 def build_reward(config: RunConfig, runtime: Runtime, tokenizer) -> tuple[CombinedReward, TrainModel | None]:
-    """The run's reward and, with ``reward.reward_model_path``, the frozen reward model it scores with
-    (a trainer-side model: colocate it with the others so it is offloaded around rollouts)."""
+    """The run's reward; with ``reward.reward_model_path``, the frozen reward model it scores with (a trainer-side
+    model: colocate it with the others so it is offloaded around rollouts); with ``reward.judge``, the judge's
+    engine (:mod:`megarlhf.rollout.judge`)."""
     path = config.reward.reward_model_path
+    if path is not None:
+        check_reward_model(path, tokenizer)  # before anything is built
+    judge = EngineJudge.build(config, runtime) if config.reward.judge is not None else None
     if path is None:
-        return CombinedReward(config.reward), None
-    check_reward_model(path, tokenizer)
+        return CombinedReward(config.reward, judge=judge), None
     model = build_reward_model(config, runtime, path, trainable=False)
-    return CombinedReward(config.reward, LearnedReward(model, config, config.reward)), model
+    return CombinedReward(config.reward, LearnedReward(model, config, config.reward), judge), model
+
+
+def question(example: PromptExample) -> str | None:
+    """The row's question as written: the last user message of a chat prompt, else None (the prompt is it)."""
+    users = [m["content"] for m in example.messages or () if m.get("role") == "user"]
+    return users[-1] if users else None
 
 
 def model_turns(tokenizer, response_ids: list[int], loss_mask: list[int]) -> list[str]:
@@ -59,7 +69,7 @@ def score_rewards(reward: CombinedReward, examples: list[PromptExample], rollout
     written = [model_text(tokenizer, r, m) for r, m in zip(rollout.response_ids, masks)]
     samples = [RewardInput(prompt=examples[p].prompt, response=text, ground_truth=examples[p].ground_truth,
                            metadata=examples[p].metadata, prompt_ids=tuple(examples[p].prompt_ids),
-                           response_ids=tuple(r), turns=turns)
+                           response_ids=tuple(r), turns=turns, question=question(examples[p]))
                for p, r, (text, turns) in zip(rollout.prompt_index, rollout.response_ids, written)]
     result = reward(samples)
     for failure in result.failures:

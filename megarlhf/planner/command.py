@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from megarlhf.planner.memory import COMMANDS, GIB, Launch, MemoryPlan, plan_memory
+from megarlhf.planner.memory import COMMANDS, GIB, PHASES, Launch, MemoryPlan, plan_memory
 from megarlhf.planner.shapes import resolve_shape
 from megarlhf.planner.suggest import suggest
 
@@ -22,7 +22,8 @@ ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp
         ("critic_optimizer", "critic optimizer state"), ("reward_model_weights", "reward model weights"),
         ("activations", "activations"),
         ("engine_weights", "vLLM weights"), ("engine_kv_cache", "vLLM KV cache"),
-        ("engine_sync_bucket", "weight-sync bucket")]
+        ("engine_sync_bucket", "weight-sync bucket"), ("judge_weights", "judge weights"),
+        ("judge_kv_cache", "judge KV cache")]
 
 
 def smallest_world(parallel) -> int:
@@ -85,7 +86,9 @@ def format_plan(plan: MemoryPlan, source: str, config) -> str:
         lines.append(f"  {'activations (full recompute)':<28s}"
                      + "".join(f"  {_gib(st.activations_recompute)}  " for st in plan.stages))
     lines.append("phases (colocate schedule)")
-    for phase in ("train", "sync", "generate"):
+    for phase in PHASES:
+        if phase == "judge" and not any(st.phases[phase] for st in plan.stages):
+            continue
         lines.append(f"  {phase:<28s}" + "".join(f"  {_gib(st.phases[phase])}  " for st in plan.stages))
     lines.append(f"  {'peak':<28s}" + "".join(f"  {_gib(st.peak)}  " for st in plan.stages))
     if not plan.sequences_per_engine:

@@ -19,7 +19,9 @@ the colocate schedule:
                 1 frees its weights and KV cache) -- on CPU vLLM cannot sleep, so it stays resident;
 * ``sync``      (step 3) the actor's parameters still resident (grads, optimizer and the other models are
                 offloaded first), the engine's weights awake, one weight-sync bucket in flight;
-* ``generate``  (step 4) the engine's weights and KV cache; the trainer state is offloaded to host memory.
+* ``generate``  (step 4) the engine's weights and KV cache; the trainer state is offloaded to host memory;
+* ``judge``     (step 6, with ``reward.judge`` only) the trainer state back on the device and the judge's engine
+                awake (weights and KV cache; it sleeps, on the host, the rest of the step).
 
 What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's parameters, see
 :meth:`ModelShape.params_per_rank`; S = optimizer shards = DP x CP with the distributed optimizer, else 1):
@@ -57,7 +59,9 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
 * a learned reward (``reward.reward_model_path``): its frozen weights with the value head, ``P_rm * d``
   (its own config.json gives P_rm);
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
-  a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``.
+  a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``;
+* an LLM judge (``reward.judge``): one TP-1 engine per rank, its weights at ``judge.dtype`` (its own
+  config.json gives their count) and ``judge.kv_cache_mb``.
 
 Not counted (the ``reserve``, a per-rank allowance the caller chooses): CUDA context, NCCL buffers,
 allocator fragmentation, vLLM's own activation and sampler workspace, and on CPU the Python/torch runtime.
@@ -78,7 +82,7 @@ from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 GIB = 2**30
 MIB = 2**20
 LOGPROB_CHUNK = 4096  # megarlhf.ops' default vocabulary chunk
-PHASES = ("train", "sync", "generate")
+PHASES = ("train", "sync", "generate", "judge")
 COMMANDS = ("train", "sft", "dpo", "rm", "rs", "online-dpo")
 
 
@@ -280,6 +284,21 @@ def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | No
         return actor
 
 
+def _judge_engine(config: RunConfig, rewards_samples: bool) -> dict[str, int]:
+    """The judge engine's weights and KV cache on each rank (0 without ``reward.judge``, or in a command that
+    rewards no samples of its own)."""
+    judge = config.reward.judge
+    if judge is None or not rewards_samples:
+        return {"judge_weights": 0, "judge_kv_cache": 0}
+    try:
+        shape, _ = resolve_shape(judge.model_path)
+    except UserError:
+        raise UserError(f"reward.judge.model_path={judge.model_path!r} has no config.json and its name matches no "
+                        f"preset: the planner cannot count the judge's weights") from None
+    return {"judge_weights": shape.total_params() * dtype_bytes(judge.dtype or config.model.dtype),
+            "judge_kv_cache": judge.kv_cache_mb * MIB}
+
+
 def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp: int, max_model_len: int,
            engine: dict[str, int]) -> StagePlan:
     d = dtype_bytes(config.model.dtype)
@@ -304,17 +323,21 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
+    judge = _judge_engine(config, work.engine)
+    comp.update(judge)
     trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_", "reward_model_")))
     if not work.engine:  # nothing is offloaded, nothing generates
-        phases = {"train": trainer_state + act, "sync": 0, "generate": 0}
+        phases = {"train": trainer_state + act, "sync": 0, "generate": 0, "judge": 0}
     elif launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
-        everything = trainer_state + act + sum(engine.values())
-        phases = {"train": everything, "sync": everything, "generate": everything}
+        everything = trainer_state + act + sum(engine.values()) + sum(judge.values())
+        phases = {"train": everything, "sync": everything, "generate": everything,
+                  "judge": everything if judge["judge_weights"] else 0}
     else:
         phases = {
             "train": trainer_state + act,
             "sync": comp["actor_weights"] + engine["engine_weights"] + engine["engine_sync_bucket"],
             "generate": engine["engine_weights"] + engine["engine_kv_cache"],
+            "judge": trainer_state + sum(judge.values()) if judge["judge_weights"] else 0,
         }
     return StagePlan(stage, comp, phases, act_recompute)
 

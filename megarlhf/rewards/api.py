@@ -7,9 +7,9 @@ Every reward in :data:`REWARDS` (and every user function named by a dotted path)
 ``kwargs`` are the ``kwargs`` of the function's :class:`RewardSpec` in the run config. A reward is per
 sample so that one failing or hanging call costs that sample only: ``runner.py`` runs each call in a
 worker process it kills past the time limit, or, for functions declared :func:`in_process`, on a thread.
-The learned reward model is not a registry entry: it scores a whole batch with a Megatron model on every
-rank in lockstep, so it is a separate slot, :class:`RewardModel`, that the trainer fills and that
-:class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
+The learned reward model and the LLM judge are not registry entries: each scores a whole batch with a model on
+every rank in lockstep (a Megatron model; a rollout engine), so each is a slot, a :class:`BatchScorer`, that the
+trainer fills and that :class:`megarlhf.rewards.runner.CombinedReward` adds with its own weight.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class RewardInput:
     # a multi-turn episode's model turns, each decoded alone (``response`` joins them with newlines): a reward
     # that replays the episode's tool calls reads them turn by turn; () for a single-turn sample
     turns: tuple[str, ...] = ()
+    question: str | None = None  # the row's question as written (chat mode: the last user message); None: prompt
 
 
 RewardFn = Callable[..., float]
@@ -71,11 +72,22 @@ def runs_in_process(fn: RewardFn) -> bool:
     return getattr(fn, "megarlhf_in_process", False) is True
 
 
-class RewardModel(Protocol):
-    """The reward-model slot: scores a batch (called on every rank, in the main thread, no timeout,
-    because a Megatron value-head model runs collectives). Returns one finite float per sample."""
+@dataclass(frozen=True)
+class Unscored:
+    """A batch scorer's verdict that it could not score a sample (e.g. a judge's reply without a score): a
+    counted failure of that sample, rewarded ``reward.failure_reward``."""
 
-    def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float]: ...
+    kind: str  # a short word, e.g. "unparsed", "ambiguous", "out_of_range", "too_long"
+    message: str
+
+
+class BatchScorer(Protocol):
+    """A slot that scores a whole batch (called on every rank, in the main thread, no timeout, because a
+    Megatron model or a rollout engine runs collectives): one value per sample, a finite float or an
+    :class:`Unscored` (a non-finite float counts as one too)."""
+
+    def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float | Unscored]: ...
+
 
 
 def load_function(path: str) -> Callable:

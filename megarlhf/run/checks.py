@@ -53,6 +53,9 @@ def _check_rewards(config: RunConfig) -> None:
                        ("eval.reward_functions", config.eval.reward_functions or [])):
         for i, spec in enumerate(specs):
             REWARDS.check_name(spec.name, f"{key}.{i}", dotted_path=True)
+    judge = config.reward.judge
+    if judge is not None and judge.backend is not None:
+        ENGINES.check_name(judge.backend, "reward.judge.backend")
 
 
 def _check_rollout(config: RunConfig) -> None:
@@ -87,6 +90,8 @@ def check_ground_truths(dataset: PromptDataset, rewards: RewardConfig | None, an
     """Refuses prompts without an answer when a reward function of ``rewards`` scores against it."""
     needing = [spec.name for spec in (rewards.functions if rewards is not None else [])
                if wants_ground_truth(resolve_reward(spec.name))]
+    if rewards is not None and rewards.judge is not None and rewards.judge.uses_reference:
+        needing.append("judge (its template quotes the {reference})")
     missing = [example.index for example in dataset.examples if example.ground_truth is None]
     if needing and missing:
         raise DataError(f"{dataset.source}: {len(missing)} of {len(dataset)} prompts have no {answer_key!r} field "

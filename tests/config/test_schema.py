@@ -119,7 +119,8 @@ def test_recipe_and_overrides_fill_nested_fields(recipe):
     ("rollout.env={name: calculator, max_turns: 0}", r"rollout\.env\.max_turns must be an int >= 1"),
     ("rollout.env={name: nope}", r"rollout\.env\.name: unknown environment 'nope'; known: calculator, code, lookup, "
                                  r"openenv, repo, or a dotted path"),
-    ("reward.functions=[]", r"reward\.functions is empty and there is no reward_model_path: with no rollout\.env"),
+    ("reward.functions=[]", r"reward\.functions is empty and there is no reward_model_path or judge: with no "
+                             r"rollout\.env"),
     ("rollout.env={name: calculator, parser: xml}",
      r"rollout\.env\.parser: unknown tool-call parser 'xml'; known: hermes, mistral, tokenizer"),
     ("rollout.backend=sglang", r"rollout\.backend: unknown rollout engine 'sglang'; known: fake, hf, vllm"),

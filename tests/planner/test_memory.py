@@ -95,6 +95,29 @@ def test_learned_reward_model_weights_from_its_own_config(tmp_path):
     assert st.phases["generate"] == without.phases["generate"]  # offloaded around rollouts like the reference
 
 
+def test_a_judge_is_counted_in_its_own_dtype_and_phase(tmp_path):
+    # the judge: 1 layer of the toy's widths, untied: 36992 + 2 x 256 x 64 + 64 = 69824 parameters, in fp32
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 256, "tie_word_embeddings": False}))
+    judge = {"judge": {"model_path": str(tmp_path), "dtype": "float32", "kv_cache_mb": 3}}
+    without = plan_memory(_config(), SHAPE, Launch(world_size=2)).stages[0]
+    st = plan_memory(_config(reward=judge), SHAPE, Launch(world_size=2)).stages[0]
+    assert (st.components["judge_weights"], st.components["judge_kv_cache"]) == (4 * 69824, 3 * MIB)
+    trainer_state = without.phases["train"] - without.components["activations"]
+    assert st.phases["judge"] == trainer_state + 4 * 69824 + 3 * MIB  # judged with the trainer state back
+    assert without.phases["judge"] == 0
+    for phase in ("train", "sync", "generate"):  # asleep, on the host, the rest of the step
+        assert st.phases[phase] == without.phases[phase]
+    cpu = plan_memory(_config(reward=judge), SHAPE, Launch(world_size=2, device="cpu")).stages[0]
+    assert cpu.phases["train"] == cpu.phases["judge"] == sum(cpu.components.values())
+    sft = plan_memory(_config(reward=judge), SHAPE, Launch(world_size=2, command="sft")).stages[0]
+    assert sft.components["judge_weights"] == sft.phases["judge"] == 0  # sft rewards no samples
+    with pytest.raises(ValueError, match="reward.judge.model_path='/nowhere/judge'"):
+        plan_memory(_config(reward={"judge": {"model_path": "/nowhere/judge"}}), SHAPE, Launch(world_size=2))
+
+
 def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="not divisible by tensor_model_parallel_size"):
         plan_memory(_config(parallel={"tensor_model_parallel_size": 2}), SHAPE, Launch(world_size=3))

@@ -172,7 +172,7 @@ def test_reward_model_slot():
     assert result.components["reward_model"] == [7.0, 6.0]
     assert result.rewards == [1.0 + 0.25 * 7.0, 0.25 * 6.0]
     reward.close()
-    with pytest.raises(ValueError, match="reward_model_path and the reward_model slot go together"):
+    with pytest.raises(ValueError, match="reward.reward_model_path and its scorer go together"):
         CombinedReward(config)
     with pytest.raises(ValueError, match="returned 1 scores for 2 samples"):
         CombinedReward(config, reward_model=lambda s: [1.0])(_samples("a", "b"))

@@ -46,3 +46,28 @@ def test_the_engine_core_sees_only_this_ranks_gpu():
     assert child_visible_devices("GPU-aa, GPU-bb", 1) == "GPU-bb"
     with pytest.raises(ValueError, match="cuda:2 is not among CUDA_VISIBLE_DEVICES='0,1'"):
         child_visible_devices("0,1", 2)
+
+
+@pytest.mark.parametrize("visible", [None, "4,5,6,7"])
+def test_only_the_child_engine_core_sees_the_narrowed_devices(monkeypatch, visible):
+    """Before, an engine core started in a child process (an LLM judge's) left this process's
+    CUDA_VISIBLE_DEVICES narrowed to one device, and a policy engine over all ranks built after it failed."""
+    import dataclasses
+    import os
+
+    from megarlhf.rollout.engines.api import EngineConfig
+    from megarlhf.rollout.engines.vllm import _child_devices
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    config = EngineConfig(backend="vllm", tensor_parallel_size=1, dtype="bfloat16", seed=0, enforce_eager=True,
+                          max_model_len=64, kv_cache_bytes=2**20, temperature=1.0, num_threads=None,
+                          in_process=False)
+    with _child_devices(config, on_gpu=True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ("1" if visible is None else "5")
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible
+    with _child_devices(dataclasses.replace(config, in_process=True), on_gpu=True):
+        assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible

@@ -84,9 +84,6 @@ def _set_process_environment(config: EngineConfig, on_gpu: bool) -> None:
         # worker have to be pickled to reach the child
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        if on_gpu:  # the engine core uses its first visible GPU: make it this rank's
-            os.environ["CUDA_VISIBLE_DEVICES"] = child_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                                       torch.cuda.current_device())
     if config.tensor_parallel_size > 1 and not on_gpu:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(config.tensor_parallel_size))
         _run_unique_shm_names()
@@ -94,6 +91,26 @@ def _set_process_environment(config: EngineConfig, on_gpu: bool) -> None:
         torch.set_num_threads(config.num_threads)
     if not on_gpu:
         _eager_token_ranks()
+
+
+@contextlib.contextmanager
+def _child_devices(config: EngineConfig, on_gpu: bool):
+    """While an engine core starts in a child process (``in_process=False``) on a GPU: ``CUDA_VISIBLE_DEVICES``
+    narrowed to this rank's device, which the child inherits (it uses its first visible GPU); restored after,
+    so that this process and the engines built after it (a policy engine over all ranks beside an LLM judge's)
+    still see every device."""
+    if config.in_process or not on_gpu:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = child_visible_devices(before, torch.cuda.current_device())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _run_unique_shm_names() -> None:
@@ -202,7 +219,8 @@ class VLLMEngine(RolloutEngine):
 
         # the engine's first load, reported for calibration's bitwise check (an unsharded engine in this process)
         reported = config.in_process and tp == 1
-        with vllm_worker.first_load_reported() if reported else contextlib.nullcontext():
+        with vllm_worker.first_load_reported() if reported else contextlib.nullcontext(), \
+                _child_devices(config, self.on_gpu):
             self.llm = LLM(**kwargs)
         self._first_load = self.run_in_worker(vllm_worker.take_first_load_report) if reported else None
         random.setstate(rng[0])

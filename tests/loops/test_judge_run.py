@@ -1,0 +1,96 @@
+"""An LLM judge as part of the reward of ``megarlhf train``, as a user runs it: 2 ranks under torchrun, data
+parallel (each rank judges its replica's samples) or tensor parallel (the two ranks of the one replica judge
+half of its samples each and gather). The judge is a tiny model whose weights make it write "1" whatever it
+reads, so every sample's logged reward is the rule reward plus the judge's weight; its prompts and replies go
+through the real engine, template, quoting and parsing."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarlhf.rewards.api import REWARDS, RewardInput
+from model_providers.tiny_models import make_tiny_model
+
+RECIPE = """
+model: {path: MODEL, dtype: float32}
+data: {train_path: DATA/train.jsonl, max_prompt_length: 32, chat_template: never}
+rollout: {backend: hf, n_samples: 4, temperature: 1.0, max_new_tokens: 12}
+parallel: {tensor_model_parallel_size: TP}
+algorithm: {estimator: grpo}
+optim: {lr: 1.0e-4}
+train: {steps: 2, global_batch_size: 4, micro_batch_tokens: 1024}
+reward:
+  functions: [{name: exact_match}]
+  judge: {model_path: JUDGE, weight: 0.5, template: "Q {question} R {reference} A {response} Grade:",
+          answer_prefix: "Score:", score_pattern: 'Score:\\s*(\\d)', max_new_tokens: 3, max_model_len: 512}
+logging: {run_dir: RUN, samples_per_step: 16}
+"""
+
+
+def make_constant_judge(out: Path) -> Path:
+    """A tiny HF model whose greedy reply is "1" repeated: every token embeds to one vector ``v``, no block
+    writes to the residual stream, and the LM head's only non-zero row, the token "1"'s, is ``v``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    path = make_tiny_model("llama", out, seed=1, max_position_embeddings=1024)
+    one = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("1")
+    weights = load_file(path / "model.safetensors")
+    vector = weights["model.embed_tokens.weight"][0].clone()
+    for name, tensor in weights.items():
+        if name == "model.embed_tokens.weight":
+            tensor.copy_(vector.expand_as(tensor))
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+            tensor.zero_()
+        elif name == "model.norm.weight":
+            tensor.fill_(1.0)
+    weights["lm_head.weight"][one] = vector
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_judge_joins_the_reward_of_a_two_rank_run(tmp_path, tp):
+    model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    judge = make_constant_judge(tmp_path / "judge")
+    (tmp_path / "data").mkdir()
+    rows = [{"prompt": f"{a} plus {b} is", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (0, 5), (2, 2)]]
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("JUDGE", str(judge)).replace("TP", str(tp))
+                      .replace("DATA", str(tmp_path / "data")).replace("RUN", str(tmp_path / "run")))
+    done = subprocess.run([sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", "2", str(recipe)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = {r["prompt"]: r["answer"] for r in rows}
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["kind"] == "train"]
+    assert len(trained) == 2 * 4 * 4  # 2 steps x 4 prompts x 4 samples
+    exact_match = REWARDS.get("exact_match")
+    for sample in trained:
+        answer = answers[sample["prompt"]]
+        rule = exact_match(RewardInput(prompt=sample["prompt"], response=sample["response"], ground_truth=answer))
+        assert sample["reward"] == pytest.approx(rule + 0.5, abs=1e-6), sample
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward/judge/mean" in m]
+    assert [(m["reward/judge/mean"], m["reward/judge/failures"]) for m in steps] == [(1.0, 0.0), (1.0, 0.0)]
+
+
+def test_the_constant_judge_writes_ones(tmp_path):
+    """The test's judge does what its docstring says, through the HF engine (so the runs above test the
+    reward's plumbing, not a judge that happens to say 1)."""
+    from transformers import AutoTokenizer
+
+    from megarlhf.rollout.engines.hf import HFEngine
+    from megarlhf.rollout.engines.sampling import SamplingConfig
+
+    path = make_constant_judge(tmp_path / "judge")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = HFEngine(str(path), dtype=torch.float32, device="cpu", seed=0, max_model_len=64)
+    prompts = [tokenizer("the answer is 4")["input_ids"], tokenizer("Score:")["input_ids"]]
+    batch = engine.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=3))
+    assert [tokenizer.decode(r) for r in batch.response_ids] == ["111", "111"]
