@@ -378,7 +378,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     per_engine = (config.train.global_batch_size if engine_tp > 1 else prompts_per_rank) * config.rollout.n_samples
     if not with_engine:
         kv_tokens = per_engine = 0
-    host = (max(s.phases["train"] - s.components["activations"] for s in stages)
+    # during generation: the trainer state, and a judge's weights (asleep on the host all but the judge phase)
+    host = (max(s.phases["train"] - s.components["activations"] + s.components["judge_weights"] for s in stages)
             if launch.device == "gpu" and with_engine else 0)
     plan = MemoryPlan(shape, launch, dp, stages, kv_tokens, max_model_len, per_engine, host_offload=host)
     if with_engine and max_model_len <= kv_tokens < per_engine * max_model_len:

@@ -8,8 +8,9 @@ engine). The ranks of one model replica score the same samples, so each judges a
 replica all-gathers the verdicts, as the rollout phase shares generation. Where the engine can sleep (on a GPU)
 it sleeps between steps and wakes only to judge.
 
-A sample's judge prompt (:func:`megarlhf.rewards.judging.judge_prompt_ids`) that leaves no room for
-``judge.max_new_tokens`` within ``judge.max_model_len`` is not generated: it is an ``Unscored("too_long")``.
+A sample's judge prompt (:class:`megarlhf.rewards.judging.JudgePrompts`) that leaves no room for
+``judge.max_new_tokens`` within ``judge.max_model_len`` is not generated: it is an ``Unscored("too_long")``; nor
+is one whose quoted values became the judge's added tokens (``Unscored("injected")``).
 Replies are parsed by :func:`megarlhf.rewards.judging.parse_score`. Each judge prompt samples with a seed drawn
 from the run seed and its own tokens, so which sample draws which random numbers does not depend on the
 batch, the layout or a resume (the engine's arithmetic may still differ in the last bits across batch sizes).
@@ -27,7 +28,7 @@ import torch
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.rewards.api import RewardInput, Unscored
-from megarlhf.rewards.judging import judge_fields, judge_prompt_ids, parse_score
+from megarlhf.rewards.judging import JudgePrompts, judge_fields, parse_score
 from megarlhf.rollout.engines import EngineConfig, RolloutEngine, SamplingConfig, build_engine
 from megarlhf.rollout.engines.api import TAGS
 from parallel.runtime import Runtime
@@ -61,6 +62,7 @@ class EngineJudge:
     def __init__(self, config: RunConfig, runtime: Runtime, tokenizer, engine: RolloutEngine):
         self.judge, self.seed, self.runtime = config.reward.judge, config.seed, runtime
         self.tokenizer, self.engine = tokenizer, engine
+        self.prompts = JudgePrompts(self.judge, tokenizer)
         self.stop_ids = tuple(sorted({int(i) for i in (tokenizer.eos_token_id,) if i is not None}))
         if self.engine.sleep_supported:
             self.engine.sleep()
@@ -87,13 +89,14 @@ class EngineJudge:
 
     def judge_all(self, samples: list[RewardInput]) -> list[float | Unscored]:
         """This rank's verdicts on ``samples``, in batches of ``judge.batch_size`` prompts."""
-        prompts = [judge_prompt_ids(self.tokenizer, self.judge, judge_fields(s)) for s in samples]
+        prompts = [self.prompts.ids(judge_fields(s)) for s in samples]
         room = self.judge.max_model_len - self.judge.max_new_tokens
         verdicts: list[float | Unscored] = [
+            p if isinstance(p, Unscored) else
             Unscored("too_long", f"the judge prompt has {len(p)} tokens; judge.max_model_len="
                                  f"{self.judge.max_model_len} leaves room for {room} with judge.max_new_tokens="
                                  f"{self.judge.max_new_tokens}") for p in prompts]
-        fitting = [i for i, p in enumerate(prompts) if len(p) <= room]
+        fitting = [i for i, p in enumerate(prompts) if not isinstance(p, Unscored) and len(p) <= room]
         if not fitting:
             return verdicts
         if self.engine.sleep_supported:

@@ -1,6 +1,7 @@
 """An LLM judge as part of the reward of ``megarlhf train``, as a user runs it: 2 ranks under torchrun, data
-parallel (each rank judges its replica's samples) or tensor parallel (the two ranks of the one replica judge
-half of its samples each and gather). The judge is a tiny model whose weights make it write "1" whatever it
+parallel (each rank judges its replica's samples), tensor parallel (the two ranks of the one replica judge
+half of its samples each and gather), or disaggregated in bf16 (the one trainer rank judges, beside an engine
+rank). The judge is a tiny model whose weights make it write "1" whatever it
 reads, so every sample's logged reward is the rule reward plus the judge's weight; its prompts and replies go
 through the real engine, template, quoting and parsing."""
 import json
@@ -19,7 +20,6 @@ RECIPE = """
 model: {path: MODEL, dtype: float32}
 data: {train_path: DATA/train.jsonl, max_prompt_length: 32, chat_template: never}
 rollout: {backend: hf, n_samples: 4, temperature: 1.0, max_new_tokens: 12}
-parallel: {tensor_model_parallel_size: TP}
 algorithm: {estimator: grpo}
 optim: {lr: 1.0e-4}
 train: {steps: 2, global_batch_size: 4, micro_batch_tokens: 1024}
@@ -53,17 +53,23 @@ def make_constant_judge(out: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_judge_joins_the_reward_of_a_two_rank_run(tmp_path, tp):
+LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
+           "disaggregated_bf16": ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                                  "model.dtype=bfloat16", "reward.judge.dtype=bfloat16"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_judge_joins_the_reward_of_a_two_rank_run(tmp_path, layout):
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
     judge = make_constant_judge(tmp_path / "judge")
     (tmp_path / "data").mkdir()
     rows = [{"prompt": f"{a} plus {b} is", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (0, 5), (2, 2)]]
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("JUDGE", str(judge)).replace("TP", str(tp))
+    recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("JUDGE", str(judge))
                       .replace("DATA", str(tmp_path / "data")).replace("RUN", str(tmp_path / "run")))
-    done = subprocess.run([sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", "2", str(recipe)],
+    done = subprocess.run([sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", "2", str(recipe),
+                           *LAYOUTS[layout]],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     answers = {r["prompt"]: r["answer"] for r in rows}

@@ -102,9 +102,11 @@ def test_a_judge_is_counted_in_its_own_dtype_and_phase(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 256, "tie_word_embeddings": False}))
     judge = {"judge": {"model_path": str(tmp_path), "dtype": "float32", "kv_cache_mb": 3}}
-    without = plan_memory(_config(), SHAPE, Launch(world_size=2)).stages[0]
-    st = plan_memory(_config(reward=judge), SHAPE, Launch(world_size=2)).stages[0]
+    without_plan = plan_memory(_config(), SHAPE, Launch(world_size=2))
+    plan = plan_memory(_config(reward=judge), SHAPE, Launch(world_size=2))
+    without, st = without_plan.stages[0], plan.stages[0]
     assert (st.components["judge_weights"], st.components["judge_kv_cache"]) == (4 * 69824, 3 * MIB)
+    assert plan.host_offload == without_plan.host_offload + 4 * 69824  # asleep on the host
     trainer_state = without.phases["train"] - without.components["activations"]
     assert st.phases["judge"] == trainer_state + 4 * 69824 + 3 * MIB  # judged with the trainer state back
     assert without.phases["judge"] == 0
