@@ -1,7 +1,8 @@
 """Runs a Python file under ``torchrun`` on this machine and returns what it wrote.
 
 Multi-rank tests write a small worker script, launch it with :func:`run_torchrun` (gloo, one process
-per rank) and compare the JSON results the workers leave in ``out_dir``.
+per rank) and compare the JSON results the workers leave in ``out_dir``; :func:`train_with_cli` runs
+``megarlhf train`` as a user does and returns what the run logged.
 """
 from __future__ import annotations
 
@@ -33,3 +34,18 @@ def read_rank_results(out_dir: str | Path, nproc: int) -> list[dict]:
 def write_rank_result(out_dir: str | Path, rank: int, result: dict) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def train_with_cli(recipe: str | Path, run_dir: str | Path, overrides: list[str] | None = None,
+                   nproc: int = 2) -> tuple[list[dict], list[dict]]:
+    """Runs ``megarlhf train --nproc-per-node nproc recipe overrides`` (its run directory ``run_dir``); raises
+    with its output if it fails. Returns the run's training samples (``samples.jsonl``) and metric records."""
+    cmd = [sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", str(nproc), str(recipe), *(overrides or [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"megarlhf train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    run = Path(run_dir)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [s for s in samples if s["kind"] == "train"], metrics

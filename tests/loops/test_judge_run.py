@@ -5,15 +5,13 @@ rank). The judge is a tiny model whose weights make it write "1" whatever it
 reads, so every sample's logged reward is the rule reward plus the judge's weight; its prompts and replies go
 through the real engine, template, quoting and parsing."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megarlhf.rewards.api import REWARDS, RewardInput
+from megarlhf.testing.launch import train_with_cli
 from model_providers.tiny_models import make_tiny_model
 
 RECIPE = """
@@ -68,20 +66,14 @@ def test_a_judge_joins_the_reward_of_a_two_rank_run(tmp_path, layout):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("JUDGE", str(judge))
                       .replace("DATA", str(tmp_path / "data")).replace("RUN", str(tmp_path / "run")))
-    done = subprocess.run([sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", "2", str(recipe),
-                           *LAYOUTS[layout]],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    trained, metrics = train_with_cli(recipe, tmp_path / "run", LAYOUTS[layout])
     answers = {r["prompt"]: r["answer"] for r in rows}
-    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    trained = [s for s in samples if s["kind"] == "train"]
     assert len(trained) == 2 * 4 * 4  # 2 steps x 4 prompts x 4 samples
     exact_match = REWARDS.get("exact_match")
     for sample in trained:
         answer = answers[sample["prompt"]]
         rule = exact_match(RewardInput(prompt=sample["prompt"], response=sample["response"], ground_truth=answer))
         assert sample["reward"] == pytest.approx(rule + 0.5, abs=1e-6), sample
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/judge/mean" in m]
     assert [(m["reward/judge/mean"], m["reward/judge/failures"]) for m in steps] == [(1.0, 0.0), (1.0, 0.0)]
 

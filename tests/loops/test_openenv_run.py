@@ -3,14 +3,12 @@ its own server of ``examples/openenv/sums_env`` from the recipe's command, the e
 reward (``reward.functions: []``). Every sample's final answer reaches the environment (``tools/answers``),
 and every sample's reward is the environment's rule applied here to the response it logged."""
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from megarlhf.testing.launch import train_with_cli
 from model_providers.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,16 +53,11 @@ def test_an_openenv_environment_is_the_reward_of_a_dp2_run(tmp_path):
     recipe.write_text(RECIPE.replace("MODEL", str(model)).replace("DATA", str(tmp_path / "data"))
                       .replace("RUN", str(tmp_path / "run")).replace("SERVER", str(SERVER_PYTHON))
                       .replace("EXAMPLES", str(ROOT / "examples" / "openenv")))
-    done = subprocess.run([sys.executable, "-m", "megarlhf", "train", "--nproc-per-node", "2", str(recipe)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    trained, metrics = train_with_cli(recipe, tmp_path / "run")
     answers = {r["prompt"]: r["answer"] for r in rows}
-    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    trained = [s for s in samples if s["kind"] == "train"]
     assert len(trained) == 2 * 4 * 4  # 2 steps x 4 prompts x 4 samples
     for sample in trained:
         answer = next(a for prompt, a in answers.items() if sample["prompt"].endswith(prompt))
         assert sample["reward"] == _environment_reward(sample["response"], answer), sample
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "tools/answers" in m]
     assert [m["tools/answers"] for m in steps] == [16.0, 16.0]  # summed over the 2 ranks
