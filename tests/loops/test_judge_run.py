@@ -1,7 +1,8 @@
 """An LLM judge as part of the reward of ``megarlhf train``, as a user runs it: 2 ranks under torchrun, data
 parallel (each rank judges its replica's samples), tensor parallel (the two ranks of the one replica judge
-half of its samples each and gather), or disaggregated in bf16 (the one trainer rank judges, beside an engine
-rank). The judge is a tiny model whose weights make it write "1" whatever it
+half of its samples each and gather), disaggregated in bf16 (the one trainer rank judges, beside an engine
+rank), or with vLLM for both the policy's engine and the judge's (its engine core in a child process; slow).
+The judge is a tiny model whose weights make it write "1" whatever it
 reads, so every sample's logged reward is the rule reward plus the judge's weight; its prompts and replies go
 through the real engine, template, quoting and parsing."""
 import json
@@ -53,10 +54,13 @@ def make_constant_judge(out: Path) -> Path:
 
 LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
            "disaggregated_bf16": ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
-                                  "model.dtype=bfloat16", "reward.judge.dtype=bfloat16"]}
+                                  "model.dtype=bfloat16", "reward.judge.dtype=bfloat16"],
+           "vllm_dp2": ["rollout.backend=vllm", "reward.judge.backend=vllm", "rollout.kv_cache_mb=64",
+                        "reward.judge.kv_cache_mb=64"]}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if "vllm" in name else name
+                                    for name in LAYOUTS])
 def test_a_judge_joins_the_reward_of_a_two_rank_run(tmp_path, layout):
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
     judge = make_constant_judge(tmp_path / "judge")
