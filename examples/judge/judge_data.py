@@ -37,7 +37,7 @@ import torch
 from megarlhf.config import RunConfig, load_config
 from megarlhf.data.prompts import load_prompt_dataset
 from megarlhf.rewards.api import RewardInput, resolve_reward
-from megarlhf.rewards.judging import judge_fields, judge_message
+from megarlhf.rewards.judging import JudgePrompts, judge_fields
 from megarlhf.rollout.engines.hf import HFEngine
 from megarlhf.rollout.engines.sampling import SamplingConfig
 from megarlhf.loops import rewarding
@@ -91,8 +91,9 @@ def verifier_name(config: RunConfig) -> str:
 def sft_data(config: RunConfig, args) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)  # the judge is trained from the policy's model
-    rows = [{"prompt": judge_message(config.reward.judge, judge_fields(sample), tokenizer),
+    # the judge is trained from the policy's model: its tokenizer
+    prompts = JudgePrompts(config.reward.judge, AutoTokenizer.from_pretrained(config.model.path))
+    rows = [{"prompt": prompts.message(judge_fields(sample)),
              "response": f"Score: {int(label)}"}
             for sample, label in sampled_responses(config, args.prompts, args.n, args.seed)]
     random.Random(args.seed).shuffle(rows)

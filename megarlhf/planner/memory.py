@@ -284,11 +284,10 @@ def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | No
         return actor
 
 
-def _judge_engine(config: RunConfig, rewards_samples: bool) -> dict[str, int]:
-    """The judge engine's weights and KV cache on each rank (0 without ``reward.judge``, or in a command that
-    rewards no samples of its own)."""
+def _judge_engine(config: RunConfig) -> dict[str, int]:
+    """The judge engine's weights and KV cache on each rank (0 without ``reward.judge``)."""
     judge = config.reward.judge
-    if judge is None or not rewards_samples:
+    if judge is None:
         return {"judge_weights": 0, "judge_kv_cache": 0}
     try:
         shape, _ = resolve_shape(judge.model_path)
@@ -323,21 +322,20 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
-    judge = _judge_engine(config, work.engine)
-    comp.update(judge)
     trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_", "reward_model_")))
     if not work.engine:  # nothing is offloaded, nothing generates
         phases = {"train": trainer_state + act, "sync": 0, "generate": 0, "judge": 0}
     elif launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
-        everything = trainer_state + act + sum(engine.values()) + sum(judge.values())
+        everything = trainer_state + act + sum(engine.values())
         phases = {"train": everything, "sync": everything, "generate": everything,
-                  "judge": everything if judge["judge_weights"] else 0}
+                  "judge": everything if engine["judge_weights"] else 0}
     else:
         phases = {
             "train": trainer_state + act,
             "sync": comp["actor_weights"] + engine["engine_weights"] + engine["engine_sync_bucket"],
             "generate": engine["engine_weights"] + engine["engine_kv_cache"],
-            "judge": trainer_state + sum(judge.values()) if judge["judge_weights"] else 0,
+            "judge": (trainer_state + engine["judge_weights"] + engine["judge_kv_cache"]) if engine["judge_weights"]
+                     else 0,
         }
     return StagePlan(stage, comp, phases, act_recompute)
 
@@ -368,10 +366,12 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
         max_model_len = config.data.max_prompt_length + config.rollout.response_budget
         engine = {"engine_weights": shape.total_params() * d // engine_tp,
                   "engine_kv_cache": config.rollout.kv_cache_mb * MIB,
-                  "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d)}
+                  "engine_sync_bucket": max(config.rollout.weight_sync.bucket_mb * MIB, shape.largest_tensor() * d),
+                  **_judge_engine(config)}  # a judge scores the samples of commands with an engine only
     else:
         max_model_len = config.data.max_sequence_length
-        engine = {"engine_weights": 0, "engine_kv_cache": 0, "engine_sync_bucket": 0}
+        engine = {"engine_weights": 0, "engine_kv_cache": 0, "engine_sync_bucket": 0, "judge_weights": 0,
+                  "judge_kv_cache": 0}
     stages = [_stage(shape, config, launch, s, dp, max_model_len, engine) for s in range(par.pipeline_model_parallel_size)]
     kv_tokens = config.rollout.kv_cache_mb * MIB // (shape.kv_elements_per_token() * d // engine_tp)
     prompts_per_rank = -(-config.train.global_batch_size // dp // par.model_parallel_size)

@@ -89,7 +89,6 @@ class BatchScorer(Protocol):
     def __call__(self, samples: Sequence[RewardInput]) -> Sequence[float | Unscored]: ...
 
 
-
 def load_function(path: str) -> Callable:
     """Imports the reward function ``pkg.mod:fn`` or ``pkg.mod.fn``; errors name the path and what failed."""
     fn = load_object(path, "reward function")

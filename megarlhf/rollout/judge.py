@@ -63,7 +63,7 @@ class EngineJudge:
         self.judge, self.seed, self.runtime = config.reward.judge, config.seed, runtime
         self.tokenizer, self.engine = tokenizer, engine
         self.prompts = JudgePrompts(self.judge, tokenizer)
-        self.stop_ids = tuple(sorted({int(i) for i in (tokenizer.eos_token_id,) if i is not None}))
+        self.stop_ids = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
         if self.engine.sleep_supported:
             self.engine.sleep()
 

@@ -8,7 +8,7 @@ from megarlhf.config.reward import JudgeConfig
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.rewards.api import RewardInput, Unscored
-from megarlhf.rewards.judging import JudgePrompts, fence_for, judge_fields, judge_message, parse_score
+from megarlhf.rewards.judging import JudgePrompts, fence_for, judge_fields, parse_score
 
 
 def judge_prompt_ids(tokenizer, judge, fields):
@@ -59,12 +59,13 @@ def test_the_question_is_the_rows_own_and_the_system_prompt_is_the_settings(toke
 
 
 def test_the_prompt_is_the_chat_template_around_the_judge_message(tokenizer):
-    """A judge trained on rows of judge_message sees at judging time exactly the text it was trained on."""
+    """A judge trained on rows of JudgePrompts.message sees at judging time exactly the text it was trained on."""
     judge = _judge(answer_prefix="Score:")
     fields = judge_fields(RewardInput(prompt="What is 2 + 3?", response="2 + 3 = 5. ``The answer is 5.``",
                                       ground_truth="5"))
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": judge_message(judge, fields, tokenizer)}],
-                                             tokenize=False, add_generation_prompt=True) + "Score:"
+    message = JudgePrompts(judge, tokenizer).message(fields)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True) + "Score:"
     assert judge_prompt_ids(tokenizer, judge, fields) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
