@@ -90,6 +90,7 @@ class EstimatorNeeds:
     critic: bool = False  # AdvantageInputs.values from a critic trained alongside the actor (PPO's GAE)
     groups: bool = False  # compares the samples of one prompt: rollout.n_samples >= 2 and group_ids
     greedy_baseline: bool = False  # AdvantageInputs.baseline_rewards: the reward of one greedy response
+    rewards: bool = True  # learns from the rewards (``none``, for distillation alone, does not)
 
 
 @dataclass(frozen=True)
@@ -323,3 +324,14 @@ def reinforce_pp_baseline(inputs: AdvantageInputs, config: AdvantageConfig,
     centered = rewards - _group_mean(rewards, inverse, counts)[inverse]
     returns = _discounted_returns(_token_reward_matrix(inputs, centered, dtype), mask, config.gamma)
     return AdvantageOutputs(advantages=_whiten(returns, mask, config.eps, dp_group), returns=returns)
+
+
+@_estimator("none", rewards=False)
+def no_advantage(inputs: AdvantageInputs, config: AdvantageConfig, dp_group=None) -> AdvantageOutputs:
+    """No task advantage: 0 on every token (returns 0). The run learns only from what is added to the
+    advantages or the loss besides the rewards (``algorithm.distill``: a teacher); the rewards are still
+    computed and logged, so a verifier can watch what distillation does to accuracy.
+    """
+    zeros = torch.zeros(inputs.response_mask.shape, dtype=compute_dtype(inputs.rewards),
+                        device=inputs.response_mask.device)
+    return AdvantageOutputs(advantages=zeros, returns=zeros.clone())

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarlhf.config.distill import DistillConfig
 from megarlhf.config.validate import check
 
 # how per-token losses become one number (megarlhf.algorithms.aggregation)
@@ -155,6 +156,8 @@ class AlgorithmConfig:
     # MoE actors: route the old-log-prob pass and the update as the rollout engine did (r3), the update as the
     # old-log-prob pass did (r2), or freely (none); megarlhf.learner.routing_replay
     routing_replay: Literal["none", "r2", "r3"] = "none"
+    # learn from a teacher (the run's ``teacher`` section) besides the rewards (None: no teacher)
+    distill: DistillConfig | None = None
 
     def __post_init__(self):
         check(self.value_clip is None or self.value_clip > 0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megarlhf.config.algorithm import AlgorithmConfig
 from megarlhf.config.data import DataConfig
+from megarlhf.config.distill import TeacherConfig
 from megarlhf.config.model import ModelConfig
 from megarlhf.config.parallel import ParallelConfig
 from megarlhf.config.preference import IterativeConfig, PreferenceConfig
@@ -43,14 +44,19 @@ class RunConfig:
     gates: GateConfig = field(default_factory=GateConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # megarlhf dpo / rm / online-dpo
     iterative: IterativeConfig = field(default_factory=IterativeConfig)  # megarlhf rs / online-dpo
+    teacher: TeacherConfig | None = None  # a frozen model the student learns from (algorithm.distill)
     seed: int = 1234
 
     def __post_init__(self):
         reward = self.reward
         check(bool(reward.functions) or reward.reward_model_path is not None or reward.judge is not None
-              or self.rollout.env is not None,
+              or self.rollout.env is not None or self.algorithm.distill is not None,
               "reward.functions is empty and there is no reward_model_path or judge: with no rollout.env (whose "
-              "rewards would be the reward) nothing would score the samples")
+              "rewards would be the reward) and no algorithm.distill (a teacher) nothing would score the samples")
+        check((self.teacher is None) == (self.algorithm.distill is None),
+              "teacher and algorithm.distill go together: the teacher is the model algorithm.distill learns from "
+              f"(teacher is {'set' if self.teacher else 'unset'}, algorithm.distill "
+              f"{'set' if self.algorithm.distill else 'unset'})")
         check(self.eval.every == 0 or self.eval_reward is not None,
               "eval.every > 0 needs a verifier to score held-out answers: reward.functions is empty (a learned "
               "reward, a judge or the environment's rewards only), so set eval.reward_functions "

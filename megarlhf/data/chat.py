@@ -11,6 +11,14 @@ def encode_text(tokenizer, text: str, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
 
 
+def response_with_eos(tokenizer, text: str, where: str) -> list[int]:
+    """A plain-mode response's token ids: the text, then the tokenizer's end of sequence (which the model must
+    learn to write)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"{where}: a plain-mode response ends with EOS, but the tokenizer has no eos token")
+    return encode_text(tokenizer, text) + [tokenizer.eos_token_id]
+
+
 def render_with_loss_mask(messages: list[dict], tokenizer, first: int, where: str) -> tuple[list[int], list[int]]:
     """(ids, mask) of ``messages`` rendered with the chat template, the mask 1 exactly on the tokens of the
     assistant messages from index ``first`` on (their content and end-of-turn tokens, not the template's

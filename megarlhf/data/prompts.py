@@ -7,6 +7,12 @@ With a chat template (``data.chat_template``: ``auto`` uses the tokenizer's temp
 (after ``data.system_prompt`` and a blank line, if set). Prompts longer than
 ``data.max_prompt_length`` tokens are dropped, and the number dropped is logged and kept.
 
+Dataset responses (``with_responses``: a distillation run that trains some steps on the data, GKD's
+``lmbda < 1``): each row also gives the response to train on, as an SFT row does: its messages end with the
+assistant's turn (which is then not part of the prompt), or it has a ``data.response_key`` field. The
+response's tokens are rendered as SFT renders them (the assistant message with its end-of-turn tokens, or
+the plain text and EOS), and the conversation's tokens must begin with the prompt's.
+
 Tools. A multi-turn run describes its environment's tools in each prompt (``describe_tools``: the row's
 metadata -> :class:`ToolDescription`). A chat template that renders tools gets them as
 ``apply_chat_template(..., tools=schemas)``, the way the model saw tools in its own post-training (Qwen2.5's
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megarlhf.config.data import DataConfig
+from megarlhf.data.chat import render_with_loss_mask, response_with_eos
 from megarlhf.data.source import read_records
 from megarlhf.core.errors import DataError
 
@@ -38,6 +45,7 @@ class PromptExample:
     metadata: dict[str, Any] = field(default_factory=dict)  # the row's other fields
     messages: list[dict[str, str]] | None = None  # chat mode: the messages the prompt renders (None: plain)
     tools: list[dict[str, Any]] | None = None  # the tool schemas described in the prompt (None: no tools)
+    response_ids: list[int] | None = None  # the row's dataset response (module docstring), if asked for
 
     @property
     def episode_fields(self) -> dict[str, Any]:
@@ -166,10 +174,36 @@ def _row_tools(describe_tools: ToolDescriber, metadata: dict[str, Any], where: s
         raise DataError(f"{where}: the environment could not describe its tools: {type(exc).__name__}: {exc}") from exc
 
 
+def _dataset_response(row: dict, tokenizer, config: DataConfig, chat: bool, where: str
+                      ) -> tuple[dict, list[int], list[int] | None]:
+    """(the row its prompt is rendered from, its response's ids, the prompt ids the conversation's rendering
+    begins with (chat; None in plain mode)): module docstring."""
+    if not chat:
+        response = text_field(row, config.response_key, "response_key", where)
+        return row, response_with_eos(tokenizer, response, where), None
+    messages = row_messages(row, config, where)
+    if config.messages_key is None:
+        response = text_field(row, config.response_key, "response_key", where)
+        messages.append({"role": "assistant", "content": response})
+    elif messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the conversation must end with the assistant's response (algorithm.distill.lmbda "
+                        f"< 1 trains on it); its last message is the {messages[-1]['role']!r}'s")
+    ids, mask = render_with_loss_mask(messages, tokenizer, len(messages) - 1, where)
+    start, end = mask.index(1), len(mask) - mask[::-1].index(1)
+    prompt_row = {**row, config.messages_key: messages[:-1]} if config.messages_key is not None else row
+    return prompt_row, ids[start:end], ids[:start]
+
+
 def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source: str = "<rows>",
-                         describe_tools: ToolDescriber | None = None) -> PromptDataset:
+                         describe_tools: ToolDescriber | None = None, with_responses: bool = False) -> PromptDataset:
     """Renders, tokenizes and length-filters ``rows`` (see the module docstring)."""
     chat = uses_chat_template(tokenizer, config)
+    responses = [None] * len(rows)
+    if with_responses:
+        if describe_tools is not None:
+            raise DataError(f"{source}: dataset responses (algorithm.distill.lmbda < 1) with tools are not supported")
+        parts = [_dataset_response(row, tokenizer, config, chat, f"{source} row {i}") for i, row in enumerate(rows)]
+        rows, responses = [p[0] for p in parts], parts
     template_tools = chat and describe_tools is not None and template_renders_tools(tokenizer)
     skip = {config.prompt_key, config.answer_key, config.messages_key}
     metadata = [{k: v for k, v in row.items() if k not in skip} for row in rows]
@@ -180,8 +214,11 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
                 for i, row in enumerate(rows)]
     # a chat template writes its own special tokens; plain text gets the tokenizer's usual ones (BOS)
     ids = tokenizer([text for text, _ in rendered], add_special_tokens=not chat)["input_ids"] if rendered else []
+    if with_responses:
+        _check_response_prefixes(ids, responses, source)
     examples = [PromptExample(i, text, list(tokens), row.get(config.answer_key), metadata[i], messages,
-                              None if tools[i] is None else tools[i].schemas)
+                              None if tools[i] is None else tools[i].schemas,
+                              None if responses[i] is None else responses[i][1])
                 for i, (row, (text, messages), tokens) in enumerate(zip(rows, rendered, ids))
                 if len(tokens) <= config.max_prompt_length]
     dropped = len(rows) - len(examples)
@@ -196,7 +233,18 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     return PromptDataset(examples, dropped, source)
 
 
-def load_prompt_dataset(path: str, tokenizer, config: DataConfig,
-                        describe_tools: ToolDescriber | None = None) -> PromptDataset:
-    """The prompts of a local JSONL / Parquet / ``save_to_disk`` source."""
-    return build_prompt_dataset(read_records(path, config.split), tokenizer, config, str(path), describe_tools)
+def _check_response_prefixes(prompt_ids: list[list[int]], responses: list[tuple], source: str) -> None:
+    """Each conversation's rendering must begin with its prompt's tokens, or the dataset response would not
+    continue the prompt the model reads."""
+    for i, (tokens, (_, _, begins)) in enumerate(zip(prompt_ids, responses)):
+        if begins is not None and list(tokens) != list(begins):
+            raise DataError(f"{source} row {i}: the conversation's tokens do not begin with its prompt's (the chat "
+                            f"template or the tokenizer joins the prompt and the response differently), so its "
+                            f"response cannot be trained on as a continuation of the prompt")
+
+
+def load_prompt_dataset(path: str, tokenizer, config: DataConfig, describe_tools: ToolDescriber | None = None,
+                        with_responses: bool = False) -> PromptDataset:
+    """The prompts of a local JSONL / Parquet / ``save_to_disk`` source (and their dataset responses)."""
+    return build_prompt_dataset(read_records(path, config.split), tokenizer, config, str(path), describe_tools,
+                                with_responses)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from megarlhf.data.chat import encode_text, render_with_loss_mask
+from megarlhf.data.chat import encode_text, render_with_loss_mask, response_with_eos
 from megarlhf.data.prompts import text_field, row_messages, uses_chat_template
 from megarlhf.config.data import DataConfig
 from megarlhf.data.source import read_records
@@ -57,10 +57,8 @@ def _plain_example(row: dict, tokenizer, config: DataConfig, where: str) -> SFTE
     response = text_field(row, config.response_key, "response_key", where)
     if config.system_prompt is not None:
         prompt = f"{config.system_prompt}\n\n{prompt}"
-    if tokenizer.eos_token_id is None:
-        raise DataError("SFT in plain mode appends EOS to each response, but the tokenizer has no eos token")
     prompt_ids = encode_text(tokenizer, prompt, special=True)
-    response_ids = encode_text(tokenizer, response) + [tokenizer.eos_token_id]
+    response_ids = response_with_eos(tokenizer, response, where)
     return SFTExample(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 
 

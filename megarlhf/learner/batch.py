@@ -21,7 +21,9 @@ from torch import Tensor
 
 from megarlhf.learner.routing_replay import UNROUTED
 
-PER_TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+PER_TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
+                    "teacher_logprobs")
+TOP_K_FIELDS = ("teacher_topk_logprobs", "teacher_topk_ids")  # [B, L, K]
 
 
 @dataclass
@@ -38,6 +40,9 @@ class ExperienceBatch:
     advantages: Tensor | None = None  # [B, L]
     returns: Tensor | None = None  # [B, L] critic targets
     group_ids: Tensor | None = None  # [B] prompt ids (samples of one prompt share an id)
+    teacher_logprobs: Tensor | None = None  # [B, L] a teacher's log-probs of the tokens (algorithm.distill)
+    teacher_topk_logprobs: Tensor | None = None  # [B, L, K] the teacher's top-k log-probs at each token's position
+    teacher_topk_ids: Tensor | None = None  # [B, L, K] int64: their vocabulary ids
     # [B, L, moe_layers, top_k] int16, token-aligned: the routing an MoE actor replays (megarlhf.learner.routing_replay)
     routed_experts: Tensor | None = None
     # ``lengths`` on the host. Given by the constructors that know them (from_sequences and sft_batch, whose
@@ -73,6 +78,12 @@ class ExperienceBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (batch, width):
                 raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {(batch, width)}")
+        top_k = [getattr(self, name) for name in TOP_K_FIELDS]
+        if (top_k[0] is None) != (top_k[1] is None) or any(
+                value is not None and (value.dim() != 3 or tuple(value.shape[:2]) != (batch, width)
+                                       or value.shape != top_k[0].shape) for value in top_k):
+            raise ValueError(f"{where}: teacher_topk_logprobs and teacher_topk_ids go together, both "
+                             f"({batch}, {width}, K); got {[None if v is None else tuple(v.shape) for v in top_k]}")
         if self.routed_experts is not None and (self.routed_experts.dim() != 4
                                                 or tuple(self.routed_experts.shape[:2]) != (batch, width)):
             raise ValueError(f"{where}: routed_experts has shape {tuple(self.routed_experts.shape)}, expected "

@@ -7,7 +7,11 @@ the final hidden states and computes, only at the positions the micro-batch want
 * ``logprobs`` models: log-probs of the next token (and its entropy) with the fused vocab-parallel op
   (:func:`megarlhf.ops.logprob_entropy`); the [tokens x vocab] logits are never built. Megatron's padded
   vocabulary rows are removed from the softmax (:func:`mask_padded_vocab`), so these log-probs are
-  HF's and vLLM's.
+  HF's and vLLM's. Distillation adds two variants: a teacher's pass also returns the top-k of each
+  position's distribution (``top_k``: ``topk_logprobs`` and ``topk_ids``, [n, L, K], by
+  :func:`megarlhf.ops.topk_logprobs`), and a student's training pass also returns its log-probs at the ids
+  each micro-batch carries (``at_ids``: :attr:`MicroBatch.target_ids`, the teacher's top-k;
+  ``target_logprobs`` [n, L, K]), in the same vocabulary walk as the sampled token's.
 * ``values`` models (value head, :mod:`model_providers.value_head`): the head's scalar per position.
 * ``scores`` (a value-head model used as a reward model): the head's scalar at each sequence's last
   token, one per sequence (:meth:`MicroBatch.last_token_outputs`).
@@ -33,7 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megarlhf.ops import LogprobOptions, logprob_entropy
+from megarlhf.ops import LogprobOptions, logprob_entropy, topk_logprobs
 from megarlhf.learner.packing import MicroBatch
 from parallel.runtime import Runtime
 
@@ -50,6 +54,22 @@ class Outputs:
     vocab_size: int
     temperature: float = 1.0
     entropy: bool = False
+    top_k: int = 0  # a frozen teacher's pass: also the top-k of each position's distribution (forward only)
+    at_ids: bool = False  # also the log-probs at each micro-batch's target_ids (a distillation loss's)
+
+    def fields(self, batch_shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each output of a forward-only pass over a [B, L] batch."""
+        if self.kind == "scores":
+            return {"scores": (batch_shape[:1], torch.float32)}  # one score per sequence
+        if self.kind == "values":
+            return {"values": (batch_shape, torch.float32)}
+        out = {"logprobs": (batch_shape, torch.float32)}
+        if self.entropy:
+            out["entropy"] = (batch_shape, torch.float32)
+        if self.top_k:
+            out.update(topk_logprobs=((*batch_shape, self.top_k), torch.float32),
+                       topk_ids=((*batch_shape, self.top_k), torch.long))
+        return out
 
 
 def mask_padded_vocab(hidden: Tensor, weight: Tensor, vocab_size: int, tp_rank: int) -> tuple[Tensor, Tensor]:
@@ -92,8 +112,16 @@ def _processor(outputs: Outputs, mb: MicroBatch, runtime: Runtime):
         # check_targets=False: run_schedule checked every micro-batch at once
         options = LogprobOptions(tp_group=tp.group, temperature=outputs.temperature, compute_entropy=entropy,
                                  check_targets=False, selected=mb.wanted_tokens)
-        lp, ent = logprob_entropy(hidden, weight, mb.labels.reshape(-1), mask, options)
-        out = {"logprobs": lp.view(b, s)}
+        targets = mb.labels.reshape(-1)
+        if outputs.top_k:
+            lp, top_lp, top_ids = topk_logprobs(hidden, weight, targets, mask, outputs.top_k, options)
+            return {"logprobs": lp.view(b, s), "topk_logprobs": top_lp.view(b, s, -1),
+                    "topk_ids": top_ids.view(b, s, -1)}
+        if outputs.at_ids:  # the sampled token's log-prob and those at the K ids, in one walk over the vocabulary
+            targets = torch.cat([targets[:, None], mb.target_ids.reshape(b * s, -1)], dim=1)
+        lp, ent = logprob_entropy(hidden, weight, targets, mask, options)
+        out = {"logprobs": lp[:, 0].reshape(b, s), "target_logprobs": lp[:, 1:].reshape(b, s, -1)} if outputs.at_ids \
+            else {"logprobs": lp.view(b, s)}
         if entropy:
             out["entropy"] = ent.view(b, s)
         return out
@@ -265,8 +293,8 @@ def run_schedule(model: torch.nn.Module, micro_batches: list[MicroBatch], runtim
 def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_shape: tuple[int, int],
                  runtime: Runtime, outputs: Outputs, *, replay=None, record_routing: bool = False
                  ) -> dict[str, Tensor]:
-    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``),
-    identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
+    """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``, [B, L, K] for a
+    teacher's top-k: :meth:`Outputs.fields`), identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
     the pass and restored after.
     """
     was_training = model.training
@@ -275,15 +303,13 @@ def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_
         results = run_schedule(model, micro_batches, runtime, outputs, replay=replay, record_routing=record_routing)
     finally:
         model.train(was_training)
-    kind = outputs.kind
-    names = [kind] if kind != "logprobs" else ["logprobs"] + (["entropy"] if outputs.entropy else [])
-    shape = batch_shape[:1] if kind == "scores" else batch_shape  # one score per sequence
-    out = {name: torch.zeros(shape, dtype=torch.float32, device=runtime.device) for name in names}
+    fields = outputs.fields(batch_shape)
+    out = {name: torch.zeros(shape, dtype=dtype, device=runtime.device) for name, (shape, dtype) in fields.items()}
     if runtime.is_last_stage:
         for mb, rows in zip(micro_batches, results):
-            for name in names:
-                if kind == "scores":
+            for name, (_, dtype) in fields.items():
+                if name == "scores":
                     out[name][mb.rows] = rows[name].float()
                 else:
-                    out[name][mb.rows, :mb.width] = rows[name].float()
+                    out[name][mb.rows, :mb.width] = rows[name].to(dtype)
     return {name: runtime.broadcast_from_last_stage(value) for name, value in out.items()}

@@ -10,6 +10,8 @@
 * reference (and the evaluated policy of ``megarlhf eval``): the causal LM from ``model.path``, eval
   mode, no gradients, no DDP, no optimizer (:func:`build_frozen`); with LoRA the reference is the
   actor's own frozen base with its adapters off (:func:`build_reference`): no second copy of the weights.
+* teacher (``teacher``): a frozen causal LM from ``teacher.model_path`` at ``teacher.dtype``, built like the
+  reference in the run's parallel layout (:func:`build_frozen`).
 * LoRA (``model.lora``): actor and critic get adapters on their linear layers after loading
   (:func:`parallel.lora.attach_lora`), which freezes the base weights before DDP and the optimizer see
   them, so gradients, DDP buffers and optimizer state exist for adapters (and a critic's value head) only.
@@ -45,7 +47,7 @@ class TrainModel:
     """A model of the run: Megatron stage (DDP-wrapped when trainable), provider, optimizer, scheduler,
     and the runtime it lives in (device and groups)."""
 
-    role: str  # "actor", "critic", "reference", "policy" (a frozen evaluated policy) or "reward_model"
+    role: str  # "actor", "critic", "reference", "policy" (a frozen evaluated policy), "teacher" or "reward_model"
     model: torch.nn.Module
     provider: Any  # model_providers.base.ModelProvider
     runtime: Runtime
@@ -245,14 +247,18 @@ def build_reference(config: RunConfig, runtime: Runtime, actor: TrainModel) -> T
 
 
 def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
-    """A frozen causal LM from ``model.path`` (eval mode, ``requires_grad=False``, no optimizer): the
-    ``"reference"`` policy of the KL term, or the ``"policy"`` that ``megarlhf eval`` evaluates."""
+    """A frozen causal LM (eval mode, ``requires_grad=False``, no optimizer): the ``"reference"`` policy of the
+    KL term or the ``"policy"`` that ``megarlhf eval`` evaluates (``model.path``), or the ``"teacher"``
+    (``teacher.model_path`` at ``teacher.dtype``, default ``model.dtype``)."""
     from model_providers.hf_checkpoint import load_hf_model
 
-    if role not in ("reference", "policy"):
-        raise ValueError(f"build_frozen: role must be 'reference' or 'policy', got {role!r}")
-    provider, model = load_hf_model(config.model.path, params_dtype(config),
-                                    **_model_overrides(config, trainable=False))
+    if role not in ("reference", "policy", "teacher"):
+        raise ValueError(f"build_frozen: role must be 'reference', 'policy' or 'teacher', got {role!r}")
+    path, dtype = config.model.path, params_dtype(config)
+    if role == "teacher":
+        path = config.teacher.model_path
+        dtype = torch_dtype(config.teacher.dtype or config.model.dtype, "teacher.dtype")
+    provider, model = load_hf_model(path, dtype, **_model_overrides(config, trainable=False))
     _variable_lengths(model)
     model.eval()
     model.requires_grad_(False)

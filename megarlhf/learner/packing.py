@@ -120,6 +120,9 @@ class MicroBatch:
     padding: Tensor | None = None
     # how many positions ``label_mask`` wants, on the host once the schedule has read it (None: not yet)
     wanted_tokens: int | None = None
+    # shape of ``tokens`` + [K]: K more vocabulary ids per position whose log-probs a pass wants besides the
+    # label's (a distillation loss's: the teacher's top-k; :meth:`to_positions`), or None
+    target_ids: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -140,22 +143,46 @@ class MicroBatch:
         return self.plan.total_tokens - self.plan.bounds[-2] if self.padding is not None else 0
 
     def to_rows(self, local: Tensor) -> Tensor:
-        """This rank's per-position outputs (shape of ``tokens``) -> [n, width], token-aligned.
+        """This rank's per-position outputs (shape of ``tokens``, plus any trailing dims) -> [n, width, ...],
+        token-aligned.
 
         Collective over the CP group (an autograd-aware all-gather); unwanted positions are 0.
         """
-        if tuple(local.shape) != tuple(self.tokens.shape):
+        if tuple(local.shape[:self.tokens.dim()]) != tuple(self.tokens.shape):
             raise ValueError(f"MicroBatch.to_rows: outputs of shape {tuple(local.shape)}, expected the "
                              f"tokens' {tuple(self.tokens.shape)}")
         n, width = len(self.host_lengths), self.width
-        cols = torch.arange(width, device=local.device)
+        trailing = tuple(local.shape[self.tokens.dim():])
         if self.packed:
             shifted = unshard(self.plan, local[0], self.cp_group)[self.source[:, :width]]  # [T] -> [n, width]
         else:
             full = unshard(self.plan, local, self.cp_group, seq_dim=1)  # [n, S]
-            shifted = torch.cat([full.new_zeros(n, 1), full[:, :width - 1]], dim=1)
-        valid = (cols[None, :] >= 1) & (cols[None, :] < self.lengths[:, None])
+            shifted = torch.cat([full.new_zeros(n, 1, *trailing), full[:, :width - 1]], dim=1)
+        valid = self._valid_columns(local.device).view(n, width, *[1] * len(trailing))
         return torch.where(valid, shifted, shifted.new_zeros(()))
+
+    def _valid_columns(self, device) -> Tensor:
+        """[n, width] bool: the columns an output lands in (1 .. length - 1 of each row)."""
+        cols = torch.arange(self.width, device=device)
+        return (cols[None, :] >= 1) & (cols[None, :] < self.lengths[:, None])
+
+    def to_positions(self, rows: Tensor) -> Tensor:
+        """The way in, the inverse of :meth:`to_rows`: a token-aligned [n, width, ...] tensor of the micro-batch's
+        rows -> this CP rank's per-position layout (shape of ``tokens`` plus the trailing dims), column t at the
+        position whose output predicts token t; positions no column lands in hold 0. (A shared prefix's
+        positions are written by every row of its tree; no output is wanted there.)"""
+        n, width = len(self.host_lengths), self.width
+        if tuple(rows.shape[:2]) != (n, width):
+            raise ValueError(f"MicroBatch.to_positions: rows of shape {tuple(rows.shape)}, expected ({n}, {width}, ...)")
+        trailing = tuple(rows.shape[2:])
+        valid = self._valid_columns(rows.device)
+        if self.packed:
+            full = rows.new_zeros((self.plan.total_tokens, *trailing))
+            full[self.source[:, :width][valid]] = rows[valid]
+            return shard(self.plan, full, 0, 0).unsqueeze(0)
+        full = rows.new_zeros((n, self.plan.total_tokens, *trailing))
+        full[:, :width - 1] = torch.where(valid[:, 1:].view(n, width - 1, *[1] * len(trailing)), rows[:, 1:], 0)
+        return shard(self.plan, full, 0, seq_dim=1)
 
     def token_rows(self, local: Tensor) -> Tensor:
         """A per-token tensor in the routers' token order (``[tokens, ...]``, this CP rank's, e.g. the routing

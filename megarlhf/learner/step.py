@@ -132,13 +132,14 @@ def _zero_grads(trainable: TrainModel) -> None:
 
 
 def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_fn: LossFn,
-                   metric_names: list[str], *, loss_name: str, temperature: float = 1.0, entropy: bool = False,
+                   metric_names: list[str], *, loss_name: str, outputs: Outputs | None = None,
                    on_nonfinite: str = "abort") -> OptimizerStepResult:
     """Forward + backward of ``micro_batches``, the non-finite gate, then one optimizer step.
 
     ``loss_fn(mb, outputs) -> (share, metrics)`` with ``metrics`` holding every name of
     ``metric_names`` (sums over the micro-batch, divided by the DP factor where they are loss shares);
-    ``loss_name`` is the metric that must be finite.
+    ``loss_name`` is the metric that must be finite. ``outputs``: what the forward computes (default: the
+    model's kind at temperature 1, no entropy; :class:`~megarlhf.learner.forward.Outputs`).
     """
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
@@ -157,7 +158,7 @@ def optimizer_step(trainable: TrainModel, micro_batches: list[MicroBatch], loss_
     replay = trainable.routing_replay
     if replay is not None:
         replay.reset_counts()
-    outputs = Outputs(trainable.kind, trainable.vocab_size, temperature, entropy)
+    outputs = outputs or Outputs(trainable.kind, trainable.vocab_size)
     per_mb = run_schedule(trainable.model, micro_batches, runtime, outputs, loss_fn=counted, replay=replay)
     metrics = reduce_metric_sums(per_mb, [*metric_names, PREFIX_TOKENS_SAVED], runtime)
     moe = {} if trainable.router_stats is None else trainable.router_stats.step_metrics(runtime, len(micro_batches))

@@ -9,6 +9,7 @@
       policy_loss(name = algorithm.policy_loss)  [x TIS weights]
       + kl_loss(logprobs, ref_logprobs)           if algorithm.kl_in_loss (mode "loss" and kl.coef > 0)
       - entropy_coef * entropy                     if algorithm.entropy_coef != 0
+      + distill.coef * distillation term           if algorithm.distill's term enters the loss (GKD)
 
   aggregated in ``algorithm.loss_aggregation`` with the mini-batch's global normaliser (counts over all
   micro-batches and DP ranks). Rollout/trainer mismatch correction (``algorithm.mismatch``: truncated
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, entropy_bonus,
                                  kl_loss, rollout_correction, truncated_is_weights, value_loss)
+from megarlhf.algorithms.distillation import DISTILL_LOSSES, DistillInputs, DistillTerm
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.config.rollout import scoring_temperature
@@ -110,10 +112,33 @@ def compute_values(critic: TrainModel, batch: ExperienceBatch, config: RunConfig
 def old_logprobs_from_update(config: RunConfig) -> bool:
     """Whether :func:`actor_update` can take the "old" log-probs from its own forward: one optimizer step
     per call (so its forward runs the pre-update policy), and nothing needs them before that forward:
-    gap masking changes the loss's token count, KL-in-reward builds advantages from them. (Truncated IS
-    weights are per token or per sequence, so each micro-batch computes its own.)"""
+    gap masking changes the loss's token count, KL-in-reward and a distillation advantage build advantages
+    from them. (Truncated IS weights are per token or per sequence, so each micro-batch computes its own.)"""
     algo = config.algorithm
-    return config.train.updates_per_step == 1 and not algo.kl_in_reward and algo.mismatch.mask_threshold is None
+    return (config.train.updates_per_step == 1 and not algo.kl_in_reward and algo.mismatch.mask_threshold is None
+            and not distills_into(config, "advantage"))
+
+
+def distills_into(config: RunConfig, where: str) -> DistillTerm | None:
+    """The run's distillation term when it enters ``where`` ("advantage" or "loss"), else None."""
+    distill = config.algorithm.distill
+    if distill is None or DISTILL_LOSSES.get(distill.loss).needs.enters != where:
+        return None
+    return DISTILL_LOSSES.get(distill.loss)
+
+
+def teacher_scores(teacher: TrainModel, batch: ExperienceBatch, config: RunConfig) -> dict[str, Tensor]:
+    """The batch fields a teacher gives: its log-probs of the response tokens (``teacher_logprobs``) and, with
+    ``algorithm.distill.top_k``, the top-k of its distribution at each of them (``teacher_topk_logprobs``,
+    ``teacher_topk_ids``), at the rollout's scoring temperature, as the student's are taken."""
+    top_k = config.algorithm.distill.top_k
+    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, teacher.runtime)
+    out = forward_only(teacher.model, mbs, tuple(batch.input_ids.shape), teacher.runtime,
+                       Outputs("logprobs", teacher.vocab_size, scoring_temperature(config.rollout), top_k=top_k))
+    fields = {"teacher_logprobs": out["logprobs"]}
+    if top_k:
+        fields.update(teacher_topk_logprobs=out["topk_logprobs"], teacher_topk_ids=out["topk_ids"])
+    return fields
 
 
 def _normaliser(mask: Tensor, config: RunConfig, runtime: Runtime):
@@ -132,13 +157,26 @@ def _global_mismatch_metrics(metrics: dict[str, Tensor], mask: Tensor, runtime: 
     return {**{k: values[i] / total for i, k in enumerate(names)}, "mismatch/logprob_abs_diff_max": values[-1]}
 
 
+def _distillation_loss(term: DistillTerm, mini: ExperienceBatch, mb, mask: Tensor, out: dict[str, Tensor],
+                       config: RunConfig, vocab_size: int) -> Tensor:
+    """``coef`` times a loss-entering distillation term of micro-batch ``mb``'s rows, per token."""
+    distill, top_k = config.algorithm.distill, term.needs.top_k
+    rows, width = mb.rows, mb.width
+    inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width],
+                           out["target_logprobs"] if top_k else None,
+                           mini.teacher_topk_logprobs[rows, :width] if top_k else None,
+                           covers_vocabulary=distill.top_k >= vocab_size)
+    return distill.coef * term(inputs, distill)
+
+
 def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | None, config: RunConfig,
-                   normaliser, seen_logprobs: Tensor | None = None):
+                   normaliser, seen_logprobs: Tensor | None = None, vocab_size: int = 0):
     """The actor's per-micro-batch loss; without ``mini.old_logprobs`` the forward's own (detached)
     log-probs are the old ones and are written into ``seen_logprobs`` [B, L]."""
     algo = config.algorithm
     factor = float(normaliser.grad_average_factor)
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+    distill = distills_into(config, "loss")
 
     def loss_fn(mb, out):
         rows, width = mb.rows, mb.width
@@ -162,6 +200,10 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
             per_token = per_token + kl
         if algo.entropy_coef:
             per_token = per_token + entropy_bonus(out["entropy"], m, algo.entropy_coef)
+        distilled = None
+        if distill is not None:
+            distilled = _distillation_loss(distill, mini, mb, m, out, config, vocab_size)
+            per_token = per_token + distilled
         share = aggregate_loss(per_token, m, algo.loss_aggregation, normaliser)
         with torch.no_grad():  # device tensors: reduce_metric_sums reads them once per step
             tokens = m.sum()
@@ -174,6 +216,8 @@ def _actor_loss_fn(mini: ExperienceBatch, mask: Tensor, is_weights: Tensor | Non
                 "ppo_kl": result.metrics["policy/ppo_kl"] * tokens,
                 "entropy": torch.where(m, out["entropy"], 0.0).sum(),
             }
+            if distilled is not None:
+                metrics["distill_loss"] = aggregate_loss(distilled, m, algo.loss_aggregation, normaliser) / factor
         return share, metrics
 
     return loss_fn
@@ -223,8 +267,13 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         raise ValueError("actor_update: the batch has no old_logprobs, and this configuration needs them before "
                          "the update (train.mini_batches / train.epochs_per_step > 1, "
                          "algorithm.mismatch.mask_threshold, or algorithm.kl_mode='reward' with kl.coef > 0)")
-    needed = ["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
+    distill = distills_into(config, "loss")
+    top_k = distill is not None and distill.needs.top_k
+    needed = (["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
+              + (["teacher_logprobs"] if distill else []) + (["teacher_topk_logprobs"] if top_k else []))
     batch.require("actor_update", *needed)
+    extra = ["distill_loss"] if distill else []
+    sums, per_step = ACTOR_SUMS + extra, ("loss", "pg_loss", "kl_loss", *extra)
     runtime = actor.runtime
     mask, is_weights, metrics = batch.response_mask, None, {}
     if batch.rollout_logprobs is not None and not from_update:
@@ -239,20 +288,21 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         weights = None if is_weights is None else is_weights[rows, :mini.input_ids.shape[1]]
         normaliser = _normaliser(mini.response_mask, config, runtime)
         if normaliser.num_tokens == 0:
-            results.append(skipped_step(actor, ACTOR_SUMS, NOTHING_TO_TRAIN))
+            results.append(skipped_step(actor, sums, NOTHING_TO_TRAIN))
             continue
         mbs = micro_batches_for(mini.input_ids, mini.lengths, mini.response_mask, config, runtime,
                                 routing=mini.routed_experts if actor.routing_replay is not None else None)
-        results.append(optimizer_step(
-            actor, mbs, _actor_loss_fn(mini, mini.response_mask, weights, config, normaliser, seen), ACTOR_SUMS,
-            loss_name="loss", temperature=scoring_temperature(config.rollout), entropy=True,
-            on_nonfinite=on_nonfinite))
+        for mb in mbs if top_k else ():  # the student's log-probs at the teacher's top-k ids
+            mb.target_ids = mb.to_positions(mini.teacher_topk_ids[mb.rows, :mb.width])
+        loss_fn = _actor_loss_fn(mini, mini.response_mask, weights, config, normaliser, seen, actor.vocab_size)
+        outputs = Outputs("logprobs", actor.vocab_size, scoring_temperature(config.rollout), entropy=True, at_ids=top_k)
+        results.append(optimizer_step(actor, mbs, loss_fn, sums, loss_name="loss", outputs=outputs,
+                                      on_nonfinite=on_nonfinite))
     if from_update and batch.rollout_logprobs is not None:
         seen = runtime.broadcast_from_last_stage(seen)
         corrected = rollout_correction(seen, batch.rollout_logprobs, mask, algo.mismatch)
         metrics.update(_global_mismatch_metrics(corrected.metrics, mask, runtime))
-    metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"),
-                                  ("loss", "pg_loss", "kl_loss")))
+    metrics.update(_mean_of_steps("actor", results, ("clip_fraction", "ppo_kl", "entropy"), per_step))
     metrics["train/shared_prefix_tokens_saved"] = sum(r.metrics[PREFIX_TOKENS_SAVED] for r in results)
     return metrics
 

@@ -15,6 +15,11 @@ filled with uninformative groups, marked so that they are masked out of the upda
 batch therefore trains on nothing and skips its optimizer step rather than failing). The chosen groups
 are dealt out in contiguous shares to the data-parallel ranks, whole.
 
+GKD's on-policy fraction (``algorithm.distill.lmbda < 1``): each step draws, from the run's seed and the
+step number (the same on every rank, and on resuming), whether it samples from the student
+(:func:`on_policy_step`); a step that does not trains on its prompts' dataset responses
+(:func:`dataset_responses`), one per prompt, without waking the engines.
+
 Metrics: ``dapo/rounds`` (generation rounds made), ``dapo/informative_groups`` (found over all rounds),
 ``dapo/filler_groups`` (uninformative groups in the trained batch), ``dapo/groups_generated``. The
 ``reward/*`` metrics describe the first round, i.e. the policy as it samples.
@@ -22,6 +27,7 @@ Metrics: ``dapo/rounds`` (generation rounds made), ``dapo/informative_groups`` (
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +80,42 @@ def score_round(run: RunContext, examples: list[PromptExample], rollout: Rollout
     return Collected(examples, rollout, rewards, replica_offset(run), None, metrics, failed)
 
 
+def on_policy_step(config, step: int) -> bool:
+    """Whether ``step`` samples from the student: always, except under ``algorithm.distill.lmbda < 1``, where a
+    draw from the run's seed and the step decides (with probability lmbda)."""
+    distill = config.algorithm.distill
+    if distill is None or distill.lmbda >= 1.0:
+        return True
+    return random.Random(f"{config.seed}:{step}:on-policy").random() < distill.lmbda
+
+
+def first_on_policy_step(config) -> int | None:
+    """The first step that samples from the student (its first rollout: where the step-0 gate is checked), or
+    None if no step of the run does."""
+    return next((step for step in range(config.train.steps) if on_policy_step(config, step)), None)
+
+
+def dataset_responses(examples: list[PromptExample]) -> RolloutBatch:
+    """One sample per prompt: its dataset response (:attr:`PromptExample.response_ids`), with no behaviour
+    log-probs (the update compares nothing with an engine)."""
+    rollout = RolloutBatch()
+    for p, example in enumerate(examples):
+        rollout.prompt_index.append(p)
+        rollout.prompt_ids.append(list(example.prompt_ids))
+        rollout.response_ids.append(list(example.response_ids))
+        rollout.finish_reasons.append("stop")
+    return rollout
+
+
 def collect(run: RunContext, sampler, prompts, step: int) -> Collected:
     """Steps 1-6 for ``step`` (see the module docstring); collective over the trainer ranks."""
     offset, n = replica_offset(run), run.config.rollout.n_samples
     examples = [prompts[i] for i in sampler.next_batch()]
+    if not on_policy_step(run.config, step):
+        return score_round(run, examples, dataset_responses(examples), {"distill/on_policy": 0.0})
     rollout, metrics = _generate(run, examples, sample_seed(run.config.seed, step, offset, n), True)
+    if run.config.algorithm.distill is not None:
+        metrics["distill/on_policy"] = 1.0
     got = score_round(run, examples, rollout, metrics)
     if not run.config.algorithm.dynamic_sampling.enabled:
         return got

@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty
+from megarlhf.algorithms.distillation import DistillInputs
 from megarlhf.config.schema import RunConfig
 from megarlhf.rollout.sync.gates import Step0Gate, routing_flips
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
                                old_policy_logprobs)
+from megarlhf.learner.update import distills_into, teacher_scores
 from parallel.runtime import Runtime
 
 
@@ -27,17 +29,18 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, devi
     multi-turn rollouts only the model's tokens are response tokens (observations are masked out). An engine
     that recorded routing (routing replay r3) gives the batch its records, one prompt routing per prompt
     (:func:`~megarlhf.rollout.engines.routing.share_prompt_routing`)."""
-    return ExperienceBatch.from_sequences(
-        rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id, rollout_logprobs=rollout.logprobs,
-        group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None,
+    return ExperienceBatch.from_sequences(  # dataset responses (GKD's off-policy steps) have no behaviour log-probs
+        rollout.prompt_ids, rollout.response_ids, device=device, pad_id=pad_id,
+        rollout_logprobs=rollout.logprobs or None, group_ids=[group_offset + p for p in rollout.prompt_index], loss_masks=rollout.loss_masks or None,
         routed_experts=(share_prompt_routing(rollout.prompt_index, rollout.prompt_ids, rollout.routed_experts)
                         if rollout.routed_experts else None))
 
 
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
-          critic: TrainModel | None, gates: Step0Gate | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
-    """Adds reference log-probs, critic values and the actor's old log-probs; with ``gates`` (step 0)
-    checks the step-0 gate.
+          critic: TrainModel | None, gates: Step0Gate | None = None,
+          teacher: TrainModel | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
+    """Adds reference log-probs, critic values, the teacher's scores (:func:`~megarlhf.learner.update.
+    teacher_scores`) and the actor's old log-probs; with ``gates`` (step 0) checks the step-0 gate.
 
     The actor's scoring pass is skipped when the update's own forward gives the same numbers
     (:func:`megarlhf.learner.old_logprobs_from_update`), except at step 0, whose gate must hold before
@@ -53,10 +56,23 @@ def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, referenc
         fields["ref_logprobs"] = compute_logprobs(reference, batch, config)
     if critic is not None:
         fields["values"] = compute_values(critic, batch, config)
+    if teacher is not None:
+        fields.update(teacher_scores(teacher, batch, config))
+        student = fields.get("old_logprobs", batch.rollout_logprobs)
+        if student is not None:
+            metrics["distill/reverse_kl"] = _token_mean(student - fields["teacher_logprobs"], batch, actor.runtime)
     if gate_step0:
         flips = routing_flips(config, actor.provider.is_moe, replayed=config.algorithm.routing_replay == "r3")
         metrics.update(_step0_gate(fields["old_logprobs"], batch, gates, actor.runtime, flips))
     return batch.replace(**fields), metrics
+
+
+def _token_mean(values: torch.Tensor, batch: ExperienceBatch, runtime: Runtime) -> float:
+    """The mean of ``values`` over the response tokens of the global batch (every data-parallel rank's)."""
+    mask = batch.response_mask
+    sums = torch.stack([mask.sum().double(), torch.where(mask, values.double(), 0.0).sum()])
+    count, total = runtime.all_reduce_on_device(sums).tolist()  # host: one read
+    return total / max(count, 1.0)
 
 
 def _step0_gate(logprobs: torch.Tensor, batch: ExperienceBatch, gates: Step0Gate,
@@ -92,8 +108,13 @@ def compute_advantages(batch: ExperienceBatch, rewards: list[float], config: Run
                              token_rewards=token_rewards, values=batch.values, group_ids=batch.group_ids,
                              baseline_rewards=baseline)
     out = ADVANTAGE_ESTIMATORS.get(algo.estimator)(inputs, algo.advantage, dp_group=runtime.dp.group)
+    advantages = out.advantages
+    distill = distills_into(config, "advantage")
+    if distill is not None:  # on-policy distillation: the teacher's per-token advantage joins the task's
+        term = distill(DistillInputs(mask, batch.old_logprobs, batch.teacher_logprobs), algo.distill)
+        advantages = advantages + algo.distill.coef * term.to(advantages.dtype)
     if informative is not None:
         mask = mask & torch.tensor(informative, dtype=torch.bool, device=device)[:, None]
-    return batch.replace(advantages=out.advantages, returns=out.returns, response_mask=mask), {}
+    return batch.replace(advantages=advantages, returns=out.returns, response_mask=mask), {}
 
 

@@ -27,7 +27,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, step0_gate: bool =
     run.reward, run.reward_model = build_reward(config, run.runtime, run.tokenizer)
     startup.mark("reward")
     run.eval_reward = CombinedReward(config.eval_reward) if config.eval_reward is not None else None
-    offloaded = [m for m in (run.critic, run.reference, run.reward_model) if m is not None]
+    offloaded = [m for m in (run.critic, run.reference, run.teacher, run.reward_model) if m is not None]
     calibration = Calibration.of_run(config, prompts.examples, run.stop_token_ids, step0_gate)
     run.rollout = build_rollout_phase(config, run.actor, offloaded, run.tokenizer, calibration)
     run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)

@@ -11,11 +11,12 @@ registry entry (:func:`~megarlhf.algorithms.advantages.estimator_needs`). Every 
  5. sleep      the engine sleeps and the trainer state comes back
  6. reward     verifiers, user functions (per sample, time-bounded) and a learned reward model
                (DAPO's dynamic sampling repeats 1-6 until the batch holds enough informative groups)
- 7. score      reference log-probs, critic values, and the actor's log-probs (the PPO "old" policy)
+ 7. score      reference log-probs, critic values, a teacher's log-probs (algorithm.distill: and its
+               top-k), and the actor's log-probs (the PPO "old" policy)
                unless the update's own forward gives the same numbers (one optimizer step per RL
                step); at step 0 the actor's log-probs must equal the engine's (the step-0 gate)
- 8. advantage  the configured estimator (GRPO, GAE, RLOO, ...)
- 9. update     the actor with the configured policy loss (+ KL / entropy terms) and the critic
+ 8. advantage  the configured estimator (GRPO, GAE, RLOO, ...) (+ a distillation advantage: reverse KL)
+ 9. update     the actor with the configured policy loss (+ KL / entropy / distillation terms: GKD) and the critic
 10. record     metrics.jsonl + TensorBoard + console; a checkpoint every ``checkpoint.every`` steps;
                evaluation every ``eval.every`` steps (before that step's update) and at the end
 
@@ -32,8 +33,8 @@ from megarlhf.algorithms.advantages import estimator_needs
 from megarlhf.config.schema import RunConfig
 from megarlhf.core import startup
 from megarlhf.core.seeds import sample_seed
-from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
-from megarlhf.loops.collect import Collected
+from megarlhf.learner import actor_update, build_actor, build_critic, build_frozen, build_reference, critic_update
+from megarlhf.loops.collect import Collected, first_on_policy_step
 from megarlhf.loops.experience import build_experience, compute_advantages, score
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
@@ -57,7 +58,8 @@ def train_rl(config: RunConfig) -> Path | None:
     startup.mark("actor")
     run.reference = build_reference(config, run.runtime, run.actor) if config.algorithm.uses_reference else None
     run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
-    startup.mark("reference_and_critic")
+    run.teacher = build_frozen(config, run.runtime, "teacher") if config.teacher is not None else None
+    startup.mark("reference_critic_and_teacher")
     sampler, first_step = open_policy_loop(run, prompts, step0_gate=True)
     batches = make_batches(run, sampler, prompts)  # steps 1-6
     batches.restore(run.resumed, first_step)
@@ -91,8 +93,9 @@ def rl_update(run: RunContext, got: Collected, batch, step: int, baseline: list[
     """Steps 7-9 on this replica's share of the step (``batch``: its experience): score, advantages, the
     actor's (and critic's) update; at step 0 the gates' checks and the calibration's metrics."""
     config = run.config
+    gated = step == first_on_policy_step(config)  # step 0, unless it trains on dataset responses (GKD's lmbda)
     batch, score_metrics = score(batch, config, run.actor, run.reference, run.critic,  # 7
-                                 gates=run.rollout if step == 0 else None)
+                                 gates=run.rollout if gated else None, teacher=run.teacher)
     batch, advantage_metrics = compute_advantages(batch, got.rewards, config, run.runtime, baseline,  # 8
                                                   got.informative)
     update = actor_update(run.actor, batch, config, on_nonfinite=config.train.on_nonfinite)  # 9

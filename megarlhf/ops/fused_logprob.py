@@ -90,9 +90,11 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
                          f"{hidden.dtype} and {weight.dtype}")
     if hidden.device != weight.device:
         raise ValueError(f"logprob op: hidden on {hidden.device} but weight on {weight.device}")
-    if targets.shape != (hidden.shape[0],) or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"logprob op: targets must be an int tensor of shape [{hidden.shape[0]}]; "
-                         f"got {targets.dtype} {tuple(targets.shape)}")
+    one_per_row = targets.dim() == 1 or (targets.dim() == 2 and targets.shape[1] >= 1)
+    if (not one_per_row or targets.shape[0] != hidden.shape[0]
+            or targets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"logprob op: targets must be an int tensor of shape [{hidden.shape[0]}] or "
+                         f"[{hidden.shape[0]}, K]; got {targets.dtype} {tuple(targets.shape)}")
     if mask is not None and (mask.shape != (hidden.shape[0],) or mask.dtype != torch.bool):
         raise ValueError(f"logprob op: mask must be a bool tensor of shape [{hidden.shape[0]}]; "
                          f"got {mask.dtype} {tuple(mask.shape)}")
@@ -109,7 +111,7 @@ def tp_rank_and_size(tp_group) -> tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+def select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
                  vocab_start: int, vocab_local: int, vocab_total: int, check_targets: bool = True,
                  selected: int | None = None):
     """Picks the unmasked rows (``selected`` of them, when known on the host); returns (rows index or None,
@@ -132,11 +134,11 @@ def _select_rows(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     return idx, hidden, torch.where(in_shard, local, 0).contiguous(), in_shard
 
 
-def _scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:
-    """Puts per-selected-row values back at their token positions; masked tokens get 0."""
+def scatter_rows(values: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Puts per-selected-row values ([rows] or [rows, K]) back at their token positions; masked tokens get 0."""
     if idx is None:
         return values
-    return values.new_zeros(n).index_put((idx,), values)
+    return values.new_zeros((n, *values.shape[1:])).index_put((idx,), values)
 
 
 def apply_on_selected_rows(apply, hidden, weight, targets, mask, options: LogprobOptions):
@@ -148,21 +150,22 @@ def apply_on_selected_rows(apply, hidden, weight, targets, mask, options: Logpro
     compute_entropy, check_targets = options.compute_entropy, options.check_targets
     rank, tp_size = tp_rank_and_size(options.tp_group)
     v_local = weight.shape[0]
-    idx, x, local_t, in_shard = _select_rows(hidden, targets, mask, rank * v_local, v_local,
+    idx, x, local_t, in_shard = select_rows(hidden, targets, mask, rank * v_local, v_local,
                                              v_local * tp_size, check_targets, options.selected)
     n = hidden.shape[0]
     if x.shape[0] == 0:   # nothing selected (identical on all TP ranks): no work, no collectives
         # zeros that still hang off the graph, so a loss built only from them can backward (to 0)
         tie = (hidden[:0].sum() + weight[:0].sum()).float()
-        logprob = hidden.new_zeros(n, dtype=torch.float32) + tie
+        logprob = hidden.new_zeros(tuple(targets.shape), dtype=torch.float32) + tie
         return logprob, (hidden.new_zeros(n, dtype=torch.float32) + tie if compute_entropy else None)
     logprob, ent = apply(x, local_t, in_shard, tp_size)
-    return _scatter_rows(logprob, idx, n), (_scatter_rows(ent, idx, n) if compute_entropy else None)
+    return scatter_rows(logprob, idx, n), (scatter_rows(ent, idx, n) if compute_entropy else None)
 
 
 def combine_partials(m: torch.Tensor, s: torch.Tensor, a: torch.Tensor, tgt: torch.Tensor,
                      tp_group, tp_size: int):
-    """Turns this rank's (max, sum-exp, entropy term, target logit) into global (logZ, entropy, logprob).
+    """Turns this rank's (max, sum-exp, entropy term, target logit) into global (logZ, entropy, logprob);
+    ``tgt`` is [N] (one target per row) or [N, K] (K targets per row: the log-probs are [N, K]).
 
     Megatron's order: all_reduce MAX of the max, rescale the partials to it, one all_reduce SUM.
     Rescaling ``a`` uses sum exp(l - M) (l - M) = e^(m - M) (a + (m - M) s).
@@ -172,32 +175,33 @@ def combine_partials(m: torch.Tensor, s: torch.Tensor, a: torch.Tensor, tgt: tor
         dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=tp_group)
         shift = m - m_glob
         alpha = torch.exp(shift)
-        packed = torch.stack([alpha * s, alpha * (a + shift * s), tgt])
+        packed = torch.cat([(alpha * s)[:, None], (alpha * (a + shift * s))[:, None], tgt.reshape(len(m), -1)], 1)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-        m, (s, a, tgt) = m_glob, packed.unbind(0)
+        m, s, a, tgt = m_glob, packed[:, 0], packed[:, 1], packed[:, 2:].reshape(tgt.shape)
     log_s = torch.log(s)
     logz = m + log_s
-    return logz, log_s - a / s, tgt - logz
+    return logz, log_s - a / s, tgt - logz.view(-1, *[1] * (tgt.dim() - 1))
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """fp32 logits of one vocab chunk (x is already divided by the temperature)."""
     return torch.mm(x, weight[lo:hi].t()).float()
 
 
 def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy: bool):
-    """One pass over this rank's vocab shard: running max, sum-exp, entropy term, target logit."""
+    """One pass over this rank's vocab shard: running max, sum-exp, entropy term, target logit(s) (``local_t``
+    [N] or [N, K])."""
     n = x.shape[0]
     m = x.new_full((n,), NEG_BIG, dtype=torch.float32)
     s = torch.zeros_like(m)
     a = torch.zeros_like(m)
-    tgt = torch.zeros_like(m)
-    rows = torch.arange(n, device=x.device)
+    tgt = torch.zeros(local_t.shape, dtype=torch.float32, device=x.device)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
-        logits = _chunk_logits(x, weight, lo, hi)
+        logits = chunk_logits(x, weight, lo, hi)
         hit = in_shard & (local_t >= lo) & (local_t < hi)
-        tgt += torch.where(hit, logits[rows, (local_t - lo).clamp(0, hi - lo - 1)], 0.0)
+        columns = (local_t - lo).clamp(0, hi - lo - 1).reshape(n, -1)
+        tgt += torch.where(hit, logits.gather(1, columns).reshape(local_t.shape), 0.0)
         m_new = torch.maximum(m, logits.amax(dim=1))
         shift = m - m_new
         alpha = torch.exp(shift)
@@ -239,15 +243,17 @@ def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: 
     need_x, need_w = needs
     grad_x = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
     grad_w = torch.empty_like(weight) if need_w else None
-    g_lp32 = None if g_lp is None else g_lp.float()
+    n = xs.shape[0]
+    g_lp32 = None if g_lp is None else g_lp.float().reshape(n, -1)  # [N, K] (K = 1: one target per row)
+    g_row = None if g_lp32 is None else g_lp32.sum(dim=1)  # every target's log-prob shares the -p term
     g_ent32 = None if g_ent is None else g_ent.float()
+    local_t, in_shard = local_t.reshape(n, -1), in_shard.reshape(n, -1)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
-        grad = _grad_logits_(_chunk_logits(xs, weight, lo, hi), logz, g_lp32, g_ent32, ent)
-        if g_lp32 is not None:  # each row's target column gets +g_lp (a scatter: no boolean mask, no sync)
+        grad = _grad_logits_(chunk_logits(xs, weight, lo, hi), logz, g_row, g_ent32, ent)
+        if g_lp32 is not None:  # each target column gets +g_lp (a scatter: no boolean mask, no sync)
             hit = in_shard & (local_t >= lo) & (local_t < hi)
-            column = torch.where(hit, local_t - lo, 0)[:, None]
-            grad.scatter_add_(1, column, torch.where(hit, g_lp32, 0.0)[:, None])
+            grad.scatter_add_(1, torch.where(hit, local_t - lo, 0), torch.where(hit, g_lp32, 0.0))
         grad = grad.to(weight.dtype)
         if need_x:
             grad_x += torch.mm(grad, weight[lo:hi]).float()
@@ -293,7 +299,8 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
 
     hidden [N, H]; weight [V_local, H] (this rank's vocab shard, Megatron layout); targets [N] global
-    vocab ids; mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
+    vocab ids, or [N, K] for K log-probs per row (returned [N, K]; one vocab pass for all of them);
+    mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
     Returns (logprobs, entropy or None). fp32/bf16/fp16 inputs; statistics are accumulated in fp32.
     Under TP the hidden gradient is all-reduced inside the op (see module docstring).
     """

@@ -8,7 +8,11 @@ message names the key.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from megarlhf.algorithms.distillation import DISTILL_LOSSES
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
 from megarlhf.config.reward import RewardConfig
 from megarlhf.config.schema import RunConfig
@@ -24,6 +28,7 @@ from megarlhf.rollout.engines import ENGINES
 def check_config(config: RunConfig) -> None:
     """Raises a :class:`ConfigError` naming the key of the first problem found."""
     _check_algorithm(config)
+    _check_distill(config)
     _check_rewards(config)
     _check_rollout(config)
     _check_preference(config)
@@ -46,6 +51,61 @@ def _check_algorithm(config: RunConfig) -> None:
         raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with algorithm.estimator="
                           f"{algorithm.estimator!r}: its greedy baseline is generated inside the step with the "
                           f"current weights; use max_staleness=0")
+
+
+def _check_distill(config: RunConfig) -> None:
+    """What the distillation term declares (:class:`~megarlhf.algorithms.distillation.DistillNeeds`) against the
+    settings that serve it."""
+    distill = config.algorithm.distill
+    if distill is None:
+        return
+    DISTILL_LOSSES.check_name(distill.loss, "algorithm.distill.loss")
+    needs = DISTILL_LOSSES.get(distill.loss).needs
+    if needs.top_k and distill.top_k < 1:
+        raise ConfigError(f"algorithm.distill.loss={distill.loss!r} compares the student's distribution with the "
+                          f"teacher's top-k: set algorithm.distill.top_k >= 1 (e.g. 20)")
+    if not needs.top_k and distill.top_k:
+        raise ConfigError(f"algorithm.distill.top_k={distill.top_k} is unused: algorithm.distill.loss="
+                          f"{distill.loss!r} reads the teacher's log-prob of the sampled token only; set it to 0")
+    if distill.lmbda < 1.0:
+        where = f"algorithm.distill.lmbda={distill.lmbda:g} (steps on the prompts' dataset responses)"
+        if not needs.dataset_responses:
+            raise ConfigError(f"{where}: algorithm.distill.loss={distill.loss!r} learns on the student's own samples "
+                              f"only; set lmbda to 1")
+        if ADVANTAGE_ESTIMATORS.get(config.algorithm.estimator).needs.rewards:
+            raise ConfigError(f"{where}: a dataset response has no policy-gradient advantage; set "
+                              f"algorithm.estimator to 'none' (the teacher alone), or lmbda to 1")
+        for problem, key in ((config.rollout.max_staleness, "rollout.max_staleness"),
+                             (config.rollout.env is not None, "rollout.env"),
+                             (config.algorithm.dynamic_sampling.enabled, "algorithm.dynamic_sampling.enabled")):
+            if problem:
+                raise ConfigError(f"{where} with {key} is not supported: set lmbda to 1 or turn {key} off")
+
+
+def check_teacher(config: RunConfig, tokenizer) -> None:
+    """The teacher reads the student's token ids: its tokenizer must give every token the student's id, and a
+    loss that compares distributions (top-k) needs the student's vocabulary size. Raises naming the paths."""
+    from transformers import AutoTokenizer
+
+    path = config.teacher.model_path
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher.model_path={path!r} is not an HF model directory (no config.json there)")
+    try:
+        teacher = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"teacher.model_path={path!r}: cannot load its tokenizer ({type(err).__name__})") from None
+    ours, theirs = tokenizer.get_vocab(), teacher.get_vocab()
+    differ = sorted(token for token in ours.keys() | theirs.keys() if ours.get(token) != theirs.get(token))
+    if differ:
+        shown = ", ".join(f"{t!r}: {ours.get(t)} vs {theirs.get(t)}" for t in differ[:3])
+        raise ConfigError(f"teacher.model_path={path!r} has another tokenizer than model.path={config.model.path!r} "
+                          f"({len(differ)} tokens differ, e.g. {shown}): the teacher scores the student's token ids, "
+                          f"so it must share the student's tokenizer")
+    if DISTILL_LOSSES.get(config.algorithm.distill.loss).needs.top_k:
+        sizes = [json.loads((Path(p) / "config.json").read_text()).get("vocab_size") for p in (config.model.path, path)]
+        if sizes[0] != sizes[1]:
+            raise ConfigError(f"algorithm.distill.loss={config.algorithm.distill.loss!r} compares whole distributions: "
+                              f"the teacher's vocab_size ({sizes[1]}, {path}) must equal the student's ({sizes[0]})")
 
 
 def _check_rewards(config: RunConfig) -> None:

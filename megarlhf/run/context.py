@@ -36,7 +36,7 @@ from megarlhf.records.sample_log import SampleLog
 from megarlhf.records.tracking import open_trackers
 from megarlhf.rewards import CombinedReward
 from megarlhf.run.checkpointer import RunCheckpointer
-from megarlhf.run.checks import check_config, check_ground_truths
+from megarlhf.run.checks import check_config, check_ground_truths, check_teacher
 from parallel.runtime import Runtime, init_disaggregated, init_parallel, read_launch_env
 
 
@@ -54,6 +54,7 @@ class RunContext:
     actor: TrainModel | None = None  # the trained model: the policy (a value-head model for ``megarlhf rm``)
     reference: TrainModel | None = None
     critic: TrainModel | None = None
+    teacher: TrainModel | None = None  # the frozen model algorithm.distill learns from
     reward_model: TrainModel | None = None  # a learned reward (reward.reward_model_path)
     reward: CombinedReward | None = None
     eval_reward: CombinedReward | None = None
@@ -171,14 +172,17 @@ class RunContext:
     def train_and_eval_prompts(self) -> tuple[PromptDataset, PromptDataset | None]:
         """The prompts of ``data.train_path`` and of ``data.eval_path`` (None when unset)."""
         config = self.config
-        train = self.load_prompts(config.data.train_path, config.reward)
+        distill = config.algorithm.distill
+        responses = distill is not None and distill.lmbda < 1  # some steps train on the dataset's responses
+        train = self.load_prompts(config.data.train_path, config.reward, with_responses=responses)
         return train, (self.load_prompts(config.data.eval_path, config.eval_reward) if config.data.eval_path else None)
 
-    def load_prompts(self, path: str, rewards: RewardConfig | None) -> PromptDataset:
-        """The prompts at ``path``, refused when ``rewards`` score against answers some of them lack."""
+    def load_prompts(self, path: str, rewards: RewardConfig | None, with_responses: bool = False) -> PromptDataset:
+        """The prompts at ``path`` (and their dataset responses), refused when ``rewards`` score against answers
+        some of them lack."""
         env = self.config.rollout.env
         describe = None if env is None else tool_describer(env, self.tokenizer)
-        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe)
+        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe, with_responses)
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")
@@ -233,6 +237,11 @@ def start_run(config: RunConfig, command: str) -> RunContext:
     startup.mark("launch_and_imports")
     check_config(config)
     tokenizer = load_tokenizer(config.model.path)
+    if config.teacher is not None and command not in READ_ONLY_COMMANDS:  # eval / export read train recipes too
+        if command != "train":
+            raise ConfigError(f"teacher (with algorithm.distill) is read by megarlhf train only, not by megarlhf "
+                              f"{command}: remove it from the recipe")
+        check_teacher(config, tokenizer)
     startup.mark("config_and_tokenizer")
     placement, world = config.rollout.placement, read_launch_env().world_size
     if placement.mode == "disaggregated":

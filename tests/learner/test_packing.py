@@ -106,6 +106,25 @@ def test_shared_prefix_trees_round_trip_and_count_the_prompt_once():
     assert last.tolist() == [6.0, 9.0, 11.0, 15.0, 20.0]
 
 
+@pytest.mark.parametrize("packing", [Packing(8), Packing(8, packed=False), Packing(100, share_prefixes=True),
+                                     Packing(100, sequence_multiple=4), Packing(9, packed=False, sequence_multiple=2)],
+                         ids=["packed", "unpacked", "shared_prefixes", "packed_sequence_parallel", "unpacked_sp"])
+def test_to_positions_is_the_way_back_of_to_rows(packing):
+    """Per-token [n, width, K] values (a teacher's top-k ids) go to the positions whose output predicts each token
+    and come back by to_rows at every wanted token; the label of each such position is its row's next token."""
+    ids, lengths, wanted = _shared_prompt_batch()
+    values = torch.randint(0, 1000, (*ids.shape, 3))
+    for mb in build_micro_batches(ids, lengths, wanted, packing):
+        local = mb.to_positions(values[mb.rows, :mb.width])
+        assert tuple(local.shape) == (*mb.tokens.shape, 3)
+        back = mb.to_rows(local)
+        labels = mb.to_rows(mb.labels)
+        for j, row in enumerate(mb.rows.tolist()):
+            keep = wanted[row, :mb.width]
+            assert torch.equal(back[j][keep], values[row, :mb.width][keep])
+            assert torch.equal(labels[j][keep], ids[row, :mb.width][keep])
+
+
 def test_shared_prefix_trees_stay_under_the_budget():
     ids, lengths, wanted = _shared_prompt_batch()
     # 7 + (6 - 3) = 10 fills a budget of 10, so row 2 starts a tree of its own (then first-fit decreasing)

@@ -38,16 +38,19 @@ MEANT_FOR = {
     "remax": [["algorithm.policy_loss=vanilla_pg"], ["algorithm.policy_loss=ppo_clip"]],
     "reinforce_pp": [["algorithm.policy_loss=ppo_clip"]],
     "reinforce_pp_baseline": [["algorithm.policy_loss=ppo_clip"], ["algorithm.policy_loss=cispo"]],
+    # no task advantage: learns from a teacher alone (the tiny model itself, TEACHER), by either distillation term
+    "none": [["teacher={model_path: TEACHER}", "algorithm.distill={loss: reverse_kl}"],
+             ["teacher={model_path: TEACHER}", "algorithm.distill={loss: gkd, top_k: 4}"]],
 }
 KL_MODES = ["loss", "reward", "none"]
 
 
-def _cases() -> dict[str, list[str]]:
+def _cases(teacher: str = "TEACHER") -> dict[str, list[str]]:
     cases = {}
     for estimator in ADVANTAGE_ESTIMATORS.names():
         losses = MEANT_FOR[estimator]  # a new estimator must say which losses it is meant for
         for i, kl_mode in enumerate(KL_MODES):
-            loss = losses[i % len(losses)]
+            loss = [override.replace("TEACHER", teacher) for override in losses[i % len(losses)]]
             cases[f"{estimator}-{kl_mode}"] = [f"algorithm.estimator={estimator}", f"algorithm.kl_mode={kl_mode}",
                                                *loss, *ENGINE]
     cases["kl_coef_0"] = ["algorithm.kl_mode=loss", "algorithm.kl.coef=0.0", *ENGINE]
@@ -68,7 +71,7 @@ def matrix(tmp_path_factory, rl_assets):
     root = tmp_path_factory.mktemp("rl_matrix")
     recipe = write_recipe(root / "recipe.yaml", rl_assets, "grpo", root / "unused")
     cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases()))
+    cases.write_text(json.dumps(_cases(teacher=str(rl_assets[0]))))
     run_torchrun(WORKER, 2, [str(recipe), str(cases), str(root / "out")], timeout_s=1500)
     ranks = read_rank_results(root / "out", 2)
     return ranks[0]

@@ -15,29 +15,32 @@ CASES = {
 }
 
 
-def make_case(name: str, dtype=torch.float32, seed: int = 0):
-    """Returns hidden, full weight, targets, mask, loss weights (ra, rb), chunk, temperature."""
+def make_case(name: str, dtype=torch.float32, seed: int = 0, targets_per_row: int | None = None):
+    """Returns hidden, full weight, targets, mask, loss weights (ra, rb), chunk, temperature; with
+    ``targets_per_row`` = K the targets (and ra, the log-probs' loss weights) are [N, K]."""
     n, h, v, chunk, temperature, masked = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=gen)
     weight = torch.randn(v, h, generator=gen) * (1.5 / h ** 0.5)   # logits of std ~1.5
-    targets = torch.randint(0, v, (n,), generator=gen)
+    shape = (n,) if targets_per_row is None else (n, targets_per_row)
+    targets = torch.randint(0, v, shape, generator=gen)
     mask = None if masked == 0.0 else torch.rand(n, generator=gen) >= masked
     if masked == 1.0:
         targets[:] = -100   # masked tokens may carry any id (an ignore index, here)
-    ra, rb = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ra, rb = torch.randn(shape, generator=gen), torch.randn(n, generator=gen)
     return hidden.to(dtype), weight.to(dtype), targets, mask, ra, rb, chunk, temperature
 
 
 def naive_logprob_entropy(hidden, weight, targets, mask, temperature):
-    """fp32 log-probs and entropies [N] from the full logits; masked rows are 0."""
+    """fp32 log-probs ([N], or [N, K] for targets [N, K]) and entropies [N] from the full logits; masked
+    rows are 0."""
     logits = (hidden.float() @ weight.float().t()) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     safe_t = targets.clamp(0, weight.shape[0] - 1)
-    logprob = logp.gather(1, safe_t[:, None]).squeeze(1)
+    logprob = logp.gather(1, safe_t.reshape(len(safe_t), -1)).reshape(targets.shape)
     if mask is not None:
-        logprob, entropy = logprob * mask, entropy * mask
+        logprob, entropy = logprob * mask.view(-1, *[1] * (targets.dim() - 1)), entropy * mask
     return logprob, entropy
 
 
@@ -49,3 +52,15 @@ def outputs_and_grads(fn, hidden, weight, ra, rb):
     loss = (ra * logprob).sum() + (0.0 if entropy is None else (rb * entropy).sum())
     loss.backward()
     return logprob.detach(), (None if entropy is None else entropy.detach()), hidden.grad, weight.grad
+
+
+def naive_topk(hidden, weight, targets, mask, temperature, k):
+    """The target's log-prob [N] and the top-k log-probs and ids [N, k] from the full log-softmax (masked
+    rows 0 and id 0)."""
+    logits = (hidden.float() @ weight.float().t()) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    target = logp.gather(1, targets.clamp(0, weight.shape[0] - 1)[:, None]).squeeze(1)
+    values, ids = torch.topk(logp, k, dim=1)
+    if mask is not None:
+        target, values, ids = target * mask, values * mask[:, None], ids * mask[:, None]
+    return target, values, ids

@@ -38,8 +38,12 @@ def main(out_dir: str, backend: str) -> None:
     env = init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     result = {}
-    for name in CASES:
-        hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name)
+    # the torch op also takes K targets per row (a distillation loss's log-probs of a teacher's top-k)
+    cases = [(name, None) for name in CASES] + ([(name, 3) for name in CASES] if backend == "torch" else [])
+    for name, targets_per_row in cases:
+        hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name, targets_per_row=targets_per_row)
+        if targets_per_row is not None:
+            name = f"{name}[K={targets_per_row}]"
         ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
                                 hidden, weight, ra, rb)
         tp1 = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk),
@@ -48,7 +52,7 @@ def main(out_dir: str, backend: str) -> None:
                                  "entropy": max_diff(tp1[1], ref[1]),
                                  "grad_hidden": max_diff(tp1[2], ref[2]),
                                  "grad_weight": max_diff(tp1[3], ref[3])}
-        if name == "temperature":   # log-probs only: no entropy term in forward or backward
+        if name.startswith("temperature"):   # log-probs only: no entropy term in forward or backward
             no_ent = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk, False),
                                        hidden, weight, ra, rb)
             ref_lp = outputs_and_grads(lambda h, w: (naive_logprob_entropy(
@@ -75,8 +79,30 @@ def main(out_dir: str, backend: str) -> None:
                                                         and (ent[~mask] == 0).all()),
             "masked_grads_zero": mask is None or bool((gh[~mask] == 0).all()),
         }
+    if backend == "torch":
+        result.update(topk_results(world, rank))
     write_rank_result(out_dir, env.rank, result)
     shutdown()
+
+
+def topk_results(world: int, rank: int) -> dict:
+    """The teacher's top-k op on this rank's vocab shard against the naive op on the full weight."""
+    from _logprob_reference import naive_topk
+    from megarlhf.ops import topk_logprobs
+
+    result = {}
+    group = dist.group.WORLD if world > 1 else None
+    for name in CASES:
+        hidden, weight, targets, mask, _, _, chunk, temperature = make_case(name)
+        v_local = weight.shape[0] // world
+        options = LogprobOptions(tp_group=group, temperature=temperature, chunk_size=chunk)
+        for k in (1, 7, v_local + 3):  # one, some, more than one rank's shard holds
+            got = topk_logprobs(hidden, weight[rank * v_local:(rank + 1) * v_local], targets, mask, k, options)
+            want = naive_topk(hidden, weight, targets, mask, temperature, k)
+            result[f"topk/{name}/k{k}/tp{world}"] = {
+                "target": max_diff(got[0], want[0]), "values": max_diff(got[1], want[1]),
+                "ids_equal": bool(torch.equal(got[2], want[2]))}
+    return result
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ def _max(a, b) -> float:
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("compute_entropy", [True, False])
-def test_matches_naive_fp32_tp1(name, compute_entropy):
-    hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name)
+@pytest.mark.parametrize("targets_per_row", [None, 3], ids=["one_target", "three_targets"])
+def test_matches_naive_fp32_tp1(name, compute_entropy, targets_per_row):
+    hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name, targets_per_row=targets_per_row)
     rb = rb if compute_entropy else torch.zeros_like(rb)
     lp, ent, gh, gw = outputs_and_grads(
         lambda h, w: fused_logprob_entropy(h, w, targets, mask, LogprobOptions(
@@ -36,6 +37,7 @@ def test_matches_naive_fp32_tp1(name, compute_entropy):
     else:
         assert ent is None
     assert _max(gh, ref[2]) <= 1e-4 and _max(gw, ref[3]) <= 1e-4
+    assert lp.shape == targets.shape
     if mask is not None:
         assert (lp[~mask] == 0).all() and (gh[~mask] == 0).all()
     if mask is not None and not mask.any():
@@ -59,6 +61,8 @@ def check_worker_results(results: list[dict]) -> None:
     for rank_result in results:
         assert any(key.endswith("/tp2") for key in rank_result)
         for name, r in rank_result.items():
+            if name.startswith("topk/"):  # the top-k op's: tests/ops/test_topk_logprob.py
+                continue
             assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5, (name, r)
             assert r["grad_hidden"] <= 1e-4 and r["grad_weight"] <= 1e-4, (name, r)
             if name.endswith("/tp2"):
@@ -68,7 +72,12 @@ def check_worker_results(results: list[dict]) -> None:
 
 def test_tp2_matches_unsharded_naive(tmp_path):
     run_torchrun(HERE / "_worker_logprob.py", 2, [str(tmp_path), "torch"], timeout_s=180)
-    check_worker_results(read_rank_results(tmp_path, 2))
+    results = read_rank_results(tmp_path, 2)
+    check_worker_results(results)
+    topk = [(name, r) for rank_result in results for name, r in rank_result.items() if name.startswith("topk/")]
+    assert len(topk) == 2 * 3 * len(CASES)  # the teacher's top-k op at TP 2 (tests/ops/test_topk_logprob.py)
+    for name, r in topk:
+        assert r["target"] <= 1e-5 and r["values"] <= 1e-5 and r["ids_equal"], (name, r)
 
 
 @pytest.mark.parametrize("name", ["masked", "temperature"])
@@ -167,6 +176,10 @@ def test_dispatch_and_bad_inputs():
         fused_logprob_entropy(hidden, weight, targets, options=LogprobOptions(temperature=0.0))
     with pytest.raises(ValueError, match="share one float dtype"):
         fused_logprob_entropy(hidden.double(), weight, targets)
+    with pytest.raises(ValueError, match=r"targets must be an int tensor of shape \[37\] or \[37, K\]"):
+        fused_logprob_entropy(hidden, weight, targets[:, None, None])
+    with pytest.raises(ValueError, match="triton backend takes one target per row"):
+        logprob_entropy(hidden, weight, targets[:, None], options=LogprobOptions(backend="triton"))
 
 
 def test_padded_vocab_bias_column():

@@ -1,0 +1,61 @@
+"""The teacher's top-k op (megarlhf.ops.topk_logprobs) against the full log-softmax, at TP 1 in-process (TP 2
+runs in tests/ops/test_fused_logprob.py's torchrun worker), in fp32 and bf16, with its input errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _logprob_reference import CASES, make_case, naive_topk
+from megarlhf.ops import LogprobOptions, topk_logprobs
+
+
+def _max(a, b) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("k", [1, 5, 202])
+def test_matches_full_log_softmax(name, k):
+    hidden, weight, targets, mask, _, _, chunk, temperature = make_case(name)
+    k = min(k, weight.shape[0])
+    got = topk_logprobs(hidden, weight, targets, mask, k, LogprobOptions(temperature=temperature, chunk_size=chunk))
+    want = naive_topk(hidden, weight, targets, mask, temperature, k)
+    assert got[1].shape == got[2].shape == (hidden.shape[0], k) and got[2].dtype == torch.long
+    assert _max(got[0], want[0]) <= 1e-5 and _max(got[1], want[1]) <= 1e-5
+    assert torch.equal(got[2], want[2])
+    if k == weight.shape[0] and mask is None:  # the whole vocabulary: its probabilities sum to 1
+        assert torch.allclose(got[1].exp().sum(1), torch.ones(hidden.shape[0]), atol=1e-5)
+
+
+def test_bf16_picks_the_top_of_bf16_logits():
+    """In bf16 the op ranks the bf16 products of bf16 inputs (as a bf16 output layer does): its values are the
+    top-k of those logits' log-softmax (ties may come in any order), and each id's log-prob is its value."""
+    hidden, weight, targets, mask, _, _, chunk, temperature = make_case("temperature", torch.bfloat16)
+    got = topk_logprobs(hidden, weight, targets, mask, 4, LogprobOptions(temperature=temperature, chunk_size=chunk))
+    assert got[1].dtype == torch.float32
+    logp = torch.log_softmax((hidden / temperature @ weight.t()).float(), dim=-1)
+    assert _max(got[1], torch.topk(logp, 4, dim=1).values) <= 1e-5
+    assert _max(logp.gather(1, got[2]), got[1]) <= 1e-5
+
+
+def test_padded_vocabulary_rows_never_enter_the_top_k():
+    hidden, weight, targets, mask, _, _, chunk, _ = make_case("masked")
+    vocab = weight.shape[0]
+    padded = torch.cat([weight, 10 * torch.ones(6, weight.shape[1])])  # large logits, but padding
+    bias = torch.cat([torch.zeros(vocab), torch.full((6,), -1.0e30)])[:, None]
+    h1 = torch.cat([hidden, torch.ones(hidden.shape[0], 1)], dim=1)
+    got = topk_logprobs(h1, torch.cat([padded, bias], dim=1), targets, mask, vocab, LogprobOptions(chunk_size=chunk))
+    want = naive_topk(hidden, weight, targets, mask, 1.0, vocab)
+    assert int(got[2].max()) < vocab and torch.equal(got[2], want[2]) and _max(got[1], want[1]) <= 1e-5
+
+
+def test_bad_inputs():
+    hidden, weight, targets, mask, *_ = make_case("masked")
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 202\]"):
+        topk_logprobs(hidden, weight, targets, mask, 203)
+    with pytest.raises(ValueError, match=r"k must be an int"):
+        topk_logprobs(hidden, weight, targets, mask, 0)
+    with pytest.raises(ValueError, match=r"targets must be \[N\]"):
+        topk_logprobs(hidden, weight, targets[:, None], mask, 3)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        topk_logprobs(hidden, weight[:, :-1], targets, mask, 3)
