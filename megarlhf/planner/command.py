@@ -18,6 +18,7 @@ from megarlhf.planner.suggest import suggest
 
 ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp32)"),
         ("actor_optimizer", "actor optimizer state"), ("reference_weights", "reference weights"),
+        ("teacher_weights", "teacher weights"),
         ("critic_weights", "critic weights"), ("critic_grads", "critic gradients (fp32)"),
         ("critic_optimizer", "critic optimizer state"), ("reward_model_weights", "reward model weights"),
         ("activations", "activations"),

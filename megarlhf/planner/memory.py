@@ -1,8 +1,8 @@
 """Per-rank memory of a run: what each model, the activations and the rollout engine hold, per phase.
 
 The command decides which models a run keeps (:func:`workload`, read from the recipe as the trainer
-reads it): ``train`` (RL) the actor, a reference when the algorithm uses one, a critic for GAE, a learned
-reward model and the engine; ``rs`` the actor, the engine and a learned reward; ``online-dpo`` also the
+reads it): ``train`` (RL) the actor, a reference when the algorithm uses one, a critic for GAE, a teacher
+(``teacher``, distillation), a learned reward model and the engine; ``rs`` the actor, the engine and a learned reward; ``online-dpo`` also the
 reference when the loss needs one and ``iterative.reference=fixed``; ``sft`` the actor; ``dpo`` the actor and
 the reference its loss needs (with ``preference.precompute_reference`` it is dropped after scoring the
 dataset, but both are resident while it scores); ``rm`` a value-head model. Commands without an engine
@@ -15,7 +15,7 @@ into a :class:`MemoryPlan`: one :class:`StagePlan` per pipeline stage (every ran
 same bytes: TP splits evenly, DP and CP replicate), each with its components and the three phases of
 the colocate schedule:
 
-* ``train``     (steps 7-9) actor + reference + critic resident; the engine asleep (GPU: vLLM sleep level
+* ``train``     (steps 7-9) actor + reference + critic + teacher resident; the engine asleep (GPU: vLLM sleep level
                 1 frees its weights and KV cache) -- on CPU vLLM cannot sleep, so it stays resident;
 * ``sync``      (step 3) the actor's parameters still resident (grads, optimizer and the other models are
                 offloaded first), the engine's weights awake, one weight-sync bucket in flight;
@@ -58,6 +58,10 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   are not counted;
 * a learned reward (``reward.reward_model_path``): its frozen weights with the value head, ``P_rm * d``
   (its own config.json gives P_rm);
+* a teacher (``teacher``): its frozen weights in the trainer's layout, ``P_teacher * d_teacher``
+  (``teacher.dtype``; its own config.json gives P_teacher), offloaded with the trainer state. Its scores
+  ([B, L] log-probs and, for GKD, [B, L, top_k] log-probs and ids) are not counted: they are the size of a
+  few log-prob fields of the experience, far below one micro-batch's activations;
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
   a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``;
 * an LLM judge (``reward.judge``): one TP-1 engine per rank, its weights at ``judge.dtype`` (its own
@@ -96,6 +100,7 @@ class Workload:
     reward_model: bool
     head: str  # the trained model's head: "lm" (a policy) or "value" (a reward model)
     rows_together: int = 1  # rows one micro-batch must hold whole: 2 for preference pairs
+    teacher: bool = False  # a frozen teacher the student learns from (algorithm.distill)
 
 
 def workload(config: RunConfig, command: str) -> Workload:
@@ -103,7 +108,8 @@ def workload(config: RunConfig, command: str) -> Workload:
     loss = PREFERENCE_LOSSES.get(config.preference.loss)
     if command == "train":
         critic = estimator_needs(config.algorithm.estimator).critic
-        return Workload(True, config.algorithm.uses_reference, critic, learned_reward, "lm")
+        return Workload(True, config.algorithm.uses_reference, critic, learned_reward, "lm",
+                        teacher=config.teacher is not None)
     if command == "online-dpo":
         reference = loss.needs_reference and config.iterative.reference == "fixed"
         return Workload(True, reference, False, learned_reward, "lm", rows_together=2)
@@ -284,6 +290,20 @@ def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | No
         return actor
 
 
+def _teacher_weights(config: RunConfig, stage: int) -> int:
+    """The teacher's weights on each rank of pipeline stage ``stage``, in the trainer's layout."""
+    try:
+        shape, _ = resolve_shape(config.teacher.model_path)
+    except UserError:
+        raise UserError(f"teacher.model_path={config.teacher.model_path!r} has no config.json and its name matches "
+                        f"no preset: the planner cannot count the teacher's weights") from None
+    par = config.parallel
+    ep = par.expert_model_parallel_size if shape.num_experts else 1
+    params = shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, "lm", ep,
+                                   **par.uneven_stages)
+    return params * dtype_bytes(config.teacher.dtype or config.model.dtype)
+
+
 def _judge_engine(config: RunConfig) -> dict[str, int]:
     """The judge engine's weights and KV cache on each rank (0 without ``reward.judge``)."""
     judge = config.reward.judge
@@ -313,6 +333,7 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     reward_shape = _reward_model_shape(config, shape) if work.reward_model else None
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
         tp, pp, stage, "value", ep if reward_shape.num_experts else 1, **par.uneven_stages) * d)
+    comp["teacher_weights"] = _teacher_weights(config, stage) if work.teacher else 0
     critic = _trainable(shape, config, stage, d, shards, "value", expert_shards) if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     # a micro-batch holds at least one whole item: a sequence, or both sides of a preference pair
@@ -322,7 +343,8 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
-    trainer_state = sum(v for k, v in comp.items() if k.startswith(("actor_", "reference_", "critic_", "reward_model_")))
+    trainer_state = sum(v for k, v in comp.items()
+                        if k.startswith(("actor_", "reference_", "critic_", "reward_model_", "teacher_")))
     if not work.engine:  # nothing is offloaded, nothing generates
         phases = {"train": trainer_state + act, "sync": 0, "generate": 0, "judge": 0}
     elif launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory

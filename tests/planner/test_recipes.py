@@ -19,7 +19,7 @@ CPU_RECIPES = ["demo_grpo.yaml", "demo_sft.yaml", "demo_sft_answer_first.yaml", 
                "smollm2_sft_multistep.yaml", "smollm2_grpo_multistep.yaml", "smollm2_rs_multistep.yaml",
                "smollm2_online_dpo_multistep.yaml", "smollm2_sft_tools.yaml", "smollm2_grpo_tools.yaml",
                "smollm2_grpo_repo.yaml", "smollm2_grpo_openenv.yaml", "smollm2_sft_judge.yaml",
-               "smollm2_grpo_judge.yaml"]
+               "smollm2_grpo_judge.yaml", "smollm2_distill_arithmetic.yaml"]
 
 
 def _command(recipe: str) -> str:
@@ -80,11 +80,13 @@ def test_cpu_recipes_plan_on_cpu(capsys, tmp_path, recipe):
     model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
     learned = [f"reward.reward_model_path={model}"] if "learned_reward" in recipe else []
     learned += [f"reward.judge.model_path={model}"] if "grpo_judge" in recipe else []
+    learned += [f"teacher.model_path={model}"] if "distill" in recipe else []
     status, out = _plan(capsys, RECIPES / recipe, 2, [f"model.path={model}", "data.train_path=x.jsonl", *learned],
                         "--device", "cpu", "--gpu-mem-gib", "24", "--command", _command(recipe))
     assert status == 0, out
     assert ("reward model weights" in out) == ("learned_reward" in recipe), out
     assert ("judge weights" in out) == ("grpo_judge" in recipe), out
+    assert ("teacher weights" in out) == ("distill" in recipe), out
     assert ("vLLM KV cache" in out) == (_command(recipe) in ("train", "rs", "online-dpo")), out
 
 
@@ -103,9 +105,11 @@ def test_smollm2_recipes_plan_on_a_fresh_clone(capsys, tmp_path, monkeypatch, re
         flags += ("--arch", "smollm2-135m-instruct")
     # a judge trained by the README's commands is not there either: the base model, named like the preset, plans
     judge = ["reward.judge.model_path=checkpoints/smollm2-135m-instruct"] if "grpo_judge" in recipe else []
+    judge += ["teacher.model_path=checkpoints/smollm2-135m-instruct"] if "distill" in recipe else []  # the SFT run's
     status, out = _plan(capsys, RECIPES / recipe, 2, ["data.train_path=x.jsonl", *judge], *flags)
     assert status == 0 and "preset smollm2-135m-instruct" in out, out
-    assert ("judge weights" in out) == bool(judge), out
+    assert ("judge weights" in out) == ("grpo_judge" in recipe), out
+    assert ("teacher weights" in out) == ("distill" in recipe), out
     fetched = Path(__file__).parents[2] / "checkpoints" / "smollm2-135m-instruct" / "config.json"
     if fetched.is_file():  # where the model was fetched, the preset and its config agree
         from megarlhf.planner.shapes import ModelShape, preset_for

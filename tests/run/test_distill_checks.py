@@ -1,0 +1,113 @@
+"""A distillation recipe's start-up checks: what DISTILL_LOSSES entries declare against the settings, a teacher
+with another tokenizer or vocabulary refused by name, the teacher read by `megarlhf train` only, and dataset
+responses (GKD's lmbda < 1) that do not end the conversation refused naming the row."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megarlhf.config import ConfigError, RunConfig, load_config
+from megarlhf.core.errors import DataError
+from megarlhf.run.checks import check_config, check_teacher
+from model_providers.tiny_models import make_tiny_model
+
+RECIPE = """
+model: {path: STUDENT, dtype: float32}
+teacher: {model_path: TEACHER}
+data: {train_path: /data/train.jsonl}
+algorithm: {estimator: none, distill: {loss: reverse_kl}}
+reward: {functions: []}
+"""
+
+
+def _config(tmp_path, *overrides: str, student="/models/student", teacher="/models/teacher") -> RunConfig:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.replace("STUDENT", str(student)).replace("TEACHER", str(teacher)))
+    return load_config(RunConfig, recipe, list(overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.distill.loss=gkd"], r"compares the student's distribution with the teacher's top-k: set "
+                                      r"algorithm.distill.top_k >= 1"),
+    (["algorithm.distill.top_k=5"], r"algorithm.distill.top_k=5 is unused"),
+    (["algorithm.distill.lmbda=0.5"], r"learns on the student's own samples only; set lmbda to 1"),
+    (["algorithm.distill={loss: gkd, top_k: 4, lmbda: 0.5}", "algorithm.estimator=grpo"],
+     r"a dataset response has no policy-gradient advantage; set algorithm.estimator to 'none'"),
+    (["algorithm.distill={loss: gkd, top_k: 4, lmbda: 0.5}", "rollout.max_staleness=1",
+      "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"], r"with rollout.max_staleness is not supported"),
+    (["algorithm.distill.loss=forward_kl"], r"algorithm.distill.loss.*forward_kl"),
+])
+def test_declared_needs_are_checked(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(_config(tmp_path, *overrides))
+
+
+def test_teacher_and_distill_go_together(tmp_path):
+    with pytest.raises(ConfigError, match="teacher and algorithm.distill go together"):
+        _config(tmp_path, "algorithm.distill=null", "reward.functions=[{name: exact_match}]")
+    check_config(_config(tmp_path))  # reward.functions: [] with a teacher: distillation alone
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    student = make_tiny_model("qwen2", root / "student", seed=0)
+    other_vocab = shutil.copytree(student, root / "wider")
+    config = json.loads((other_vocab / "config.json").read_text())
+    (other_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    other_tokens = shutil.copytree(student, root / "other_tokens")
+    tokenizer = json.loads((other_tokens / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens trade ids
+    (other_tokens / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return student, other_vocab, other_tokens
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_by_name(tmp_path, models):
+    from transformers import AutoTokenizer
+
+    student, other_vocab, other_tokens = models
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    check_teacher(_config(tmp_path, student=student, teacher=student), tokenizer)
+    with pytest.raises(ConfigError, match=r"teacher.model_path='.*other_tokens' has another tokenizer than "
+                                          r"model.path=.*\(2 tokens differ, e\.g\."):
+        check_teacher(_config(tmp_path, student=student, teacher=other_tokens), tokenizer)
+    check_teacher(_config(tmp_path, student=student, teacher=other_vocab), tokenizer)  # reverse_kl: sampled ids only
+    with pytest.raises(ConfigError, match=r"the teacher's vocab_size \(448, .*wider\) must equal the student's \(384\)"):
+        check_teacher(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 4}", student=student,
+                              teacher=other_vocab), tokenizer)
+    with pytest.raises(ConfigError, match=r"teacher.model_path='/nowhere' is not an HF model directory"):
+        check_teacher(_config(tmp_path, student=student, teacher="/nowhere"), tokenizer)
+
+
+def test_the_teacher_is_read_by_train_only(tmp_path, models):
+    from megarlhf.run.context import start_run
+
+    student = models[0]
+    config = _config(tmp_path, "logging.run_dir=" + str(tmp_path / "run"), student=student, teacher=student)
+    with pytest.raises(ConfigError, match="read by megarlhf train only, not by megarlhf sft"):
+        start_run(config, "sft")
+
+
+def test_dataset_responses_must_end_the_conversation(models):
+    from transformers import AutoTokenizer
+
+    from megarlhf.config.data import DataConfig
+    from megarlhf.data.prompts import build_prompt_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(models[0])
+    config = DataConfig(train_path="x", messages_key="messages")
+    good = {"messages": [{"role": "user", "content": "1 plus 2 is"}, {"role": "assistant", "content": "3"}]}
+    dataset = build_prompt_dataset([good], tokenizer, config, with_responses=True)
+    example = dataset[0]
+    assert tokenizer.decode(example.response_ids) == "3<|im_end|>\n"
+    assert tokenizer.decode(example.prompt_ids).endswith("<|im_start|>assistant\n")  # the answer is not in the prompt
+    bad = {"messages": good["messages"][:1]}
+    with pytest.raises(DataError, match=r"<rows> row 1: the conversation must end with the assistant's response"):
+        build_prompt_dataset([good, bad], tokenizer, config, with_responses=True)
+    plain = build_prompt_dataset([{"prompt": "1 plus 2 is", "response": " 3"}], tokenizer,
+                                 DataConfig(train_path="x", chat_template="never"), with_responses=True)
+    assert plain[0].response_ids[-1] == tokenizer.eos_token_id
