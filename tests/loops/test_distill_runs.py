@@ -103,7 +103,10 @@ def test_gkd_equals_trl_gkd_trainer(tiny_pair, trl_losses, tmp_path, beta):
 
 
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
-                                    pytest.param([], marks=pytest.mark.slow)], ids=["tp2", "dp2"])
+                                    pytest.param([], marks=pytest.mark.slow),
+                                    pytest.param(["parallel.pipeline_model_parallel_size=2"], marks=pytest.mark.slow),
+                                    pytest.param(["parallel.context_parallel_size=2"], marks=pytest.mark.slow)],
+                         ids=["tp2", "dp2", "pp2", "cp2"])
 def test_gkd_equals_trl_in_two_rank_layouts(tiny_pair, trl_losses, tmp_path, layout):
     ours = [m["actor/distill_loss"] for m in _run_gkd(tiny_pair, tmp_path, 0.5, layout, nproc=2)]
     assert max(abs(a - b) for a, b in zip(ours, trl_losses(0.5))) <= 1e-5
@@ -125,7 +128,12 @@ OPD_LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
                "disaggregated_bf16": ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
                                       "model.dtype=bfloat16", "teacher.dtype=bfloat16"],
                "lora_dp2": ["model.lora={rank: 4, alpha: 8.0}", "optim.lr=1.0e-2"],
-               "gkd_on_policy_dp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}"]}
+               "gkd_on_policy_dp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}"],
+               "gkd_on_policy_pp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
+                                     "parallel.pipeline_model_parallel_size=2"],
+               "gkd_on_policy_cp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
+                                     "parallel.context_parallel_size=2"]}
+SLOW_LAYOUTS = ("lora_dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2")
 
 
 def _run_opd(tiny_pair, tmp_path: Path, overrides: list[str], nproc: int) -> tuple[list[dict], list[dict]]:
@@ -140,7 +148,7 @@ def single_rank_opd(tiny_pair, tmp_path_factory):
     return _run_opd(tiny_pair, tmp_path_factory.mktemp("opd1"), [], nproc=1)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in ("lora_dp2", "tp2") else name
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
                                     for name in OPD_LAYOUTS])
 def test_on_policy_distillation_in_layouts(tiny_pair, single_rank_opd, tmp_path, layout):
     """The student's own samples, scored by the teacher, in the layouts users run. At step 0 (nothing trained yet,
@@ -151,10 +159,10 @@ def test_on_policy_distillation_in_layouts(tiny_pair, single_rank_opd, tmp_path,
     single_samples, single = single_rank_opd
     assert len(metrics) == 4 and all("distill/reverse_kl" in m for m in metrics)
     kl = [m["distill/reverse_kl"] for m in metrics]
-    if layout in ("dp2", "tp2"):
+    if layout in ("dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2"):  # fp32, one replica or two
         assert [s["response"] for s in samples[:8]] == [s["response"] for s in single_samples[:8]]
         assert abs(kl[0] - single[0]["distill/reverse_kl"]) <= 1e-5
-    if layout != "gkd_on_policy_dp2":
+    if not layout.startswith("gkd"):
         assert metrics[0]["actor/pg_loss"] == pytest.approx(kl[0], abs=1e-5 if "bf16" not in layout else 2e-2)
     else:
         assert metrics[0]["actor/pg_loss"] == 0.0 and metrics[-1]["actor/distill_loss"] < metrics[0]["actor/distill_loss"]
