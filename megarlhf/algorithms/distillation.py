@@ -40,6 +40,10 @@ class DistillInputs:
     teacher_logprobs: Tensor  # [B, T] t_t
     student_topk_logprobs: Tensor | None = None  # [B, T, K] the student's log-probs at the teacher's top-k ids
     teacher_topk_logprobs: Tensor | None = None  # [B, T, K] the teacher's top-k log-probs
+    # [B, T] the log-probability outside those ids, each model's (summed from the small terms themselves: 1 minus
+    # the top-k's fp32 mass would lose a confident model's rest, :mod:`megarlhf.ops.topk_logprob`)
+    student_topk_rest: Tensor | None = None
+    teacher_topk_rest: Tensor | None = None
     covers_vocabulary: bool = False  # K is the whole vocabulary: no probability lies outside the top-k
 
     def __post_init__(self):
@@ -54,6 +58,10 @@ class DistillInputs:
             k = self.teacher_topk_logprobs.shape[-1]
             check_shape(where, "teacher_topk_logprobs", self.teacher_topk_logprobs, (*shape, k))
             check_shape(where, "student_topk_logprobs", self.student_topk_logprobs, (*shape, k))
+            if not self.covers_vocabulary and (self.student_topk_rest is None or self.teacher_topk_rest is None):
+                raise ValueError(f"{where}: a top-k short of the vocabulary needs both models' rest log-probabilities")
+            check_shape(where, "student_topk_rest", self.student_topk_rest, shape)
+            check_shape(where, "teacher_topk_rest", self.teacher_topk_rest, shape)
 
 
 @dataclass(frozen=True)
@@ -102,24 +110,13 @@ def reverse_kl(inputs: DistillInputs, config: DistillConfig) -> Tensor:
     return zero_masked(inputs.teacher_logprobs.detach() - inputs.student_logprobs.detach(), mask)
 
 
-_NO_TAIL = 1e-12  # a mass outside the top-k below this counts as none (its log would be -inf at 0)
-_NO_TAIL_LOG = -700.0  # the log-mass of "none": e^-700 is 0 to every sum it joins, and finite
-
-
-def _with_tail(logprobs: Tensor, covers_vocabulary: bool) -> Tensor:
-    """[..., K] log-probs of K tokens -> [..., K + 1]: the K, then the log of the mass outside them (no extra
-    category when they cover the vocabulary). float64, so that a tail of 1e-9 is not lost to rounding; every
-    branch is finite where it is not taken, so no NaN reaches a gradient (padding holds zeros here)."""
+def _with_rest(logprobs: Tensor, rest: Tensor | None) -> Tensor:
+    """[..., K] log-probs of K tokens and the log-probability outside them [...] -> [..., K + 1] in float64 (no
+    extra category where the K cover the vocabulary: ``rest`` None)."""
     logprobs = logprobs.double()
-    if covers_vocabulary:
+    if rest is None:
         return logprobs
-    inside = torch.logsumexp(logprobs, dim=-1)
-    has_tail = inside < -_NO_TAIL
-    safe = torch.where(has_tail, inside, torch.full_like(inside, -1.0))
-    # log(1 - e^x) for x < 0, stable at both ends
-    rest = torch.where(safe > -math.log(2.0), torch.log(-torch.expm1(safe)), torch.log1p(-torch.exp(safe)))
-    rest = torch.where(has_tail, rest, torch.full_like(rest, _NO_TAIL_LOG))
-    return torch.cat([logprobs, rest[..., None]], dim=-1)
+    return torch.cat([logprobs, rest.double().clamp(min=-700.0)[..., None]], dim=-1)
 
 
 def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
@@ -142,8 +139,9 @@ def gkd(inputs: DistillInputs, config: DistillConfig) -> Tensor:
     """
     if inputs.teacher_topk_logprobs is None:
         raise ValueError("gkd needs the teacher's top-k log-probs (algorithm.distill.top_k >= 1)")
-    student = _with_tail(inputs.student_topk_logprobs, inputs.covers_vocabulary)
-    teacher = _with_tail(inputs.teacher_topk_logprobs.detach(), inputs.covers_vocabulary)
+    full = inputs.covers_vocabulary
+    student = _with_rest(inputs.student_topk_logprobs, None if full else inputs.student_topk_rest)
+    teacher = _with_rest(inputs.teacher_topk_logprobs.detach(), None if full else inputs.teacher_topk_rest.detach())
     beta = float(config.beta)
     if beta == 0.0:
         jsd = _kl(teacher, student)

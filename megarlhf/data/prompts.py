@@ -7,11 +7,13 @@ With a chat template (``data.chat_template``: ``auto`` uses the tokenizer's temp
 (after ``data.system_prompt`` and a blank line, if set). Prompts longer than
 ``data.max_prompt_length`` tokens are dropped, and the number dropped is logged and kept.
 
-Dataset responses (``with_responses``: a distillation run that trains some steps on the data, GKD's
+Dataset responses (``response_budget``: a distillation run that trains some steps on the data, GKD's
 ``lmbda < 1``): each row also gives the response to train on, as an SFT row does: its messages end with the
 assistant's turn (which is then not part of the prompt), or it has a ``data.response_key`` field. The
 response's tokens are rendered as SFT renders them (the assistant message with its end-of-turn tokens, or
-the plain text and EOS), and the conversation's tokens must begin with the prompt's.
+the plain text and EOS), and the conversation's tokens must begin with the prompt's. Rows whose response is
+longer than the budget (the run's ``rollout.response_budget``: what its sequences and memory are sized for) are
+dropped like long prompts, and counted.
 
 Tools. A multi-turn run describes its environment's tools in each prompt (``describe_tools``: the row's
 metadata -> :class:`ToolDescription`). A chat template that renders tools gets them as
@@ -189,16 +191,21 @@ def _dataset_response(row: dict, tokenizer, config: DataConfig, chat: bool, wher
         raise DataError(f"{where}: the conversation must end with the assistant's response (algorithm.distill.lmbda "
                         f"< 1 trains on it); its last message is the {messages[-1]['role']!r}'s")
     ids, mask = render_with_loss_mask(messages, tokenizer, len(messages) - 1, where)
+    if 1 not in mask:
+        raise DataError(f"{where}: the assistant's response renders to no tokens, so there is nothing to train on")
     start, end = mask.index(1), len(mask) - mask[::-1].index(1)
     prompt_row = {**row, config.messages_key: messages[:-1]} if config.messages_key is not None else row
     return prompt_row, ids[start:end], ids[:start]
 
 
 def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source: str = "<rows>",
-                         describe_tools: ToolDescriber | None = None, with_responses: bool = False) -> PromptDataset:
-    """Renders, tokenizes and length-filters ``rows`` (see the module docstring)."""
+                         describe_tools: ToolDescriber | None = None,
+                         response_budget: int | None = None) -> PromptDataset:
+    """Renders, tokenizes and length-filters ``rows`` (see the module docstring); with ``response_budget`` also
+    their dataset responses of at most that many tokens."""
     chat = uses_chat_template(tokenizer, config)
     responses = [None] * len(rows)
+    with_responses = response_budget is not None
     if with_responses:
         if describe_tools is not None:
             raise DataError(f"{source}: dataset responses (algorithm.distill.lmbda < 1) with tools are not supported")
@@ -216,15 +223,21 @@ def build_prompt_dataset(rows: list[dict], tokenizer, config: DataConfig, source
     ids = tokenizer([text for text, _ in rendered], add_special_tokens=not chat)["input_ids"] if rendered else []
     if with_responses:
         _check_response_prefixes(ids, responses, source)
+    long_responses = {i for i, r in enumerate(responses) if r is not None and len(r[1]) > response_budget}
+    if long_responses:
+        logger.warning("%s: dropped %d of %d rows whose dataset response is longer than the response budget of %d "
+                       "tokens (rows %s...)", source, len(long_responses), len(rows), response_budget,
+                       sorted(long_responses)[:5])
     examples = [PromptExample(i, text, list(tokens), row.get(config.answer_key), metadata[i], messages,
                               None if tools[i] is None else tools[i].schemas,
                               None if responses[i] is None else responses[i][1])
                 for i, (row, (text, messages), tokens) in enumerate(zip(rows, rendered, ids))
-                if len(tokens) <= config.max_prompt_length]
-    dropped = len(rows) - len(examples)
+                if len(tokens) <= config.max_prompt_length and i not in long_responses]
+    dropped = len(rows) - len(examples) - len(long_responses)
     if dropped:
         logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
                        source, dropped, len(rows), config.max_prompt_length)
+    dropped += len(long_responses)
     if not examples:
         raise DataError(f"{source}: no prompt is left after filtering ({len(rows)} rows, "
                         f"data.max_prompt_length={config.max_prompt_length})")
@@ -244,7 +257,7 @@ def _check_response_prefixes(prompt_ids: list[list[int]], responses: list[tuple]
 
 
 def load_prompt_dataset(path: str, tokenizer, config: DataConfig, describe_tools: ToolDescriber | None = None,
-                        with_responses: bool = False) -> PromptDataset:
+                        response_budget: int | None = None) -> PromptDataset:
     """The prompts of a local JSONL / Parquet / ``save_to_disk`` source (and their dataset responses)."""
     return build_prompt_dataset(read_records(path, config.split), tokenizer, config, str(path), describe_tools,
-                                with_responses)
+                                response_budget)

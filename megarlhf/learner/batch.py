@@ -22,7 +22,7 @@ from torch import Tensor
 from megarlhf.learner.routing_replay import UNROUTED
 
 PER_TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
-                    "teacher_logprobs")
+                    "teacher_logprobs", "teacher_topk_rest")
 TOP_K_FIELDS = ("teacher_topk_logprobs", "teacher_topk_ids")  # [B, L, K]
 
 
@@ -43,6 +43,7 @@ class ExperienceBatch:
     teacher_logprobs: Tensor | None = None  # [B, L] a teacher's log-probs of the tokens (algorithm.distill)
     teacher_topk_logprobs: Tensor | None = None  # [B, L, K] the teacher's top-k log-probs at each token's position
     teacher_topk_ids: Tensor | None = None  # [B, L, K] int64: their vocabulary ids
+    teacher_topk_rest: Tensor | None = None  # [B, L] the log-probability outside them
     # [B, L, moe_layers, top_k] int16, token-aligned: the routing an MoE actor replays (megarlhf.learner.routing_replay)
     routed_experts: Tensor | None = None
     # ``lengths`` on the host. Given by the constructors that know them (from_sequences and sft_batch, whose

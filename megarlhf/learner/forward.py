@@ -8,10 +8,11 @@ the final hidden states and computes, only at the positions the micro-batch want
   (:func:`megarlhf.ops.logprob_entropy`); the [tokens x vocab] logits are never built. Megatron's padded
   vocabulary rows are removed from the softmax (:func:`mask_padded_vocab`), so these log-probs are
   HF's and vLLM's. Distillation adds two variants: a teacher's pass also returns the top-k of each
-  position's distribution (``top_k``: ``topk_logprobs`` and ``topk_ids``, [n, L, K], by
-  :func:`megarlhf.ops.topk_logprobs`), and a student's training pass also returns its log-probs at the ids
-  each micro-batch carries (``at_ids``: :attr:`MicroBatch.target_ids`, the teacher's top-k;
-  ``target_logprobs`` [n, L, K]), in the same vocabulary walk as the sampled token's.
+  position's distribution (``top_k``: ``topk_logprobs`` and ``topk_ids``, [n, L, K], and ``topk_rest`` [n, L],
+  the log-probability outside them, by :func:`megarlhf.ops.topk_logprobs`), and a student's training pass also
+  returns its log-probs at the ids each micro-batch carries (``at_ids``: :attr:`MicroBatch.target_ids`, the
+  teacher's top-k; ``target_logprobs`` [n, L, K] and ``target_rest`` [n, L]), in the same vocabulary walk as the
+  sampled token's.
 * ``values`` models (value head, :mod:`model_providers.value_head`): the head's scalar per position.
 * ``scores`` (a value-head model used as a reward model): the head's scalar at each sequence's last
   token, one per sequence (:meth:`MicroBatch.last_token_outputs`).
@@ -31,7 +32,7 @@ padding for the routers, so the router losses and the routing metrics leave them
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -56,6 +57,8 @@ class Outputs:
     entropy: bool = False
     top_k: int = 0  # a frozen teacher's pass: also the top-k of each position's distribution (forward only)
     at_ids: bool = False  # also the log-probs at each micro-batch's target_ids (a distillation loss's)
+    backend: str = "auto"  # the log-prob op's (megarlhf.ops.logprob_entropy): "torch" where passes must agree with
+    # an at_ids pass, which only the torch op runs
 
     def fields(self, batch_shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each output of a forward-only pass over a [B, L] batch."""
@@ -68,7 +71,7 @@ class Outputs:
             out["entropy"] = (batch_shape, torch.float32)
         if self.top_k:
             out.update(topk_logprobs=((*batch_shape, self.top_k), torch.float32),
-                       topk_ids=((*batch_shape, self.top_k), torch.long))
+                       topk_ids=((*batch_shape, self.top_k), torch.long), topk_rest=(batch_shape, torch.float32))
         return out
 
 
@@ -111,17 +114,21 @@ def _processor(outputs: Outputs, mb: MicroBatch, runtime: Runtime):
             hidden, weight = mask_padded_vocab(hidden, weight, vocab_size, tp.rank)
         # check_targets=False: run_schedule checked every micro-batch at once
         options = LogprobOptions(tp_group=tp.group, temperature=outputs.temperature, compute_entropy=entropy,
-                                 check_targets=False, selected=mb.wanted_tokens)
+                                 check_targets=False, selected=mb.wanted_tokens, backend=outputs.backend)
         targets = mb.labels.reshape(-1)
         if outputs.top_k:
-            lp, top_lp, top_ids = topk_logprobs(hidden, weight, targets, mask, outputs.top_k, options)
+            lp, top_lp, top_ids, rest = topk_logprobs(hidden, weight, targets, mask, outputs.top_k, options)
             return {"logprobs": lp.view(b, s), "topk_logprobs": top_lp.view(b, s, -1),
-                    "topk_ids": top_ids.view(b, s, -1)}
-        if outputs.at_ids:  # the sampled token's log-prob and those at the K ids, in one walk over the vocabulary
+                    "topk_ids": top_ids.view(b, s, -1), "topk_rest": rest.view(b, s)}
+        if outputs.at_ids:  # the sampled token's log-prob, those at the K ids and the rest's, in one vocabulary walk
             targets = torch.cat([targets[:, None], mb.target_ids.reshape(b * s, -1)], dim=1)
+            options = replace(options, rest_from=1)
         lp, ent = logprob_entropy(hidden, weight, targets, mask, options)
-        out = {"logprobs": lp[:, 0].reshape(b, s), "target_logprobs": lp[:, 1:].reshape(b, s, -1)} if outputs.at_ids \
-            else {"logprobs": lp.view(b, s)}
+        if outputs.at_ids:
+            out = {"logprobs": lp[:, 0].reshape(b, s), "target_logprobs": lp[:, 1:-1].reshape(b, s, -1),
+                   "target_rest": lp[:, -1].reshape(b, s)}
+        else:
+            out = {"logprobs": lp.view(b, s)}
         if entropy:
             out["entropy"] = ent.view(b, s)
         return out

@@ -75,8 +75,8 @@ def _logprob_pass(model: TrainModel, batch: ExperienceBatch, config: RunConfig, 
     mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, model.runtime,
                             routing=batch.routed_experts if replay is not None else None)
     out = forward_only(model.model, mbs, tuple(batch.input_ids.shape), model.runtime,
-                       Outputs("logprobs", model.vocab_size, temperature, entropy), replay=replay,
-                       record_routing=record_routing)
+                       Outputs("logprobs", model.vocab_size, temperature, entropy, backend=logprob_backend(config)),
+                       replay=replay, record_routing=record_routing)
     if record_routing:
         out["routing"] = replay.take_recorded(mbs, tuple(batch.input_ids.shape), model.provider.top_k)
     return out
@@ -127,6 +127,14 @@ def distills_into(config: RunConfig, where: str) -> DistillTerm | None:
     return DISTILL_LOSSES.get(distill.loss)
 
 
+def logprob_backend(config: RunConfig) -> str:
+    """The log-prob op every pass of the run uses: "torch" when the update's forward takes the teacher's top-k
+    (K targets per row, which only the torch op computes), so that the PPO ratio and the step-0 checks compare
+    log-probs of one kernel (on GPU this gives up the Triton forward for GKD runs); else "auto"."""
+    distill = distills_into(config, "loss")
+    return "torch" if distill is not None and distill.needs.top_k else "auto"
+
+
 def teacher_scores(teacher: TrainModel, batch: ExperienceBatch, config: RunConfig) -> dict[str, Tensor]:
     """The batch fields a teacher gives: its log-probs of the response tokens (``teacher_logprobs``) and, with
     ``algorithm.distill.top_k``, the top-k of its distribution at each of them (``teacher_topk_logprobs``,
@@ -137,7 +145,8 @@ def teacher_scores(teacher: TrainModel, batch: ExperienceBatch, config: RunConfi
                        Outputs("logprobs", teacher.vocab_size, scoring_temperature(config.rollout), top_k=top_k))
     fields = {"teacher_logprobs": out["logprobs"]}
     if top_k:
-        fields.update(teacher_topk_logprobs=out["topk_logprobs"], teacher_topk_ids=out["topk_ids"])
+        fields.update(teacher_topk_logprobs=out["topk_logprobs"], teacher_topk_ids=out["topk_ids"],
+                      teacher_topk_rest=out["topk_rest"])
     return fields
 
 
@@ -162,10 +171,11 @@ def _distillation_loss(term: DistillTerm, mini: ExperienceBatch, mb, mask: Tenso
     """``coef`` times a loss-entering distillation term of micro-batch ``mb``'s rows, per token."""
     distill, top_k = config.algorithm.distill, term.needs.top_k
     rows, width = mb.rows, mb.width
-    inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width],
-                           out["target_logprobs"] if top_k else None,
-                           mini.teacher_topk_logprobs[rows, :width] if top_k else None,
-                           covers_vocabulary=distill.top_k >= vocab_size)
+    inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width])
+    if top_k:
+        inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width], out["target_logprobs"],
+                               mini.teacher_topk_logprobs[rows, :width], out["target_rest"],
+                               mini.teacher_topk_rest[rows, :width], covers_vocabulary=distill.top_k >= vocab_size)
     return distill.coef * term(inputs, distill)
 
 
@@ -270,7 +280,8 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
     distill = distills_into(config, "loss")
     top_k = distill is not None and distill.needs.top_k
     needed = (["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
-              + (["teacher_logprobs"] if distill else []) + (["teacher_topk_logprobs"] if top_k else []))
+              + (["teacher_logprobs"] if distill else []) + (["teacher_topk_logprobs", "teacher_topk_rest"] if top_k
+                                                               else []))
     batch.require("actor_update", *needed)
     extra = ["distill_loss"] if distill else []
     sums, per_step = ACTOR_SUMS + extra, ("loss", "pg_loss", "kl_loss", *extra)
@@ -295,7 +306,8 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
         for mb in mbs if top_k else ():  # the student's log-probs at the teacher's top-k ids
             mb.target_ids = mb.to_positions(mini.teacher_topk_ids[mb.rows, :mb.width])
         loss_fn = _actor_loss_fn(mini, mini.response_mask, weights, config, normaliser, seen, actor.vocab_size)
-        outputs = Outputs("logprobs", actor.vocab_size, scoring_temperature(config.rollout), entropy=True, at_ids=top_k)
+        outputs = Outputs("logprobs", actor.vocab_size, scoring_temperature(config.rollout), entropy=True, at_ids=top_k,
+                          backend=logprob_backend(config))
         results.append(optimizer_step(actor, mbs, loss_fn, sums, loss_name="loss", outputs=outputs,
                                       on_nonfinite=on_nonfinite))
     if from_update and batch.rollout_logprobs is not None:

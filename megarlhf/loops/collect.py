@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megarlhf.algorithms import dynamic_sampling_filter
-from megarlhf.core.errors import RewardsFailedError
+from megarlhf.core.errors import ConfigError, RewardsFailedError
 from megarlhf.core.seeds import ROUND_STRIDE, sample_seed
 from megarlhf.data.prompts import PromptExample
 from megarlhf.loops.rewarding import score_rewards
@@ -87,6 +87,17 @@ def on_policy_step(config, step: int) -> bool:
     if distill is None or distill.lmbda >= 1.0:
         return True
     return random.Random(f"{config.seed}:{step}:on-policy").random() < distill.lmbda
+
+
+def check_dataset_steps(config, dp_size: int) -> None:
+    """A step on dataset responses holds one sample per prompt: ``global_batch_size / dp`` rows on each rank, which
+    must still fill ``train.mini_batches`` (the student's steps hold ``rollout.n_samples`` times as many)."""
+    distill = config.algorithm.distill
+    rows = config.train.global_batch_size // dp_size
+    if distill is not None and distill.lmbda < 1 and rows < config.train.mini_batches:
+        raise ConfigError(f"algorithm.distill.lmbda={distill.lmbda:g}: a step on dataset responses gives each of the "
+                          f"{dp_size} data-parallel ranks {rows} rows (one per prompt), fewer than train.mini_batches="
+                          f"{config.train.mini_batches}; lower train.mini_batches or raise train.global_batch_size")
 
 
 def first_on_policy_step(config) -> int | None:

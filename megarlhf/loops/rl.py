@@ -34,7 +34,7 @@ from megarlhf.config.schema import RunConfig
 from megarlhf.core import startup
 from megarlhf.core.seeds import sample_seed
 from megarlhf.learner import actor_update, build_actor, build_critic, build_frozen, build_reference, critic_update
-from megarlhf.loops.collect import Collected, first_on_policy_step
+from megarlhf.loops.collect import Collected, check_dataset_steps, first_on_policy_step
 from megarlhf.loops.experience import build_experience, compute_advantages, score
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
@@ -53,6 +53,7 @@ def train_rl(config: RunConfig) -> Path | None:
     if run.is_engine_rank:
         serve_engine_rank(config, run.runtime)
         return None
+    check_dataset_steps(config, run.runtime.dp.size)
     prompts, eval_prompts = run.train_and_eval_prompts()
     run.actor = build_actor(config, run.runtime)
     startup.mark("actor")
@@ -60,7 +61,8 @@ def train_rl(config: RunConfig) -> Path | None:
     run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
     run.teacher = build_frozen(config, run.runtime, "teacher") if config.teacher is not None else None
     startup.mark("reference_critic_and_teacher")
-    sampler, first_step = open_policy_loop(run, prompts, step0_gate=True)
+    # the loop's own gate measures the natural floor when it checks the first rollout before any update (step 0)
+    sampler, first_step = open_policy_loop(run, prompts, step0_gate=first_on_policy_step(config) == 0)
     batches = make_batches(run, sampler, prompts)  # steps 1-6
     batches.restore(run.resumed, first_step)
     run.samples = SampleLog(run.run_dir, run.tokenizer, per_step=config.logging.samples_per_step,
@@ -102,7 +104,7 @@ def rl_update(run: RunContext, got: Collected, batch, step: int, baseline: list[
     if run.critic is not None:
         update.update(critic_update(run.critic, batch, config, on_nonfinite=config.train.on_nonfinite))
     metrics = {}
-    if step == 0:
+    if gated:
         _check_step0_ppo_kl(config, run.rollout.tolerances.step0_ppo_kl, update)
         metrics.update(run.rollout.calibration)
     return {**metrics, **got.metrics, **score_metrics, **advantage_metrics, **update}

@@ -62,6 +62,9 @@ class LogprobOptions:
     # how many mask entries are true, when the caller knows it on the host: the rows are then picked without
     # waiting for the device (nonzero_static instead of nonzero)
     selected: int | None = None
+    # [N, K] targets only: the log-probs get one more column, log of the probability outside targets[:, rest_from:]
+    # (a distillation loss's "rest of the vocabulary" beside a teacher's top-k), summed from its own small terms
+    rest_from: int | None = None
 
 
 class Saved(NamedTuple):
@@ -73,6 +76,7 @@ class Saved(NamedTuple):
     in_shard: torch.Tensor
     logz: torch.Tensor
     ent: torch.Tensor
+    log_rest: torch.Tensor | None = None  # options.rest_from: log of the probability outside those targets
 
 
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -100,6 +104,9 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
                          f"got {mask.dtype} {tuple(mask.shape)}")
     if not temperature > 0:
         raise ValueError(f"logprob op: temperature must be > 0, got {temperature}")
+    if options.rest_from is not None and not (targets.dim() == 2 and 0 <= options.rest_from < targets.shape[1]):
+        raise ValueError(f"logprob op: rest_from={options.rest_from} needs [N, K] targets with rest_from < K; got "
+                         f"targets of shape {tuple(targets.shape)}")
     if chunk_size < 1:
         raise ValueError(f"logprob op: chunk_size must be >= 1, got {chunk_size}")
 
@@ -156,7 +163,8 @@ def apply_on_selected_rows(apply, hidden, weight, targets, mask, options: Logpro
     if x.shape[0] == 0:   # nothing selected (identical on all TP ranks): no work, no collectives
         # zeros that still hang off the graph, so a loss built only from them can backward (to 0)
         tie = (hidden[:0].sum() + weight[:0].sum()).float()
-        logprob = hidden.new_zeros(tuple(targets.shape), dtype=torch.float32) + tie
+        shape = (n, targets.shape[1] + 1) if options.rest_from is not None else tuple(targets.shape)
+        logprob = hidden.new_zeros(shape, dtype=torch.float32) + tie
         return logprob, (hidden.new_zeros(n, dtype=torch.float32) + tie if compute_entropy else None)
     logprob, ent = apply(x, local_t, in_shard, tp_size)
     return scatter_rows(logprob, idx, n), (scatter_rows(ent, idx, n) if compute_entropy else None)
@@ -188,13 +196,22 @@ def chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int) -> tor
     return torch.mm(x, weight[lo:hi].t()).float()
 
 
-def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy: bool):
+def _outside(values: torch.Tensor, columns: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """``values`` [n, c] with the ``hit`` entries of ``columns`` [n, R] set to 0 (a copy). The columns of entries
+    that miss the chunk are clamped into it and may repeat a hit's: counting hits (a scatter-add) keeps them from
+    undoing it, where a scatter of values would let the last write win."""
+    hits = torch.zeros_like(values).scatter_add_(1, columns, hit.to(values.dtype))
+    return torch.where(hits > 0, 0.0, values)
+
+
+def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy: bool, rest_from: int | None = None):
     """One pass over this rank's vocab shard: running max, sum-exp, entropy term, target logit(s) (``local_t``
-    [N] or [N, K])."""
+    [N] or [N, K]) and, with ``rest_from``, the sum-exp outside the targets from that column on (else None)."""
     n = x.shape[0]
     m = x.new_full((n,), NEG_BIG, dtype=torch.float32)
     s = torch.zeros_like(m)
     a = torch.zeros_like(m)
+    rest = None if rest_from is None else torch.zeros_like(m)
     tgt = torch.zeros(local_t.shape, dtype=torch.float32, device=x.device)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
@@ -208,11 +225,26 @@ def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy:
         shifted = logits.sub_(m_new[:, None])           # logits - m_new, in place
         e = torch.exp(shifted)
         s_chunk = e.sum(dim=1)
+        if rest is not None:
+            rest = alpha * rest + _outside(e, columns[:, rest_from:], hit[:, rest_from:]).sum(dim=1)
         if want_entropy:
             a = alpha * (a + shift * s) + e.mul_(shifted).sum(dim=1)
         s = alpha * s + s_chunk
         m = m_new
-    return m, s, a, tgt
+    return m, s, a, tgt, rest
+
+
+def rest_logprob(rest: torch.Tensor, m: torch.Tensor, logz: torch.Tensor, tp_group, tp_size: int,
+                 common: torch.Tensor | None = None) -> torch.Tensor:
+    """log of the probability ``rest`` (a sum-exp relative to this rank's max ``m``) stands for, summed over the TP
+    ranks, plus ``common`` (a probability every rank holds alike); floored at fp32's smallest normal number
+    (log ~ -87.3), so that it and its gradient stay finite where nothing lies outside."""
+    probability = rest * torch.exp(m - logz)
+    if tp_size > 1:
+        dist.all_reduce(probability, group=tp_group)
+    if common is not None:
+        probability = probability + common
+    return torch.log(probability.clamp(min=torch.finfo(torch.float32).tiny))
 
 
 def _grad_logits_(logits, logz, g_lp, g_ent, ent):
@@ -236,8 +268,8 @@ def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: 
     the elementwise gradient; shared by the torch and Triton backends. ``needs`` says which gradients
     autograd wants; under TP the hidden gradient is all-reduced here (see the module docstring).
     """
-    xs, weight, local_t, in_shard, logz, ent = saved
-    chunk_size = options.chunk_size
+    xs, weight, local_t, in_shard, logz, ent, log_rest = saved
+    chunk_size, rest_from = options.chunk_size, options.rest_from
     if g_ent is not None and g_ent.numel() == 0:
         g_ent = None
     need_x, need_w = needs
@@ -245,15 +277,25 @@ def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: 
     grad_w = torch.empty_like(weight) if need_w else None
     n = xs.shape[0]
     g_lp32 = None if g_lp is None else g_lp.float().reshape(n, -1)  # [N, K] (K = 1: one target per row)
+    g_rest = None
+    if g_lp32 is not None and log_rest is not None:  # the last column is the rest's log-prob
+        g_lp32, g_rest = g_lp32[:, :-1], g_lp32[:, -1]
     g_row = None if g_lp32 is None else g_lp32.sum(dim=1)  # every target's log-prob shares the -p term
+    if g_rest is not None:  # d log(rest) / dl_j = p_j [j outside] / rest - p_j
+        g_row = g_row + g_rest
     g_ent32 = None if g_ent is None else g_ent.float()
     local_t, in_shard = local_t.reshape(n, -1), in_shard.reshape(n, -1)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
-        grad = _grad_logits_(chunk_logits(xs, weight, lo, hi), logz, g_row, g_ent32, ent)
+        logits = chunk_logits(xs, weight, lo, hi)
+        outside = None if g_rest is None else torch.exp(logits - (logz + log_rest)[:, None])  # p_j / rest
+        grad = _grad_logits_(logits, logz, g_row, g_ent32, ent)
         if g_lp32 is not None:  # each target column gets +g_lp (a scatter: no boolean mask, no sync)
             hit = in_shard & (local_t >= lo) & (local_t < hi)
             grad.scatter_add_(1, torch.where(hit, local_t - lo, 0), torch.where(hit, g_lp32, 0.0))
+        if outside is not None:
+            columns = torch.where(hit, local_t - lo, 0)[:, rest_from:]
+            grad += g_rest[:, None] * _outside(outside, columns, hit[:, rest_from:])
         grad = grad.to(weight.dtype)
         if need_x:
             grad_x += torch.mm(grad, weight[lo:hi]).float()
@@ -273,9 +315,15 @@ class _FusedLogprobEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, local_t, in_shard, tp_size: int, options: LogprobOptions):
         temperature = options.temperature
         xs = x / temperature if temperature != 1.0 else x
-        m, s, a, tgt = _local_partials(xs, weight, local_t, in_shard, options.chunk_size, options.compute_entropy)
+        m, s, a, tgt, rest = _local_partials(xs, weight, local_t, in_shard, options.chunk_size,
+                                             options.compute_entropy, options.rest_from)
         logz, ent, logprob = combine_partials(m, s, a, tgt, options.tp_group, tp_size)
-        ctx.save_for_backward(xs, weight, local_t, in_shard, logz, ent)
+        saved = [xs, weight, local_t, in_shard, logz, ent]
+        if rest is not None:
+            log_rest = rest_logprob(rest, m, logz, options.tp_group, tp_size)
+            logprob = torch.cat([logprob, log_rest[:, None]], dim=1)
+            saved.append(log_rest)
+        ctx.save_for_backward(*saved)
         ctx.cfg = (options, tp_size)
         ctx.set_materialize_grads(False)
         return logprob, (ent if options.compute_entropy else ent.new_empty(0))
@@ -299,7 +347,8 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """Token log-probs [N] and entropies [N] (fp32) of ``targets`` under hidden @ weight.T / temperature.
 
     hidden [N, H]; weight [V_local, H] (this rank's vocab shard, Megatron layout); targets [N] global
-    vocab ids, or [N, K] for K log-probs per row (returned [N, K]; one vocab pass for all of them);
+    vocab ids, or [N, K] for K log-probs per row (returned [N, K]; one vocab pass for all of them; with
+    ``options.rest_from`` [N, K + 1], the last column the log-probability outside ``targets[:, rest_from:]``);
     mask [N] bool (False rows cost nothing, return 0 and receive no gradient).
     Returns (logprobs, entropy or None). fp32/bf16/fp16 inputs; statistics are accumulated in fp32.
     Under TP the hidden gradient is all-reduced inside the op (see module docstring).

@@ -47,6 +47,12 @@ def _check_algorithm(config: RunConfig) -> None:
     if needs.groups and config.rollout.n_samples < 2:
         raise ConfigError(f"algorithm.estimator {algorithm.estimator!r} compares samples of a prompt: "
                           f"rollout.n_samples must be >= 2, got {config.rollout.n_samples}")
+    if not needs.rewards and algorithm.distill is None:
+        raise ConfigError(f"algorithm.estimator={algorithm.estimator!r} learns from no reward: it is for distillation "
+                          f"alone (algorithm.distill with a teacher); use an estimator such as 'grpo'")
+    if not needs.rewards and algorithm.kl_in_reward:
+        raise ConfigError(f"algorithm.kl_mode='reward' puts the KL penalty in the rewards, which algorithm.estimator="
+                          f"{algorithm.estimator!r} does not read: use kl_mode 'loss' or 'none'")
     if needs.greedy_baseline and config.rollout.max_staleness:
         raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with algorithm.estimator="
                           f"{algorithm.estimator!r}: its greedy baseline is generated inside the step with the "
@@ -101,11 +107,15 @@ def check_teacher(config: RunConfig, tokenizer) -> None:
         raise ConfigError(f"teacher.model_path={path!r} has another tokenizer than model.path={config.model.path!r} "
                           f"({len(differ)} tokens differ, e.g. {shown}): the teacher scores the student's token ids, "
                           f"so it must share the student's tokenizer")
-    if DISTILL_LOSSES.get(config.algorithm.distill.loss).needs.top_k:
+    distill = config.algorithm.distill
+    if DISTILL_LOSSES.get(distill.loss).needs.top_k:
         sizes = [json.loads((Path(p) / "config.json").read_text()).get("vocab_size") for p in (config.model.path, path)]
         if sizes[0] != sizes[1]:
-            raise ConfigError(f"algorithm.distill.loss={config.algorithm.distill.loss!r} compares whole distributions: "
+            raise ConfigError(f"algorithm.distill.loss={distill.loss!r} compares whole distributions: "
                               f"the teacher's vocab_size ({sizes[1]}, {path}) must equal the student's ({sizes[0]})")
+        if distill.top_k > sizes[0]:
+            raise ConfigError(f"algorithm.distill.top_k={distill.top_k} is more than the vocabulary ({sizes[0]} "
+                              f"tokens): at most vocab_size (which is the whole distribution)")
 
 
 def _check_rewards(config: RunConfig) -> None:

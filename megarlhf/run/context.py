@@ -174,15 +174,17 @@ class RunContext:
         config = self.config
         distill = config.algorithm.distill
         responses = distill is not None and distill.lmbda < 1  # some steps train on the dataset's responses
-        train = self.load_prompts(config.data.train_path, config.reward, with_responses=responses)
+        train = self.load_prompts(config.data.train_path, config.reward,
+                                  response_budget=config.rollout.response_budget if responses else None)
         return train, (self.load_prompts(config.data.eval_path, config.eval_reward) if config.data.eval_path else None)
 
-    def load_prompts(self, path: str, rewards: RewardConfig | None, with_responses: bool = False) -> PromptDataset:
-        """The prompts at ``path`` (and their dataset responses), refused when ``rewards`` score against answers
-        some of them lack."""
+    def load_prompts(self, path: str, rewards: RewardConfig | None, response_budget: int | None = None
+                     ) -> PromptDataset:
+        """The prompts at ``path`` (and, with ``response_budget``, their dataset responses), refused when
+        ``rewards`` score against answers some of them lack."""
         env = self.config.rollout.env
         describe = None if env is None else tool_describer(env, self.tokenizer)
-        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe, with_responses)
+        dataset = load_prompt_dataset(path, self.tokenizer, self.config.data, describe, response_budget)
         if len(dataset) == 0:
             raise DataError(f"{path}: no prompt is left after dropping {dataset.num_dropped} longer than "
                             f"data.max_prompt_length={self.config.data.max_prompt_length}")

@@ -51,7 +51,8 @@ def test_gkd_top_k_with_the_rest_of_the_vocabulary_by_hand():
     t = torch.log(torch.tensor([[[0.5, 0.3]]], dtype=torch.float64))
     s = torch.log(torch.tensor([[[0.25, 0.25]]], dtype=torch.float64))
     mask = torch.ones(1, 1, dtype=torch.bool)
-    inputs = DistillInputs(mask, s[..., 0], t[..., 0], s, t)
+    rests = torch.log(torch.tensor([[0.5]], dtype=torch.float64)), torch.log(torch.tensor([[0.2]], dtype=torch.float64))
+    inputs = DistillInputs(mask, s[..., 0], t[..., 0], s, t, *rests)
     got = float(DISTILL_LOSSES.get("gkd")(inputs, DistillConfig(loss="gkd", top_k=2, beta=0.5)))
     p, q = [0.5, 0.3, 0.2], [0.25, 0.25, 0.5]
     m = [(a + b) / 2 for a, b in zip(p, q)]
@@ -75,25 +76,31 @@ def test_gkd_top_k_bounds_the_full_divergence_from_below(beta):
     previous = torch.zeros_like(full)
     for k in (1, 5, 20, 49):
         ids = torch.topk(t, k, dim=-1).indices
-        got = DISTILL_LOSSES.get("gkd")(DistillInputs(mask, s[..., 0], t[..., 0], s.gather(-1, ids), t.gather(-1, ids)),
-                                        DistillConfig(loss="gkd", top_k=k, beta=beta))
+        rests = [torch.logsumexp(x.scatter(-1, ids, float("-inf")), dim=-1) for x in (s, t)]
+        got = DISTILL_LOSSES.get("gkd")(DistillInputs(mask, s[..., 0], t[..., 0], s.gather(-1, ids), t.gather(-1, ids),
+                                                      *rests), DistillConfig(loss="gkd", top_k=k, beta=beta))
         assert (got <= full + 1e-9).all() and (got >= previous - 1e-9).all()  # more categories, more divergence
         previous = got
     assert torch.allclose(previous, full, rtol=1e-3)  # 49 of 50 tokens plus the rest: the 50 categories
 
 
-def test_gkd_gradients_are_finite_with_padding_and_vanishing_tails():
-    """Padding rows hold zeros (log-probs summing past 1) and a row whose top-k holds all its mass: no NaN in
-    the loss or its gradient, and padding gets no gradient."""
-    student = torch.tensor([[[math.log(0.6), math.log(0.4 - 1e-15)], [0.0, 0.0]]], dtype=torch.float32,
-                           requires_grad=True)
-    teacher = torch.log(torch.tensor([[[0.7, 0.3], [0.5, 0.5]]]))
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gkd_gradients_are_finite_with_padding_and_vanishing_rests(beta):
+    """Padding positions hold zeros (log-probs summing past 1), and the ops floor a rest with no mass at log(fp32's
+    tiny), ~-87.3: no NaN or inf in the loss or its gradient, and padding gets no gradient."""
+    tiny = math.log(torch.finfo(torch.float32).tiny)
+    student = torch.tensor([[[math.log(0.6), math.log(0.4)], [0.0, 0.0]]], requires_grad=True)
+    student_rest = torch.tensor([[tiny, 0.0]], requires_grad=True)
+    teacher = torch.log(torch.tensor([[[0.7, 0.3 - 1e-9], [0.5, 0.5]]]))
+    teacher_rest = torch.tensor([[math.log(1e-9), 0.0]])
     mask = torch.tensor([[True, False]])
-    loss = DISTILL_LOSSES.get("gkd")(DistillInputs(mask, student[..., 0].detach(), teacher[..., 0], student, teacher),
-                                     DistillConfig(loss="gkd", top_k=2, beta=0.5))
+    loss = DISTILL_LOSSES.get("gkd")(DistillInputs(mask, student[..., 0].detach(), teacher[..., 0], student, teacher,
+                                                   student_rest, teacher_rest),
+                                     DistillConfig(loss="gkd", top_k=2, beta=beta))
     loss.sum().backward()
-    assert torch.isfinite(loss).all() and torch.isfinite(student.grad).all()
-    assert not student.grad[0, 1].any() and student.grad[0, 0].abs().sum() > 0
+    assert torch.isfinite(loss).all() and torch.isfinite(student.grad).all() and torch.isfinite(student_rest.grad).all()
+    assert not student.grad[0, 1].any() and student.grad[0, 0].abs().sum() > 0 and not student_rest.grad[0, 1]
+    assert float(loss[0, 0].detach()) < 0.1  # the rests are 1e-38 and 1e-9: nothing like the 700 nats of a sentinel
     assert distill_needs("gkd").enters == "loss" and distill_needs("gkd").top_k and distill_needs("gkd").dataset_responses
 
 
@@ -107,6 +114,8 @@ def test_inputs_checked():
         DistillInputs(mask, torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="top-k"):
         DISTILL_LOSSES.get("gkd")(DistillInputs(mask, torch.zeros(2, 3), torch.zeros(2, 3)), DistillConfig(loss="gkd"))
+    with pytest.raises(ValueError, match="needs both models' rest"):
+        DistillInputs(mask, torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
 
 
 def test_estimator_none_gives_no_advantage_and_reads_no_reward():
@@ -121,3 +130,40 @@ def test_estimator_none_gives_no_advantage_and_reads_no_reward():
 def test_config_refuses(bad):
     with pytest.raises(ValueError, match="DistillConfig"):
         DistillConfig(**bad)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gkd_from_the_ops_keeps_confident_models_rests(beta):
+    """Confident models (logits of +-30: the teacher's top-1 log-prob rounds to 0 in fp32, its rest is ~1e-9):
+    the teacher's top-k op and the student's log-prob op with a rest column feed GKD the rests summed from their
+    own terms, so its loss and gradient equal a float64 reference on the same logits (1 minus the top-k's fp32 mass
+    would have put 20-45x the loss there)."""
+    from megarlhf.ops import LogprobOptions, logprob_entropy, topk_logprobs
+
+    gen = torch.Generator().manual_seed(11)
+    n, h, v, k = 6, 16, 50, 4
+    hidden = torch.randn(n, h, generator=gen)
+    teacher_w = torch.randn(v, h, generator=gen) * 5.0  # logits of std ~20, up to ~60
+    student_w = 0.6 * teacher_w + torch.randn(v, h, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    _, t_top, ids, t_rest = topk_logprobs(hidden, teacher_w, labels, None, k, LogprobOptions(chunk_size=16))
+    assert (t_top[:, 0] > -1e-6).any() and (t_rest < -15).any()  # confident rows: the rest is below fp32's grain
+    x = hidden.clone().requires_grad_()
+    lp, _ = logprob_entropy(x, student_w, torch.cat([labels[:, None], ids], 1), None,
+                            LogprobOptions(chunk_size=16, rest_from=1, compute_entropy=False))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    term = DISTILL_LOSSES.get("gkd")
+    config = DistillConfig(loss="gkd", top_k=k, beta=beta)
+    got = term(DistillInputs(mask, lp[None, :, 0], t_top[None, :, 0], lp[None, :, 1:-1], t_top[None],
+                             lp[None, :, -1], t_rest[None]), config)
+    got.sum().backward()
+
+    x64 = hidden.double().requires_grad_()
+    s_all = torch.log_softmax(x64 @ student_w.double().t(), -1)
+    t_all = torch.log_softmax(hidden.double() @ teacher_w.double().t(), -1)
+    rests = [torch.logsumexp(a.scatter(1, ids, float("-inf")), -1) for a in (s_all, t_all)]
+    want = term(DistillInputs(mask, s_all[None, :, 0], t_all[None, :, 0], s_all.gather(1, ids)[None],
+                              t_all.gather(1, ids)[None], rests[0][None], rests[1][None]), config)
+    want.sum().backward()
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-7), (got, want)
+    assert torch.allclose(x.grad.double(), x64.grad, rtol=1e-3, atol=1e-6)

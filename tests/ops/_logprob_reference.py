@@ -31,16 +31,21 @@ def make_case(name: str, dtype=torch.float32, seed: int = 0, targets_per_row: in
     return hidden.to(dtype), weight.to(dtype), targets, mask, ra, rb, chunk, temperature
 
 
-def naive_logprob_entropy(hidden, weight, targets, mask, temperature):
+def naive_logprob_entropy(hidden, weight, targets, mask, temperature, rest_from=None):
     """fp32 log-probs ([N], or [N, K] for targets [N, K]) and entropies [N] from the full logits; masked
-    rows are 0."""
+    rows are 0. With ``rest_from`` one more column: the log-probability outside targets[:, rest_from:] (the
+    log-sum-exp of the other logits, less the whole one's)."""
     logits = (hidden.float() @ weight.float().t()) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     safe_t = targets.clamp(0, weight.shape[0] - 1)
     logprob = logp.gather(1, safe_t.reshape(len(safe_t), -1)).reshape(targets.shape)
+    if rest_from is not None:
+        outside = logits.scatter(1, safe_t[:, rest_from:], float("-inf"))
+        rest = torch.logsumexp(outside, dim=-1) - torch.logsumexp(logits, dim=-1)
+        logprob = torch.cat([logprob, rest[:, None]], dim=1)
     if mask is not None:
-        logprob, entropy = logprob * mask.view(-1, *[1] * (targets.dim() - 1)), entropy * mask
+        logprob, entropy = logprob * mask.view(-1, *[1] * (logprob.dim() - 1)), entropy * mask
     return logprob, entropy
 
 
@@ -55,12 +60,16 @@ def outputs_and_grads(fn, hidden, weight, ra, rb):
 
 
 def naive_topk(hidden, weight, targets, mask, temperature, k):
-    """The target's log-prob [N] and the top-k log-probs and ids [N, k] from the full log-softmax (masked
-    rows 0 and id 0)."""
+    """The target's log-prob [N], the top-k log-probs and ids [N, k] from the full log-softmax, and the log of the
+    probability outside the top-k [N] (float64 from the fp32 logits; log of fp32's smallest normal when there is
+    none); masked rows 0 and id 0."""
     logits = (hidden.float() @ weight.float().t()) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     target = logp.gather(1, targets.clamp(0, weight.shape[0] - 1)[:, None]).squeeze(1)
     values, ids = torch.topk(logp, k, dim=1)
+    exact = logits.double()
+    rest = (torch.logsumexp(exact.scatter(1, ids, float("-inf")), dim=-1) - torch.logsumexp(exact, dim=-1)).float()
+    rest = rest.clamp(min=float(torch.log(torch.tensor(torch.finfo(torch.float32).tiny))))
     if mask is not None:
-        target, values, ids = target * mask, values * mask[:, None], ids * mask[:, None]
-    return target, values, ids
+        target, values, ids, rest = target * mask, values * mask[:, None], ids * mask[:, None], rest * mask
+    return target, values, ids, rest

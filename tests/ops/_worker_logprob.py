@@ -21,7 +21,8 @@ def max_diff(a, b) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def op(backend: str, targets, mask, group, temperature: float, chunk: int, entropy: bool = True):
+def op(backend: str, targets, mask, group, temperature: float, chunk: int, entropy: bool = True,
+       rest_from: int | None = None):
     if backend == "triton":
         from megarlhf.ops.triton_logprob import triton_logprob_entropy
         from megarlhf.ops.triton_logprob import TritonBlocks
@@ -30,7 +31,7 @@ def op(backend: str, targets, mask, group, temperature: float, chunk: int, entro
         blocks = TritonBlocks(block_n=32, block_v=64, block_h=32, target_programs=4)
         return lambda h, w: triton_logprob_entropy(h, w, targets, mask, options, blocks)
     options = LogprobOptions(tp_group=group, temperature=temperature, chunk_size=chunk, backend=backend,
-                             compute_entropy=entropy)
+                             compute_entropy=entropy, rest_from=rest_from)
     return lambda h, w: logprob_entropy(h, w, targets, mask, options)
 
 
@@ -39,24 +40,29 @@ def main(out_dir: str, backend: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     result = {}
     # the torch op also takes K targets per row (a distillation loss's log-probs of a teacher's top-k)
-    cases = [(name, None) for name in CASES] + ([(name, 3) for name in CASES] if backend == "torch" else [])
-    for name, targets_per_row in cases:
+    # and the log-probability outside targets[:, 1:] as one more column (rest_from)
+    cases = [(name, None, None) for name in CASES]
+    if backend == "torch":
+        cases += [(name, 3, None) for name in CASES] + [(name, 3, 1) for name in CASES]
+    for name, targets_per_row, rest_from in cases:
         hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name, targets_per_row=targets_per_row)
         if targets_per_row is not None:
-            name = f"{name}[K={targets_per_row}]"
-        ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature),
+            name = f"{name}[K={targets_per_row},rest_from={rest_from}]"
+        if rest_from is not None:  # the rest column's gradient weight
+            ra = torch.cat([ra, torch.randn(len(ra), 1, generator=torch.Generator().manual_seed(9))], dim=1)
+        ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature, rest_from),
                                 hidden, weight, ra, rb)
-        tp1 = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk),
+        tp1 = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk, True, rest_from),
                                 hidden, weight, ra, rb)
         result[f"{name}/tp1"] = {"logprob": max_diff(tp1[0], ref[0]),
                                  "entropy": max_diff(tp1[1], ref[1]),
                                  "grad_hidden": max_diff(tp1[2], ref[2]),
                                  "grad_weight": max_diff(tp1[3], ref[3])}
         if name.startswith("temperature"):   # log-probs only: no entropy term in forward or backward
-            no_ent = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk, False),
+            no_ent = outputs_and_grads(op(backend, targets, mask, None, temperature, chunk, False, rest_from),
                                        hidden, weight, ra, rb)
             ref_lp = outputs_and_grads(lambda h, w: (naive_logprob_entropy(
-                h, w, targets, mask, temperature)[0], None), hidden, weight, ra, rb)
+                h, w, targets, mask, temperature, rest_from)[0], None), hidden, weight, ra, rb)
             result[f"{name}/tp1_logprob_only"] = {
                 "logprob": max_diff(no_ent[0], ref_lp[0]),
                 "entropy": float(no_ent[1] is not None),   # 1.0 fails the check: none expected
@@ -65,7 +71,7 @@ def main(out_dir: str, backend: str) -> None:
         v_local = weight.shape[0] // world
         shard = slice(rank * v_local, (rank + 1) * v_local)
         group = dist.group.WORLD if world > 1 else None
-        lp, ent, gh, gw = outputs_and_grads(op(backend, targets, mask, group, temperature, chunk),
+        lp, ent, gh, gw = outputs_and_grads(op(backend, targets, mask, group, temperature, chunk, True, rest_from),
                                             hidden, weight[shard], ra, rb)
         gathered = [gh]
         if world > 1:
@@ -101,7 +107,7 @@ def topk_results(world: int, rank: int) -> dict:
             want = naive_topk(hidden, weight, targets, mask, temperature, k)
             result[f"topk/{name}/k{k}/tp{world}"] = {
                 "target": max_diff(got[0], want[0]), "values": max_diff(got[1], want[1]),
-                "ids_equal": bool(torch.equal(got[2], want[2]))}
+                "ids_equal": bool(torch.equal(got[2], want[2])), "rest": max_diff(got[3], want[3])}
     return result
 
 

@@ -44,6 +44,28 @@ def test_matches_naive_fp32_tp1(name, compute_entropy, targets_per_row):
         assert not gh.any() and not gw.any()
 
 
+@pytest.mark.parametrize("name", ["masked", "temperature", "all_masked"])
+@pytest.mark.parametrize("scale", [1.0, 10.0], ids=["logits_1", "confident_logits_15"])
+def test_rest_column_matches_naive(name, scale):
+    """With rest_from, one more column: the log-probability outside targets[:, rest_from:], with its gradient; for
+    confident logits too, where 1 minus the targets' fp32 probabilities would lose it (fp32 tolerances scale with
+    the logits)."""
+    hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case(name, targets_per_row=4)
+    hidden = hidden * scale
+    ra = torch.cat([ra, torch.randn(len(ra), 1, generator=torch.Generator().manual_seed(3))], dim=1)
+    options = LogprobOptions(temperature=temperature, chunk_size=chunk, rest_from=1)
+    lp, ent, gh, gw = outputs_and_grads(lambda h, w: fused_logprob_entropy(h, w, targets, mask, options),
+                                        hidden, weight, ra, rb)
+    ref = outputs_and_grads(lambda h, w: naive_logprob_entropy(h, w, targets, mask, temperature, 1),
+                            hidden, weight, ra, rb)
+    assert lp.shape == (hidden.shape[0], 5)
+    assert _max(lp, ref[0]) <= 1e-5 * scale and _max(ent, ref[1]) <= 1e-5 * scale
+    for got, want in ((gh, ref[2]), (gw, ref[3])):
+        assert _max(got, want) <= 2e-5 * max(1.0, float(want.abs().max()))
+    with pytest.raises(ValueError, match="rest_from=4 needs"):
+        fused_logprob_entropy(hidden, weight, targets, mask, LogprobOptions(rest_from=4))
+
+
 def test_entropy_only_gradient():
     """A loss on the entropy alone still backprops (log-prob output gets no gradient)."""
     hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case("temperature")
@@ -77,7 +99,7 @@ def test_tp2_matches_unsharded_naive(tmp_path):
     topk = [(name, r) for rank_result in results for name, r in rank_result.items() if name.startswith("topk/")]
     assert len(topk) == 2 * 3 * len(CASES)  # the teacher's top-k op at TP 2 (tests/ops/test_topk_logprob.py)
     for name, r in topk:
-        assert r["target"] <= 1e-5 and r["values"] <= 1e-5 and r["ids_equal"], (name, r)
+        assert r["target"] <= 1e-5 and r["values"] <= 1e-5 and r["ids_equal"] and r["rest"] <= 1e-5, (name, r)
 
 
 @pytest.mark.parametrize("name", ["masked", "temperature"])

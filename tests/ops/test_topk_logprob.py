@@ -23,8 +23,23 @@ def test_matches_full_log_softmax(name, k):
     assert got[1].shape == got[2].shape == (hidden.shape[0], k) and got[2].dtype == torch.long
     assert _max(got[0], want[0]) <= 1e-5 and _max(got[1], want[1]) <= 1e-5
     assert torch.equal(got[2], want[2])
-    if k == weight.shape[0] and mask is None:  # the whole vocabulary: its probabilities sum to 1
+    assert _max(got[3], want[3]) <= 1e-5
+    if k == weight.shape[0] and mask is None:  # the whole vocabulary: its probabilities sum to 1, no rest
         assert torch.allclose(got[1].exp().sum(1), torch.ones(hidden.shape[0]), atol=1e-5)
+        assert (got[3] < -87).all()
+
+
+@pytest.mark.parametrize("k", [1, 4, 20])
+def test_the_rest_of_a_confident_distribution_keeps_its_precision(k):
+    """Logits of ~+-30 (a confident model): the top-1 log-prob rounds to 0 in fp32, so 1 - sum(top-k) would say
+    nothing is left; the op sums the small terms themselves and gets the rest (1e-6 .. 1e-20) to its digits."""
+    hidden, weight, targets, mask, _, _, chunk, _ = make_case("temperature")
+    hidden = hidden * 25
+    got = topk_logprobs(hidden, weight, targets, mask, k, LogprobOptions(chunk_size=chunk))
+    want = naive_topk(hidden, weight, targets, mask, 1.0, k)
+    assert (want[3] < -13).any()  # some rows have less than 2e-6 outside their top-k
+    assert (got[1][:, 0] == 0).any()  # where fp32 rounds the top-1 log-prob to 0
+    assert _max(got[3], want[3]) <= 1e-3  # fp32 logits of ~30: relative precision ~1e-6, i.e. ~1e-4 in log
 
 
 def test_bf16_picks_the_top_of_bf16_logits():
@@ -38,15 +53,21 @@ def test_bf16_picks_the_top_of_bf16_logits():
     assert _max(logp.gather(1, got[2]), got[1]) <= 1e-5
 
 
-def test_padded_vocabulary_rows_never_enter_the_top_k():
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("below", [0, 2])
+def test_padded_vocabulary_rows_never_enter_the_top_k(temperature, below):
+    """Megatron's padded rows (logit -1e30, -2e30 at T 0.5) are neither in the top-k nor in its rest, up to k =
+    the real vocabulary (the run refuses a larger top_k)."""
     hidden, weight, targets, mask, _, _, chunk, _ = make_case("masked")
     vocab = weight.shape[0]
     padded = torch.cat([weight, 10 * torch.ones(6, weight.shape[1])])  # large logits, but padding
     bias = torch.cat([torch.zeros(vocab), torch.full((6,), -1.0e30)])[:, None]
     h1 = torch.cat([hidden, torch.ones(hidden.shape[0], 1)], dim=1)
-    got = topk_logprobs(h1, torch.cat([padded, bias], dim=1), targets, mask, vocab, LogprobOptions(chunk_size=chunk))
-    want = naive_topk(hidden, weight, targets, mask, 1.0, vocab)
+    options = LogprobOptions(chunk_size=chunk, temperature=temperature)
+    got = topk_logprobs(h1, torch.cat([padded, bias], dim=1), targets, mask, vocab - below, options)
+    want = naive_topk(hidden, weight, targets, mask, temperature, vocab - below)
     assert int(got[2].max()) < vocab and torch.equal(got[2], want[2]) and _max(got[1], want[1]) <= 1e-5
+    assert _max(got[3], want[3]) <= 1e-5
 
 
 def test_bad_inputs():

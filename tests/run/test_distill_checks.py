@@ -38,10 +38,24 @@ def _config(tmp_path, *overrides: str, student="/models/student", teacher="/mode
     (["algorithm.distill={loss: gkd, top_k: 4, lmbda: 0.5}", "rollout.max_staleness=1",
       "rollout.placement={mode: disaggregated, num_engine_ranks: 1}"], r"with rollout.max_staleness is not supported"),
     (["algorithm.distill.loss=forward_kl"], r"algorithm.distill.loss.*forward_kl"),
+    (["teacher=null", "algorithm.distill=null", "reward.functions=[{name: exact_match}]"],
+     r"algorithm.estimator='none' learns from no reward: it is for distillation alone"),
+    (["algorithm.kl_mode=reward"], r"kl_mode='reward' puts the KL penalty in the rewards, which algorithm.estimator="),
 ])
 def test_declared_needs_are_checked(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_config(_config(tmp_path, *overrides))
+
+
+def test_dataset_steps_must_fill_the_mini_batches(tmp_path):
+    from megarlhf.loops.collect import check_dataset_steps
+
+    config = _config(tmp_path, "algorithm.distill={loss: gkd, top_k: 4, lmbda: 0.5}", "train.global_batch_size=4",
+                     "train.mini_batches=4", "rollout.n_samples=4")
+    check_dataset_steps(config, 1)  # 4 prompts, 4 mini-batches of one dataset response each
+    with pytest.raises(ConfigError, match=r"gives each of the 2 data-parallel ranks 2 rows .* fewer than "
+                                          r"train.mini_batches=4"):
+        check_dataset_steps(config, 2)  # the student's steps would hold 8 rows a rank: only dataset steps fail
 
 
 def test_teacher_and_distill_go_together(tmp_path):
@@ -79,6 +93,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_name(tmp_path, models):
     with pytest.raises(ConfigError, match=r"the teacher's vocab_size \(448, .*wider\) must equal the student's \(384\)"):
         check_teacher(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 4}", student=student,
                               teacher=other_vocab), tokenizer)
+    with pytest.raises(ConfigError, match=r"algorithm.distill.top_k=385 is more than the vocabulary \(384 tokens\)"):
+        check_teacher(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 385}", student=student,
+                              teacher=student), tokenizer)
     with pytest.raises(ConfigError, match=r"teacher.model_path='/nowhere' is not an HF model directory"):
         check_teacher(_config(tmp_path, student=student, teacher="/nowhere"), tokenizer)
 
@@ -101,13 +118,31 @@ def test_dataset_responses_must_end_the_conversation(models):
     tokenizer = AutoTokenizer.from_pretrained(models[0])
     config = DataConfig(train_path="x", messages_key="messages")
     good = {"messages": [{"role": "user", "content": "1 plus 2 is"}, {"role": "assistant", "content": "3"}]}
-    dataset = build_prompt_dataset([good], tokenizer, config, with_responses=True)
+    dataset = build_prompt_dataset([good], tokenizer, config, response_budget=16)
     example = dataset[0]
     assert tokenizer.decode(example.response_ids) == "3<|im_end|>\n"
     assert tokenizer.decode(example.prompt_ids).endswith("<|im_start|>assistant\n")  # the answer is not in the prompt
     bad = {"messages": good["messages"][:1]}
     with pytest.raises(DataError, match=r"<rows> row 1: the conversation must end with the assistant's response"):
-        build_prompt_dataset([good, bad], tokenizer, config, with_responses=True)
+        build_prompt_dataset([good, bad], tokenizer, config, response_budget=16)
     plain = build_prompt_dataset([{"prompt": "1 plus 2 is", "response": " 3"}], tokenizer,
-                                 DataConfig(train_path="x", chat_template="never"), with_responses=True)
+                                 DataConfig(train_path="x", chat_template="never"), response_budget=16)
     assert plain[0].response_ids[-1] == tokenizer.eos_token_id
+    # a response longer than the budget is dropped and counted, like a long prompt
+    long = {"messages": [good["messages"][0], {"role": "assistant", "content": "3 " * 40}]}
+    dataset = build_prompt_dataset([good, long, good], tokenizer, config, response_budget=16)
+    assert [e.index for e in dataset] == [0, 2] and dataset.num_dropped == 1
+    # a template that writes no assistant turn leaves nothing to train on: refused naming the row
+    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}U: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    with pytest.raises(DataError, match="row 0: the assistant's response renders to no tokens"):
+        build_prompt_dataset([good], tokenizer, config, response_budget=16)
+
+
+def test_a_gkd_run_scores_every_log_prob_with_the_kernel_its_update_uses(tmp_path):
+    """GKD's update forward takes K targets per row, which only the torch op computes: every log-prob pass of the
+    run uses it then, so the PPO ratio and the step-0 checks compare one kernel with itself (Triton on GPU
+    otherwise)."""
+    from megarlhf.learner.update import logprob_backend
+
+    assert logprob_backend(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 4}")) == "torch"
+    assert logprob_backend(_config(tmp_path)) == "auto"  # reverse_kl: sampled tokens only
