@@ -90,6 +90,15 @@ def distill_needs(name: str) -> DistillNeeds:
     return DISTILL_LOSSES.get(name).needs
 
 
+def distills_into(config, where: str) -> DistillTerm | None:
+    """The run's distillation term (``config``: a RunConfig) when it enters ``where`` ("advantage" or "loss"),
+    else None."""
+    distill = config.algorithm.distill
+    if distill is None or DISTILL_LOSSES.get(distill.loss).needs.enters != where:
+        return None
+    return DISTILL_LOSSES.get(distill.loss)
+
+
 def _term(name: str, **needs):
     def add(fn):
         DISTILL_LOSSES.register(name)(DistillTerm(fn, DistillNeeds(**needs)))

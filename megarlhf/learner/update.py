@@ -40,7 +40,7 @@ from torch import Tensor
 
 from megarlhf.algorithms import (POLICY_LOSSES, PolicyLossInputs, aggregate_loss, entropy_bonus,
                                  kl_loss, rollout_correction, truncated_is_weights, value_loss)
-from megarlhf.algorithms.distillation import DISTILL_LOSSES, DistillInputs, DistillTerm
+from megarlhf.algorithms.distillation import DistillInputs, DistillTerm, distills_into
 from megarlhf.config.schema import RunConfig
 from megarlhf.core.errors import ConfigError
 from megarlhf.config.rollout import scoring_temperature
@@ -117,14 +117,6 @@ def old_logprobs_from_update(config: RunConfig) -> bool:
     algo = config.algorithm
     return (config.train.updates_per_step == 1 and not algo.kl_in_reward and algo.mismatch.mask_threshold is None
             and not distills_into(config, "advantage"))
-
-
-def distills_into(config: RunConfig, where: str) -> DistillTerm | None:
-    """The run's distillation term when it enters ``where`` ("advantage" or "loss"), else None."""
-    distill = config.algorithm.distill
-    if distill is None or DISTILL_LOSSES.get(distill.loss).needs.enters != where:
-        return None
-    return DISTILL_LOSSES.get(distill.loss)
 
 
 def logprob_backend(config: RunConfig) -> str:

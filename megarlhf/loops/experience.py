@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, kl_reward_penalty
-from megarlhf.algorithms.distillation import DistillInputs
+from megarlhf.algorithms.distillation import DistillInputs, distills_into
 from megarlhf.config.schema import RunConfig
 from megarlhf.rollout.sync.gates import Step0Gate, routing_flips
 from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
                                old_policy_logprobs)
-from megarlhf.learner.update import distills_into, teacher_scores
+from megarlhf.learner.update import teacher_scores
 from parallel.runtime import Runtime
 
 

@@ -40,9 +40,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Initial running max for the online pass: finite so that (m_old - m_new) * s stays 0 * finite
+from megarlhf.ops.rest_mass import NEG_BIG, RunningLogSumExp, combine_rest, inside, rest_grad_
+
+# NEG_BIG, the initial running max for the online pass: finite so that (m_old - m_new) * s stays 0 * finite
 # (with -inf it would be -inf * 0 = nan) and exp(m_old - m_new) is exactly 0.
-NEG_BIG = -1.0e30
 
 
 @dataclass(frozen=True)
@@ -196,22 +197,15 @@ def chunk_logits(x: torch.Tensor, weight: torch.Tensor, lo: int, hi: int) -> tor
     return torch.mm(x, weight[lo:hi].t()).float()
 
 
-def _outside(values: torch.Tensor, columns: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
-    """``values`` [n, c] with the ``hit`` entries of ``columns`` [n, R] set to 0 (a copy). The columns of entries
-    that miss the chunk are clamped into it and may repeat a hit's: counting hits (a scatter-add) keeps them from
-    undoing it, where a scatter of values would let the last write win."""
-    hits = torch.zeros_like(values).scatter_add_(1, columns, hit.to(values.dtype))
-    return torch.where(hits > 0, 0.0, values)
-
-
 def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy: bool, rest_from: int | None = None):
     """One pass over this rank's vocab shard: running max, sum-exp, entropy term, target logit(s) (``local_t``
-    [N] or [N, K]) and, with ``rest_from``, the sum-exp outside the targets from that column on (else None)."""
+    [N] or [N, K]) and, with ``rest_from``, the log-sum-exp of the logits outside the targets from that column on
+    (:mod:`megarlhf.ops.rest_mass`; else None)."""
     n = x.shape[0]
     m = x.new_full((n,), NEG_BIG, dtype=torch.float32)
     s = torch.zeros_like(m)
     a = torch.zeros_like(m)
-    rest = None if rest_from is None else torch.zeros_like(m)
+    rest = None if rest_from is None else RunningLogSumExp(n, x.device)
     tgt = torch.zeros(local_t.shape, dtype=torch.float32, device=x.device)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
@@ -219,32 +213,19 @@ def _local_partials(x, weight, local_t, in_shard, chunk_size: int, want_entropy:
         hit = in_shard & (local_t >= lo) & (local_t < hi)
         columns = (local_t - lo).clamp(0, hi - lo - 1).reshape(n, -1)
         tgt += torch.where(hit, logits.gather(1, columns).reshape(local_t.shape), 0.0)
+        if rest is not None:  # before the logits are shifted in place
+            rest.add(logits, ~inside(tuple(logits.shape), columns[:, rest_from:], hit[:, rest_from:]))
         m_new = torch.maximum(m, logits.amax(dim=1))
         shift = m - m_new
         alpha = torch.exp(shift)
         shifted = logits.sub_(m_new[:, None])           # logits - m_new, in place
         e = torch.exp(shifted)
         s_chunk = e.sum(dim=1)
-        if rest is not None:
-            rest = alpha * rest + _outside(e, columns[:, rest_from:], hit[:, rest_from:]).sum(dim=1)
         if want_entropy:
             a = alpha * (a + shift * s) + e.mul_(shifted).sum(dim=1)
         s = alpha * s + s_chunk
         m = m_new
-    return m, s, a, tgt, rest
-
-
-def rest_logprob(rest: torch.Tensor, m: torch.Tensor, logz: torch.Tensor, tp_group, tp_size: int,
-                 common: torch.Tensor | None = None) -> torch.Tensor:
-    """log of the probability ``rest`` (a sum-exp relative to this rank's max ``m``) stands for, summed over the TP
-    ranks, plus ``common`` (a probability every rank holds alike); floored at fp32's smallest normal number
-    (log ~ -87.3), so that it and its gradient stay finite where nothing lies outside."""
-    probability = rest * torch.exp(m - logz)
-    if tp_size > 1:
-        dist.all_reduce(probability, group=tp_group)
-    if common is not None:
-        probability = probability + common
-    return torch.log(probability.clamp(min=torch.finfo(torch.float32).tiny))
+    return m, s, a, tgt, (None if rest is None else rest.value())
 
 
 def _grad_logits_(logits, logz, g_lp, g_ent, ent):
@@ -281,21 +262,23 @@ def chunked_grads(saved: Saved, g_lp, g_ent, needs: tuple[bool, bool], options: 
     if g_lp32 is not None and log_rest is not None:  # the last column is the rest's log-prob
         g_lp32, g_rest = g_lp32[:, :-1], g_lp32[:, -1]
     g_row = None if g_lp32 is None else g_lp32.sum(dim=1)  # every target's log-prob shares the -p term
-    if g_rest is not None:  # d log(rest) / dl_j = p_j [j outside] / rest - p_j
-        g_row = g_row + g_rest
+
     g_ent32 = None if g_ent is None else g_ent.float()
     local_t, in_shard = local_t.reshape(n, -1), in_shard.reshape(n, -1)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
         logits = chunk_logits(xs, weight, lo, hi)
-        outside = None if g_rest is None else torch.exp(logits - (logz + log_rest)[:, None])  # p_j / rest
+        hit = None if g_lp32 is None else in_shard & (local_t >= lo) & (local_t < hi)
+        columns = None if hit is None else torch.where(hit, local_t - lo, 0)
+        rest_part = None if g_rest is None else rest_grad_(logits - logz[:, None], g_rest, log_rest,
+                                                           columns[:, rest_from:], hit[:, rest_from:])
         grad = _grad_logits_(logits, logz, g_row, g_ent32, ent)
-        if g_lp32 is not None:  # each target column gets +g_lp (a scatter: no boolean mask, no sync)
-            hit = in_shard & (local_t >= lo) & (local_t < hi)
-            grad.scatter_add_(1, torch.where(hit, local_t - lo, 0), torch.where(hit, g_lp32, 0.0))
-        if outside is not None:
-            columns = torch.where(hit, local_t - lo, 0)[:, rest_from:]
-            grad += g_rest[:, None] * _outside(outside, columns, hit[:, rest_from:])
+        del logits  # its buffer is grad's or free: the name must not hold a second chunk through the products
+        if hit is not None:  # each target column gets +g_lp (a scatter: no boolean mask, no sync)
+            grad.scatter_add_(1, columns, torch.where(hit, g_lp32, 0.0))
+        if rest_part is not None:
+            grad += rest_part
+            del rest_part
         grad = grad.to(weight.dtype)
         if need_x:
             grad_x += torch.mm(grad, weight[lo:hi]).float()
@@ -320,7 +303,7 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         logz, ent, logprob = combine_partials(m, s, a, tgt, options.tp_group, tp_size)
         saved = [xs, weight, local_t, in_shard, logz, ent]
         if rest is not None:
-            log_rest = rest_logprob(rest, m, logz, options.tp_group, tp_size)
+            log_rest = combine_rest(rest, logz, options.tp_group, tp_size)
             logprob = torch.cat([logprob, log_rest[:, None]], dim=1)
             saved.append(log_rest)
         ctx.save_for_backward(*saved)

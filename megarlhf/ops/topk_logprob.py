@@ -8,14 +8,14 @@ vocabulary it returns
     rest = log(sum of exp(l[j] - logsumexp(l)) over every j outside the top-K)
 
 Each vocab chunk's top-K is merged into a running top-K (values and global ids), beside the online max /
-sum-exp of :mod:`megarlhf.ops.fused_logprob`; nothing of size tokens x vocab is built. ``rest`` is summed
-from the evicted logits themselves, never as 1 minus the top-K's mass: that difference loses everything
-below fp32's resolution of the top-K log-probs (~1e-6 for logits of 20-30, where a confident model's rest
-is 1e-9), while a sum of the small terms keeps their relative precision. Under tensor parallelism every
-rank's top-K candidates are all-gathered over ``tp_group`` (K values and ids per row and rank), the top-K of
-those TP x K candidates is the top-K of the whole vocabulary, the candidates it evicts join the ranks' rests,
-and the log-sum-exp, the rests and the target logit are combined as the log-prob op combines them. Outputs are
-identical on every TP rank. Megatron's padded vocabulary rows must carry a -1e30 logit (:func:`megarlhf.learner.forward.
+sum-exp of :mod:`megarlhf.ops.fused_logprob`; nothing of size tokens x vocab is built. ``rest`` is the
+log-sum-exp of the evicted logits themselves (:mod:`megarlhf.ops.rest_mass`), never 1 minus the top-K's
+mass: that difference loses everything below fp32's resolution of the top-K log-probs (~1e-6 for logits of
+20-30, where a confident model's rest is 1e-9). Under tensor parallelism every rank's top-K candidates are
+all-gathered over ``tp_group`` (K values and ids per row and rank), the top-K of those TP x K candidates is
+the top-K of the whole vocabulary, the candidates it evicts join the ranks' rests, and the log-sum-exp, the
+rests and the target logit are combined as the log-prob op combines them. Outputs are identical on every TP
+rank. Megatron's padded vocabulary rows must carry a -1e30 logit (:func:`megarlhf.learner.forward.
 mask_padded_vocab`), and K must not exceed the real vocabulary, or padded rows would enter the top-K.
 
 Forward only: a teacher is frozen, and the student's log-probs at the teacher's ids come from the
@@ -26,27 +26,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarlhf.ops.fused_logprob import (NEG_BIG, LogprobOptions, check_inputs, chunk_logits, combine_partials,
-                                        rest_logprob, scatter_rows, select_rows, tp_rank_and_size)
+from megarlhf.ops.fused_logprob import (LogprobOptions, check_inputs, chunk_logits, combine_partials, scatter_rows,
+                                        select_rows, tp_rank_and_size)
+from megarlhf.ops.rest_mass import NEG_BIG, RunningLogSumExp, combine_rest
 
 
-def _evicted(values: torch.Tensor, kept: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Per row, the sum of exp(value - m) over the columns of ``values`` that ``kept`` (indices) does not hold
-    (``m`` [N]: a max, or the log-sum-exp for probabilities)."""
-    out = ~torch.zeros_like(values, dtype=torch.bool).scatter_(1, kept, True)
-    return torch.where(out, torch.exp(values - m[:, None]), 0.0).sum(dim=1)
+def _dropped(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """[n, c] bool: the columns of ``values`` that ``kept`` (distinct indices per row) does not hold."""
+    return ~torch.zeros_like(values, dtype=torch.bool).scatter_(1, kept, True)
 
 
 def _local_topk(x: torch.Tensor, weight: torch.Tensor, local_t: torch.Tensor, in_shard: torch.Tensor, k: int,
                 vocab_start: int, chunk_size: int):
     """One pass over this rank's shard: running max, sum-exp, target logit, top-K (values, global ids) and the
-    sum-exp of everything evicted from it (all sums relative to the running max)."""
+    log-sum-exp of everything evicted from it (:class:`~megarlhf.ops.rest_mass.RunningLogSumExp`)."""
     n = x.shape[0]
     m = x.new_full((n,), NEG_BIG, dtype=torch.float32)
     s = torch.zeros_like(m)
-    rest = torch.zeros_like(m)
     tgt = torch.zeros_like(m)
-    top_values = x.new_full((n, k), NEG_BIG, dtype=torch.float32)  # placeholders: exp(NEG_BIG - m) is 0
+    evicted = RunningLogSumExp(n, x.device)
+    top_values = x.new_full((n, k), NEG_BIG, dtype=torch.float32)  # placeholders: never counted, always evicted
     top_ids = torch.zeros((n, k), dtype=torch.long, device=x.device)
     for lo in range(0, weight.shape[0], chunk_size):
         hi = min(lo + chunk_size, weight.shape[0])
@@ -54,38 +53,38 @@ def _local_topk(x: torch.Tensor, weight: torch.Tensor, local_t: torch.Tensor, in
         hit = in_shard & (local_t >= lo) & (local_t < hi)
         tgt += torch.where(hit, logits.gather(1, (local_t - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1), 0.0)
         m_new = torch.maximum(m, logits.amax(dim=1))
-        alpha = torch.exp(m - m_new)
-        s = alpha * s + torch.exp(logits - m_new[:, None]).sum(dim=1)
+        s = torch.exp(m - m_new) * s + torch.exp(logits - m_new[:, None]).sum(dim=1)
+        m = m_new
         chunk_values, chunk_where = torch.topk(logits, min(k, hi - lo), dim=1)  # the chunk's own top first
+        evicted.add(logits, _dropped(logits, chunk_where))
         candidates = torch.cat([top_values, chunk_values], dim=1)
         top_values, where = torch.topk(candidates, k, dim=1)
-        rest = alpha * rest + _evicted(logits, chunk_where, m_new) + _evicted(candidates, where, m_new)
+        evicted.add(candidates, _dropped(candidates, where))
         top_ids = torch.cat([top_ids, chunk_where + vocab_start + lo], dim=1).gather(1, where)
-        m = m_new
-    return m, s, rest, tgt, top_values, top_ids
+    return m, s, evicted.value(), tgt, top_values, top_ids
 
 
-def _merge_ranks(top_values: torch.Tensor, top_ids: torch.Tensor, k: int, logz: torch.Tensor, tp_group,
-                 tp_size: int):
-    """The top-K of every TP rank's top-K candidates (all-gathered over ``tp_group``), and the probability of the
-    candidates it evicts (the same on every rank)."""
+def _merge_ranks(top_values: torch.Tensor, top_ids: torch.Tensor, k: int, tp_group, tp_size: int):
+    """The top-K of every TP rank's top-K candidates (all-gathered over ``tp_group``), and the log-sum-exp of the
+    candidates it evicts (the same on every rank; None at TP 1)."""
     if tp_size == 1:
-        return top_values, top_ids, torch.zeros_like(logz)
+        return top_values, top_ids, None
     values = [torch.empty_like(top_values) for _ in range(tp_size)]
     ids = [torch.empty_like(top_ids) for _ in range(tp_size)]
     dist.all_gather(values, top_values.contiguous(), group=tp_group)
     dist.all_gather(ids, top_ids.contiguous(), group=tp_group)
     candidates = torch.cat(values, dim=1)
     merged, where = torch.topk(candidates, k, dim=1)
-    return merged, torch.cat(ids, dim=1).gather(1, where), _evicted(candidates, where, logz)
+    evicted = RunningLogSumExp(len(candidates), candidates.device)
+    evicted.add(candidates, _dropped(candidates, where))
+    return merged, torch.cat(ids, dim=1).gather(1, where), evicted.value()
 
 
 @torch.no_grad()
 def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
                   k: int, options: LogprobOptions = LogprobOptions()):
     """(target log-probs [N], top-K log-probs [N, K] descending, their global vocab ids [N, K], the log of the
-    probability outside the top-K [N]), fp32 / int64; the last is floored at log(fp32's smallest normal), about
-    -87.3, where nothing lies outside (K = V).
+    probability outside the top-K [N]), fp32 / int64; the last is -inf where nothing lies outside (K = V).
 
     hidden [N, H]; weight [V_local, H] (this rank's shard); targets [N] global ids; mask [N] bool (False
     rows cost nothing and return 0 and id 0; the rest is 0 there too). ``options``: ``tp_group``, ``temperature``, ``chunk_size``,
@@ -110,8 +109,8 @@ def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     m, s, rest, tgt, top_values, top_ids = _local_topk(xs, weight, local_t, in_shard, k, rank * v_local,
                                                        int(options.chunk_size))
     logz, _, target_logprob = combine_partials(m, s, torch.zeros_like(s), tgt, options.tp_group, tp_size)
-    top_values, top_ids, merged_away = _merge_ranks(top_values, top_ids, k, logz, options.tp_group, tp_size)
-    # every rank's evicted mass (summed over the ranks), and what the merge of their top-K evicted (alike on each)
-    rest = rest_logprob(rest, m, logz, options.tp_group, tp_size, common=merged_away)
+    top_values, top_ids, merged_away = _merge_ranks(top_values, top_ids, k, options.tp_group, tp_size)
+    # every rank's evicted logits (combined over the ranks), and those the merge of their top-K evicted (alike on each)
+    rest = combine_rest(rest, logz, options.tp_group, tp_size, common=merged_away)
     return (scatter_rows(target_logprob, idx, n), scatter_rows(top_values - logz[:, None], idx, n),
             scatter_rows(top_ids, idx, n), scatter_rows(rest, idx, n))

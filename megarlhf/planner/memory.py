@@ -42,7 +42,8 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   checkpoints every chunk of ``num_layers`` layers, ``block`` the first ``num_layers`` layers one by
   one (the others store everything). ``activations_recompute`` is the figure for full recomputation
   of every layer, shown for comparison. The final norm keeps ``8h`` bytes per token, and the fused
-  log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3);
+  log-prob op holds a transient ``[T, min(4096, V/t)]`` fp32 chunk (x3; x6 for GKD, whose update also takes
+  the log-probs at the teacher's top-k and of the rest of the vocabulary: measured 5.4 on CPU);
 * mixture of experts: an MoE layer holds its router, ``num_experts / EP`` routed experts split over TP and
   a shared expert; the routed experts' optimizer state is sharded over the expert-data-parallel ranks
   (``world / (TP x EP x PP)``), the rest over DP x CP. Per token, an MoE layer's MLP keeps, instead of the
@@ -82,6 +83,7 @@ from megarlhf.core.errors import ConfigError, UserError
 from megarlhf.planner.shapes import ModelShape, resolve_shape
 from megarlhf.algorithms.advantages import estimator_needs
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
+from megarlhf.algorithms.distillation import distills_into
 
 GIB = 2**30
 MIB = 2**20
@@ -248,7 +250,8 @@ def _activations(shape: ModelShape, config: RunConfig, stage: int, d: int, max_m
     head_bytes = 0
     if stage == pp - 1:
         vocab_chunk = 1 if head == "value" else min(LOGPROB_CHUNK, shape.padded_vocab(tp) // tp)
-        head_bytes = tokens * (8 * shape.hidden_size + 3 * vocab_chunk * 4)
+        gkd = distills_into(config, "loss") is not None and distills_into(config, "loss").needs.top_k
+        head_bytes = tokens * (8 * shape.hidden_size + (6 if gkd else 3) * vocab_chunk * 4)
     layer_input = tokens * shape.hidden_size * d
     configured = _recomputed(config.train.recompute, layers, in_flight, per_layer, layer_input) + head_bytes
     recompute_all = in_flight * layers * layer_input + per_layer - layer_input + head_bytes

@@ -61,15 +61,15 @@ def outputs_and_grads(fn, hidden, weight, ra, rb):
 
 def naive_topk(hidden, weight, targets, mask, temperature, k):
     """The target's log-prob [N], the top-k log-probs and ids [N, k] from the full log-softmax, and the log of the
-    probability outside the top-k [N] (float64 from the fp32 logits; log of fp32's smallest normal when there is
-    none); masked rows 0 and id 0."""
+    probability outside the top-k [N] (float64 from the fp32 logits; -inf when there is none); masked rows 0 and
+    id 0."""
     logits = (hidden.float() @ weight.float().t()) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     target = logp.gather(1, targets.clamp(0, weight.shape[0] - 1)[:, None]).squeeze(1)
     values, ids = torch.topk(logp, k, dim=1)
     exact = logits.double()
     rest = (torch.logsumexp(exact.scatter(1, ids, float("-inf")), dim=-1) - torch.logsumexp(exact, dim=-1)).float()
-    rest = rest.clamp(min=float(torch.log(torch.tensor(torch.finfo(torch.float32).tiny))))
     if mask is not None:
-        target, values, ids, rest = target * mask, values * mask[:, None], ids * mask[:, None], rest * mask
+        target, values, ids = target * mask, values * mask[:, None], ids * mask[:, None]
+        rest = torch.where(mask, rest, 0.0)
     return target, values, ids, rest

@@ -66,6 +66,32 @@ def test_rest_column_matches_naive(name, scale):
         fused_logprob_entropy(hidden, weight, targets, mask, LogprobOptions(rest_from=4))
 
 
+def test_rest_column_far_below_and_empty():
+    """A rest 95 nats below the targets (below fp32's smallest normal as a probability) keeps its value and gradient
+    (a log-domain sum); targets covering the vocabulary leave nothing: the column is -inf and gets no gradient."""
+    gen = torch.Generator().manual_seed(4)
+    n, h, v = 5, 8, 12
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen)
+    weight[:3] += 14.0 * hidden.mean(0) / hidden.mean(0).norm() ** 2  # tokens 0-2 far above the rest
+    hidden = hidden.mean(0, keepdim=True).expand(n, h).clone() * 8 + 0.01 * hidden
+    targets = torch.tensor([[5, 0, 1, 2]] * n)
+    ra = torch.cat([torch.zeros(n, 4), torch.ones(n, 1)], dim=1)  # the rest's gradient alone
+    options = LogprobOptions(chunk_size=5, rest_from=1, compute_entropy=False)
+    got = outputs_and_grads(lambda x, w: fused_logprob_entropy(x, w, targets, None, options), hidden, weight, ra,
+                            torch.zeros(n))
+    ref = outputs_and_grads(lambda x, w: (naive_logprob_entropy(x, w, targets, None, 1.0, 1)[0], None),
+                            hidden.double(), weight.double(), ra.double(), torch.zeros(n))
+    assert (ref[0][:, -1] < -88).all()  # exp(rest) underflows fp32
+    assert _max(got[0][:, -1].double(), ref[0][:, -1]) <= 1e-3 * float(ref[0][:, -1].abs().max())
+    assert _max(got[2].double(), ref[2]) <= 1e-4 * float(ref[2].abs().max())
+    everything = torch.arange(v).expand(n, v)
+    lp, _ = fused_logprob_entropy(hidden.requires_grad_(), weight, torch.cat([targets[:, :1], everything], 1), None,
+                                  options)
+    lp[:, -1].clamp(min=-700).sum().backward()
+    assert torch.isinf(lp[:, -1]).all() and not hidden.grad.any()
+
+
 def test_entropy_only_gradient():
     """A loss on the entropy alone still backprops (log-prob output gets no gradient)."""
     hidden, weight, targets, mask, ra, rb, chunk, temperature = make_case("temperature")
