@@ -105,8 +105,10 @@ def test_gkd_equals_trl_gkd_trainer(tiny_pair, trl_losses, tmp_path, beta):
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
                                     pytest.param([], marks=pytest.mark.slow),
                                     pytest.param(["parallel.pipeline_model_parallel_size=2"], marks=pytest.mark.slow),
-                                    pytest.param(["parallel.context_parallel_size=2"], marks=pytest.mark.slow)],
-                         ids=["tp2", "dp2", "pp2", "cp2"])
+                                    pytest.param(["parallel.context_parallel_size=2"], marks=pytest.mark.slow),
+                                    pytest.param(["rollout.placement={mode: disaggregated, num_engine_ranks: 1}"],
+                                                 marks=pytest.mark.slow)],
+                         ids=["tp2", "dp2", "pp2", "cp2", "disaggregated"])
 def test_gkd_equals_trl_in_two_rank_layouts(tiny_pair, trl_losses, tmp_path, layout):
     ours = [m["actor/distill_loss"] for m in _run_gkd(tiny_pair, tmp_path, 0.5, layout, nproc=2)]
     assert max(abs(a - b) for a, b in zip(ours, trl_losses(0.5))) <= 1e-5
