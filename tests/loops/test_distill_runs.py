@@ -177,3 +177,22 @@ def test_single_rank_on_policy_distillation_learns(single_rank_opd):
     assert metrics[0]["actor/pg_loss"] == pytest.approx(kl[0], abs=1e-6)  # mean(-(t - s)) at ratio 1
     assert kl[-1] < kl[0] - 0.02, kl
     assert all("reward/exact_match/mean" in m for m in metrics)  # the verifier still watches (estimator none)
+
+
+@pytest.mark.slow
+def test_a_distillation_run_stopped_and_resumed_equals_the_uninterrupted_one(tiny_pair, tmp_path):
+    """GKD with lmbda 0.5 (which steps train on the student's samples is drawn from the seed and the step) for 4
+    steps, against the same recipe stopped after 2 and resumed from its checkpoint: the same steps on dataset
+    responses, the same samples, the same losses to the last bit (the teacher is rebuilt from its path)."""
+    student, teacher, data = tiny_pair
+    recipe = tmp_path / "gkd.yaml"
+    recipe.write_text(GKD_RECIPE.format(student=student, teacher=teacher, data=data, beta=0.5, run="unused"))
+    common = ["algorithm.distill.lmbda=0.5", "train.steps=4", "checkpoint.every=1", "rollout.n_samples=2"]
+    whole, whole_metrics = train_with_cli(recipe, tmp_path / "whole", [*common, f"logging.run_dir={tmp_path}/whole"])
+    train_with_cli(recipe, tmp_path / "cut", [*common, "train.steps=2", f"logging.run_dir={tmp_path}/cut"])
+    resumed, resumed_metrics = train_with_cli(recipe, tmp_path / "cut", [*common, f"logging.run_dir={tmp_path}/cut",
+                                                                         "checkpoint.resume=auto"])
+    assert sorted({m["distill/on_policy"] for m in whole_metrics}) == [0.0, 1.0]  # both kinds of step
+    for key in ("distill/on_policy", "actor/distill_loss", "actor/grad_norm"):
+        assert [m[key] for m in resumed_metrics] == [m[key] for m in whole_metrics], key
+    assert [(s["step"], s["response"]) for s in resumed] == [(s["step"], s["response"]) for s in whole]
