@@ -93,7 +93,8 @@ def train_rl(config: RunConfig) -> Path | None:
 
 def rl_update(run: RunContext, got: Collected, batch, step: int, baseline: list[float] | None) -> dict[str, float]:
     """Steps 7-9 on this replica's share of the step (``batch``: its experience): score, advantages, the
-    actor's (and critic's) update; at step 0 the gates' checks and the calibration's metrics."""
+    actor's (and critic's) update; at the first step that samples (step 0, unless GKD's lmbda trains it on dataset
+    responses) the gates' checks and the calibration's metrics."""
     config = run.config
     gated = step == first_on_policy_step(config)  # step 0, unless it trains on dataset responses (GKD's lmbda)
     batch, score_metrics = score(batch, config, run.actor, run.reference, run.critic,  # 7

@@ -200,7 +200,12 @@ def test_what_an_estimator_needs_comes_from_its_registry_entry(recipe):
     with pytest.raises(ConfigError, match="'reinforce_pp_baseline' compares samples of a prompt"):
         load_checked(recipe, ["algorithm.estimator=reinforce_pp_baseline", "rollout.n_samples=1"])
     for name in ADVANTAGE_ESTIMATORS.names():
-        config = load_checked(recipe, [f"algorithm.estimator={name}"])
+        teacher = []
+        if not ADVANTAGE_ESTIMATORS.get(name).needs.rewards:  # learns from a teacher alone: refused without one
+            with pytest.raises(ConfigError, match=f"'{name}' learns from no reward"):
+                load_checked(recipe, [f"algorithm.estimator={name}"])
+            teacher = ["teacher={model_path: /models/teacher}", "algorithm.distill={loss: reverse_kl}"]
+        config = load_checked(recipe, [f"algorithm.estimator={name}", *teacher])
         assert estimator_needs(config.algorithm.estimator) == ADVANTAGE_ESTIMATORS.get(name).needs
     assert ADVANTAGE_ESTIMATORS.get("gae").needs == EstimatorNeeds(critic=True)
     assert ADVANTAGE_ESTIMATORS.get("remax").needs == EstimatorNeeds(greedy_baseline=True)
