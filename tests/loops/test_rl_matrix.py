@@ -18,6 +18,7 @@ import pytest
 
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS
 from megarlhf.testing.launch import read_rank_results, run_torchrun
+from model_providers.tiny_models import make_tiny_model
 
 from _rl_recipe import write_recipe
 
@@ -38,7 +39,7 @@ MEANT_FOR = {
     "remax": [["algorithm.policy_loss=vanilla_pg"], ["algorithm.policy_loss=ppo_clip"]],
     "reinforce_pp": [["algorithm.policy_loss=ppo_clip"]],
     "reinforce_pp_baseline": [["algorithm.policy_loss=ppo_clip"], ["algorithm.policy_loss=cispo"]],
-    # no task advantage: learns from a teacher alone (the tiny model itself, TEACHER), by either distillation term
+    # no task advantage: learns from a teacher alone (another tiny model, TEACHER), by either distillation term
     "none": [["teacher={model_path: TEACHER}", "algorithm.distill={loss: reverse_kl}"],
              ["teacher={model_path: TEACHER}", "algorithm.distill={loss: gkd, top_k: 4}"]],
 }
@@ -49,7 +50,9 @@ def _cases(teacher: str = "TEACHER") -> dict[str, list[str]]:
     cases = {}
     for estimator in ADVANTAGE_ESTIMATORS.names():
         losses = MEANT_FOR[estimator]  # a new estimator must say which losses it is meant for
-        for i, kl_mode in enumerate(KL_MODES):
+        # an estimator that reads no reward is refused a KL penalty in the reward (tests/run/test_distill_checks.py)
+        modes = KL_MODES if ADVANTAGE_ESTIMATORS.get(estimator).needs.rewards else ["loss", "none"]
+        for i, kl_mode in enumerate(modes):
             loss = [override.replace("TEACHER", teacher) for override in losses[i % len(losses)]]
             cases[f"{estimator}-{kl_mode}"] = [f"algorithm.estimator={estimator}", f"algorithm.kl_mode={kl_mode}",
                                                *loss, *ENGINE]
@@ -71,7 +74,8 @@ def matrix(tmp_path_factory, rl_assets):
     root = tmp_path_factory.mktemp("rl_matrix")
     recipe = write_recipe(root / "recipe.yaml", rl_assets, "grpo", root / "unused")
     cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases(teacher=str(rl_assets[0]))))
+    teacher = make_tiny_model("qwen2", root / "teacher", seed=3)  # not the actor: its advantage is not 0
+    cases.write_text(json.dumps(_cases(teacher=str(teacher))))
     run_torchrun(WORKER, 2, [str(recipe), str(cases), str(root / "out")], timeout_s=1500)
     ranks = read_rank_results(root / "out", 2)
     return ranks[0]
