@@ -301,8 +301,8 @@ def forward_only(model: torch.nn.Module, micro_batches: list[MicroBatch], batch_
                  runtime: Runtime, outputs: Outputs, *, replay=None, record_routing: bool = False
                  ) -> dict[str, Tensor]:
     """Per-token outputs of a whole batch, [B, L] fp32 each, token-aligned ([B] for ``scores``, [B, L, K] for a
-    teacher's top-k: :meth:`Outputs.fields`), identical on every rank of the pipeline, on the runtime's device. The model is put in eval mode for
-    the pass and restored after.
+    teacher's top-k: :meth:`Outputs.fields`), identical on every rank of the pipeline, on the runtime's device.
+    The model is put in eval mode for the pass and restored after.
     """
     was_training = model.training
     model.eval()

@@ -163,11 +163,12 @@ def _distillation_loss(term: DistillTerm, mini: ExperienceBatch, mb, mask: Tenso
     """``coef`` times a loss-entering distillation term of micro-batch ``mb``'s rows, per token."""
     distill, top_k = config.algorithm.distill, term.needs.top_k
     rows, width = mb.rows, mb.width
-    inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width])
-    if top_k:
-        inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width], out["target_logprobs"],
-                               mini.teacher_topk_logprobs[rows, :width], out["target_rest"],
-                               mini.teacher_topk_rest[rows, :width], covers_vocabulary=distill.top_k >= vocab_size)
+    top = {}
+    if top_k:  # the student's log-probs at the teacher's top-k ids and of the rest, beside the teacher's
+        top = dict(student_topk_logprobs=out["target_logprobs"], teacher_topk_logprobs=mini.teacher_topk_logprobs[
+            rows, :width], student_topk_rest=out["target_rest"], teacher_topk_rest=mini.teacher_topk_rest[rows, :width],
+            covers_vocabulary=distill.top_k >= vocab_size)
+    inputs = DistillInputs(mask, out["logprobs"], mini.teacher_logprobs[rows, :width], **top)
     return distill.coef * term(inputs, distill)
 
 
@@ -271,9 +272,9 @@ def actor_update(actor: TrainModel, batch: ExperienceBatch, config: RunConfig, *
                          "algorithm.mismatch.mask_threshold, or algorithm.kl_mode='reward' with kl.coef > 0)")
     distill = distills_into(config, "loss")
     top_k = distill is not None and distill.needs.top_k
-    needed = (["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
-              + (["teacher_logprobs"] if distill else []) + (["teacher_topk_logprobs", "teacher_topk_rest"] if top_k
-                                                               else []))
+    needed = ["advantages"] + (["ref_logprobs"] if algo.kl_in_loss else [])
+    if distill is not None:
+        needed += ["teacher_logprobs"] + (["teacher_topk_logprobs", "teacher_topk_rest"] if top_k else [])
     batch.require("actor_update", *needed)
     extra = ["distill_loss"] if distill else []
     sums, per_step = ACTOR_SUMS + extra, ("loss", "pg_loss", "kl_loss", *extra)

@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from megarlhf.ops.fused_logprob import (LogprobOptions, check_inputs, chunk_logits, combine_partials, scatter_rows,
                                         select_rows, tp_rank_and_size)
-from megarlhf.ops.rest_mass import NEG_BIG, RunningLogSumExp, combine_rest
+from megarlhf.ops.rest_mass import NEG_BIG, RunningLogSumExp, combine_rest, inside
 
 
 def _dropped(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """[n, c] bool: the columns of ``values`` that ``kept`` (distinct indices per row) does not hold."""
-    return ~torch.zeros_like(values, dtype=torch.bool).scatter_(1, kept, True)
+    """[n, c] bool: the columns of ``values`` that ``kept`` (indices per row) does not hold."""
+    return ~inside(tuple(values.shape), kept, torch.ones_like(kept, dtype=torch.bool))
 
 
 def _local_topk(x: torch.Tensor, weight: torch.Tensor, local_t: torch.Tensor, in_shard: torch.Tensor, k: int,
