@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megarlhf.config.parallel import ParallelConfig
 from megarlhf.config.validate import check
 from megarlhf.core.dtypes import check_dtype_name
 
@@ -13,12 +14,15 @@ from megarlhf.core.dtypes import check_dtype_name
 class TeacherConfig:
     """A frozen causal LM from ``model_path`` that scores every response token of the student's samples
     (its log-prob of the sampled token and, when the distillation loss needs it, its top-k). It runs in the
-    trainer's parallel layout (Megatron's parallel state is one per process), colocated with the actor and
-    offloaded like the reference while the engines generate. It must read the student's token ids: a teacher
-    with another tokenizer is refused at start-up."""
+    trainer's parallel layout, or in a layout of its own over the same trainer ranks (``parallel``: a larger
+    teacher at a larger TP, say), colocated with the actor and offloaded like the reference while the engines
+    generate. It must read the student's token ids: a teacher with another tokenizer is refused at start-up."""
 
     model_path: str  # HF directory of the teacher
     dtype: str | None = None  # None: model.dtype
+    # the teacher's own tensor/pipeline/context(/expert) split of the trainer ranks; its data-parallel size is
+    # what is left (None: the trainer's layout)
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self):
         check(isinstance(self.model_path, str) and bool(self.model_path),

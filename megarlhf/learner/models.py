@@ -11,7 +11,7 @@
   mode, no gradients, no DDP, no optimizer (:func:`build_frozen`); with LoRA the reference is the
   actor's own frozen base with its adapters off (:func:`build_reference`): no second copy of the weights.
 * teacher (``teacher``): a frozen causal LM from ``teacher.model_path`` at ``teacher.dtype``, built like the
-  reference in the run's parallel layout (:func:`build_frozen`).
+  reference (:func:`frozen_causal_lm`) in the run's parallel layout or its own (:mod:`megarlhf.learner.teacher`).
 * LoRA (``model.lora``): actor and critic get adapters on their linear layers after loading
   (:func:`parallel.lora.attach_lora`), which freezes the base weights before DDP and the optimizer see
   them, so gradients, DDP buffers and optimizer state exist for adapters (and a critic's value head) only.
@@ -57,6 +57,9 @@ class TrainModel:
     router_stats: Any = None  # megarlhf.learner.moe_metrics.RouterStats of a trainable MoE model (else None)
     # megarlhf.learner.routing_replay.RoutingReplay of an MoE actor with algorithm.routing_replay set (else None)
     routing_replay: Any = None
+    # a model in a parallel layout of its own (parallel.layouts.OwnLayout; a teacher's): it is built and runs
+    # inside layout.active(), and ``runtime`` is that layout's (None: the run's layout)
+    layout: Any = None
 
     @property
     def kind(self) -> str:
@@ -82,13 +85,16 @@ def rl_optimizer_steps(config: RunConfig) -> int:
     return config.train.steps * config.train.updates_per_step
 
 
+_FROZEN_OVERRIDES = dict(packed_sequences=True)  # a frozen model keeps no activations for backward
+
+
 def _model_overrides(config: RunConfig, trainable: bool = True) -> dict:
     """Every model is built for packed micro-batches; trained ones recompute activations as
     ``train.recompute`` says (a frozen model keeps no activations for backward), and get LoRA adapters'
     unfused norms (:func:`model_providers.base.build_layer_spec`) when ``model.lora`` is set, and the router
     losses of ``model.moe`` (an MoE model's; a dense one refuses them)."""
     if not trainable:
-        return dict(packed_sequences=True)
+        return dict(_FROZEN_OVERRIDES)
     return dict(packed_sequences=True, unfused_norms=config.model.lora is not None,
                 **config.train.recompute.transformer_config_fields(), **config.model.moe.transformer_config_fields())
 
@@ -247,22 +253,24 @@ def build_reference(config: RunConfig, runtime: Runtime, actor: TrainModel) -> T
 
 
 def build_frozen(config: RunConfig, runtime: Runtime, role: str) -> TrainModel:
-    """A frozen causal LM (eval mode, ``requires_grad=False``, no optimizer): the ``"reference"`` policy of the
-    KL term or the ``"policy"`` that ``megarlhf eval`` evaluates (``model.path``), or the ``"teacher"``
-    (``teacher.model_path`` at ``teacher.dtype``, default ``model.dtype``)."""
+    """A frozen causal LM from ``model.path`` in the run's layout: the ``"reference"`` policy of the KL term
+    or the ``"policy"`` that ``megarlhf eval`` evaluates (a teacher: :func:`megarlhf.learner.teacher.
+    build_teacher`)."""
+    if role not in ("reference", "policy"):
+        raise ValueError(f"build_frozen: role must be 'reference' or 'policy', got {role!r}")
+    return TrainModel(role, *frozen_causal_lm(config.model.path, params_dtype(config)), runtime)
+
+
+def frozen_causal_lm(path, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """(model, provider) of the HF causal LM at ``path`` in Megatron's current layout: eval mode,
+    ``requires_grad=False``, built for packed micro-batches."""
     from model_providers.hf_checkpoint import load_hf_model
 
-    if role not in ("reference", "policy", "teacher"):
-        raise ValueError(f"build_frozen: role must be 'reference', 'policy' or 'teacher', got {role!r}")
-    path, dtype = config.model.path, params_dtype(config)
-    if role == "teacher":
-        path = config.teacher.model_path
-        dtype = torch_dtype(config.teacher.dtype or config.model.dtype, "teacher.dtype")
-    provider, model = load_hf_model(path, dtype, **_model_overrides(config, trainable=False))
+    provider, model = load_hf_model(path, dtype, **_FROZEN_OVERRIDES)
     _variable_lengths(model)
     model.eval()
     model.requires_grad_(False)
-    return TrainModel(role, model, provider, runtime)
+    return model, provider
 
 
 def build_reward_model(config: RunConfig, runtime: Runtime, path: str, total_steps: int | None = None,

@@ -127,21 +127,6 @@ def logprob_backend(config: RunConfig) -> str:
     return "torch" if distill is not None and distill.needs.top_k else "auto"
 
 
-def teacher_scores(teacher: TrainModel, batch: ExperienceBatch, config: RunConfig) -> dict[str, Tensor]:
-    """The batch fields a teacher gives: its log-probs of the response tokens (``teacher_logprobs``) and, with
-    ``algorithm.distill.top_k``, the top-k of its distribution at each of them (``teacher_topk_logprobs``,
-    ``teacher_topk_ids``), at the rollout's scoring temperature, as the student's are taken."""
-    top_k = config.algorithm.distill.top_k
-    mbs = micro_batches_for(batch.input_ids, batch.lengths, batch.response_mask, config, teacher.runtime)
-    out = forward_only(teacher.model, mbs, tuple(batch.input_ids.shape), teacher.runtime,
-                       Outputs("logprobs", teacher.vocab_size, scoring_temperature(config.rollout), top_k=top_k))
-    fields = {"teacher_logprobs": out["logprobs"]}
-    if top_k:
-        fields.update(teacher_topk_logprobs=out["topk_logprobs"], teacher_topk_ids=out["topk_ids"],
-                      teacher_topk_rest=out["topk_rest"])
-    return fields
-
-
 def _normaliser(mask: Tensor, config: RunConfig, runtime: Runtime):
     return loss_normaliser(mask, runtime, max_response_length=config.rollout.response_budget)
 

@@ -16,7 +16,7 @@ from megarlhf.rollout.engines.sampling import RolloutBatch
 from megarlhf.rollout.engines.routing import share_prompt_routing
 from megarlhf.learner import (ExperienceBatch, TrainModel, compute_logprobs, compute_values, old_logprobs_from_update,
                                old_policy_logprobs)
-from megarlhf.learner.update import teacher_scores
+from megarlhf.learner.teacher import teacher_scores
 from parallel.runtime import Runtime
 
 
@@ -39,7 +39,7 @@ def build_experience(rollout: RolloutBatch, group_offset: int, pad_id: int, devi
 def score(batch: ExperienceBatch, config: RunConfig, actor: TrainModel, reference: TrainModel | None,
           critic: TrainModel | None, gates: Step0Gate | None = None,
           teacher: TrainModel | None = None) -> tuple[ExperienceBatch, dict[str, float]]:
-    """Adds reference log-probs, critic values, the teacher's scores (:func:`~megarlhf.learner.update.
+    """Adds reference log-probs, critic values, the teacher's scores (:func:`~megarlhf.learner.teacher.
     teacher_scores`) and the actor's old log-probs; with ``gates`` (step 0) checks the step-0 gate.
 
     The actor's scoring pass is skipped when the update's own forward gives the same numbers

@@ -33,7 +33,8 @@ from megarlhf.algorithms.advantages import estimator_needs
 from megarlhf.config.schema import RunConfig
 from megarlhf.core import startup
 from megarlhf.core.seeds import sample_seed
-from megarlhf.learner import actor_update, build_actor, build_critic, build_frozen, build_reference, critic_update
+from megarlhf.learner import actor_update, build_actor, build_critic, build_reference, critic_update
+from megarlhf.learner.teacher import build_teacher
 from megarlhf.loops.collect import Collected, check_dataset_steps, first_on_policy_step
 from megarlhf.loops.experience import build_experience, compute_advantages, score
 from megarlhf.loops.pipeline import make_batches
@@ -59,7 +60,7 @@ def train_rl(config: RunConfig) -> Path | None:
     startup.mark("actor")
     run.reference = build_reference(config, run.runtime, run.actor) if config.algorithm.uses_reference else None
     run.critic = build_critic(config, run.runtime) if estimator_needs(config.algorithm.estimator).critic else None
-    run.teacher = build_frozen(config, run.runtime, "teacher") if config.teacher is not None else None
+    run.teacher = build_teacher(config, run.runtime) if config.teacher is not None else None
     startup.mark("reference_critic_and_teacher")
     # the loop's own gate measures the natural floor when it checks the first rollout before any update (step 0)
     sampler, first_step = open_policy_loop(run, prompts, step0_gate=first_on_policy_step(config) == 0)

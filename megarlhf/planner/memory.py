@@ -59,7 +59,8 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   are not counted;
 * a learned reward (``reward.reward_model_path``): its frozen weights with the value head, ``P_rm * d``
   (its own config.json gives P_rm);
-* a teacher (``teacher``): its frozen weights in the trainer's layout, ``P_teacher * d_teacher``
+* a teacher (``teacher``): its frozen weights in the trainer's layout or its own (``teacher.parallel``: its
+  heaviest stage), ``P_teacher * d_teacher``
   (``teacher.dtype``; its own config.json gives P_teacher), offloaded with the trainer state. Its scores
   ([B, L] log-probs and, for GKD, [B, L, top_k] log-probs and ids) are not counted: they are the size of a
   few log-prob fields of the experience, far below one micro-batch's activations;
@@ -293,17 +294,27 @@ def _reward_model_shape(config: RunConfig, actor: ModelShape) -> ModelShape | No
         return actor
 
 
-def _teacher_weights(config: RunConfig, stage: int) -> int:
-    """The teacher's weights on each rank of pipeline stage ``stage``, in the trainer's layout."""
+def _teacher_weights(config: RunConfig, stage: int, world_size: int) -> int:
+    """The teacher's weights on each rank of the trainer's pipeline stage ``stage``: in the trainer's layout,
+    that stage's share; in a layout of its own (``teacher.parallel``), its heaviest stage's (a rank of any
+    trainer stage may hold any teacher stage)."""
     try:
         shape, _ = resolve_shape(config.teacher.model_path)
     except UserError:
         raise UserError(f"teacher.model_path={config.teacher.model_path!r} has no config.json and its name matches "
                         f"no preset: the planner cannot count the teacher's weights") from None
-    par = config.parallel
+    par = config.teacher.parallel or config.parallel
     ep = par.expert_model_parallel_size if shape.num_experts else 1
-    params = shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, stage, "lm", ep,
-                                   **par.uneven_stages)
+    if config.teacher.parallel is not None:
+        try:
+            par.validate(world_size)
+            shape.check_layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                               par.expert_model_parallel_size, **par.uneven_stages)
+        except ValueError as err:
+            raise ConfigError(f"teacher.parallel ({config.teacher.model_path}): {err}") from None
+    stages = [stage] if config.teacher.parallel is None else range(par.pipeline_model_parallel_size)
+    params = max(shape.params_per_rank(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, s, "lm", ep,
+                                       **par.uneven_stages) for s in stages)
     return params * dtype_bytes(config.teacher.dtype or config.model.dtype)
 
 
@@ -336,7 +347,7 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     reward_shape = _reward_model_shape(config, shape) if work.reward_model else None
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
         tp, pp, stage, "value", ep if reward_shape.num_experts else 1, **par.uneven_stages) * d)
-    comp["teacher_weights"] = _teacher_weights(config, stage) if work.teacher else 0
+    comp["teacher_weights"] = _teacher_weights(config, stage, launch.world_size) if work.teacher else 0
     critic = _trainable(shape, config, stage, d, shards, "value", expert_shards) if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     # a micro-batch holds at least one whole item: a sequence, or both sides of a preference pair

@@ -14,6 +14,7 @@ from pathlib import Path
 from megarlhf.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 from megarlhf.algorithms.distillation import DISTILL_LOSSES
 from megarlhf.algorithms.preference_losses import PREFERENCE_LOSSES
+from megarlhf.config.parallel import LayoutError, ParallelConfig
 from megarlhf.config.reward import RewardConfig
 from megarlhf.config.schema import RunConfig
 from megarlhf.data.prompts import PromptDataset
@@ -88,9 +89,10 @@ def _check_distill(config: RunConfig) -> None:
                 raise ConfigError(f"{where} with {key} is not supported: set lmbda to 1 or turn {key} off")
 
 
-def check_teacher(config: RunConfig, tokenizer) -> None:
+def check_teacher(config: RunConfig, tokenizer, trainer_ranks: int) -> None:
     """The teacher reads the student's token ids: its tokenizer must give every token the student's id, and a
-    loss that compares distributions (top-k) needs the student's vocabulary size. Raises naming the paths."""
+    loss that compares distributions (top-k) needs the student's vocabulary size. A layout of its own
+    (``teacher.parallel``) must split the ``trainer_ranks`` and the teacher's layers. Raises naming the paths."""
     from transformers import AutoTokenizer
 
     path = config.teacher.model_path
@@ -116,6 +118,20 @@ def check_teacher(config: RunConfig, tokenizer) -> None:
         if distill.top_k > sizes[0]:
             raise ConfigError(f"algorithm.distill.top_k={distill.top_k} is more than the vocabulary ({sizes[0]} "
                               f"tokens): at most vocab_size (which is the whole distribution)")
+    if config.teacher.parallel is not None:
+        _check_teacher_layout(config.teacher.parallel, path, trainer_ranks)
+
+
+def _check_teacher_layout(layout: ParallelConfig, path: str, trainer_ranks: int) -> None:
+    """The teacher's own layout splits the trainer ranks, and its heads, FFN, experts and layers (the
+    provider's own rules)."""
+    from model_providers import get_provider
+
+    try:
+        layout.validate(trainer_ranks)
+        get_provider(path).check_parallel(layout)
+    except LayoutError as err:
+        raise ConfigError(f"teacher.parallel (teacher {path}, {trainer_ranks} trainer ranks): {err}") from None
 
 
 def _check_rewards(config: RunConfig) -> None:

@@ -239,15 +239,16 @@ def start_run(config: RunConfig, command: str) -> RunContext:
     startup.mark("launch_and_imports")
     check_config(config)
     tokenizer = load_tokenizer(config.model.path)
+    placement, world = config.rollout.placement, read_launch_env().world_size
+    trainer_ranks = placement.num_trainer_ranks(world) if placement.mode == "disaggregated" else world
     if config.teacher is not None and command not in READ_ONLY_COMMANDS:  # eval / export read train recipes too
         if command != "train":
             raise ConfigError(f"teacher (with algorithm.distill) is read by megarlhf train only, not by megarlhf "
                               f"{command}: remove it from the recipe")
-        check_teacher(config, tokenizer)
+        check_teacher(config, tokenizer, trainer_ranks)
     startup.mark("config_and_tokenizer")
-    placement, world = config.rollout.placement, read_launch_env().world_size
     if placement.mode == "disaggregated":
-        runtime = init_disaggregated(config.parallel, placement.num_trainer_ranks(world), seed=config.seed)
+        runtime = init_disaggregated(config.parallel, trainer_ranks, seed=config.seed)
     else:
         placement.validate(world)
         runtime = init_parallel(config.parallel, seed=config.seed)

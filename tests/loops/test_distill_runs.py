@@ -3,8 +3,10 @@
 * GKD against TRL 1.16's ``GKDTrainer`` on the same tiny student and teacher, data and settings (lmbda 0: the
   dataset's responses; beta 0, 0.5 and 1; 3 steps): the per-step losses agree, at DP 1 and in 2-rank layouts;
 * on-policy distillation (the reverse-KL advantage) and GKD on the student's own samples in DP 2, TP 2 (the
-  teacher scores at TP 2 as at TP 1), bf16, disaggregated engines and with a LoRA student: they run, the
-  teacher's reverse KL falls, and the logged numbers are those of the formulas.
+  teacher scores at TP 2 as at TP 1), bf16, disaggregated engines, with a LoRA student, and with the teacher in
+  a layout of its own (``teacher.parallel``: TP 2 or PP 2 beside a DP 2 student, DP 2 beside a TP 2 one, TP 2
+  over the two trainer ranks of a disaggregated run): they run, the teacher's reverse KL falls, and the logged
+  numbers are those of the formulas.
 """
 import json
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarlhf.config import RunConfig, load_config
 from megarlhf.testing.launch import train_with_cli
 from model_providers.tiny_models import make_tiny_model
 
@@ -134,8 +137,19 @@ OPD_LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
                "gkd_on_policy_pp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
                                      "parallel.pipeline_model_parallel_size=2"],
                "gkd_on_policy_cp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
-                                     "parallel.context_parallel_size=2"]}
-SLOW_LAYOUTS = ("lora_dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2")
+                                     "parallel.context_parallel_size=2"],
+               # the teacher in a layout of its own (teacher.parallel) over the same trainer ranks
+               "teacher_tp2_dp2": ["teacher.parallel={tensor_model_parallel_size: 2}"],
+               "gkd_teacher_pp2_dp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
+                                       "teacher.parallel={pipeline_model_parallel_size: 2}"],
+               "teacher_dp2_tp2": ["parallel.tensor_model_parallel_size=2", "teacher.parallel={}"],
+               "disaggregated_teacher_tp2": ["rollout.placement={mode: disaggregated, num_engine_ranks: 1}",
+                                             "teacher.parallel={tensor_model_parallel_size: 2}"]}
+SLOW_LAYOUTS = ("lora_dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2", "teacher_dp2_tp2",
+                "disaggregated_teacher_tp2")
+FP32_LAYOUTS = ("dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2", "teacher_tp2_dp2", "gkd_teacher_pp2_dp2",
+                "teacher_dp2_tp2", "disaggregated_teacher_tp2")  # one replica or two, the single-rank run's samples
+RANKS = {"disaggregated_teacher_tp2": 3}  # two trainer ranks and an engine rank
 
 
 def _run_opd(tiny_pair, tmp_path: Path, overrides: list[str], nproc: int) -> tuple[list[dict], list[dict]]:
@@ -155,13 +169,15 @@ def single_rank_opd(tiny_pair, tmp_path_factory):
 def test_on_policy_distillation_in_layouts(tiny_pair, single_rank_opd, tmp_path, layout):
     """The student's own samples, scored by the teacher, in the layouts users run. At step 0 (nothing trained yet,
     the same samples) the teacher's reverse KL is the single-rank run's: the teacher scores the same tokens at TP 2
-    and DP 2 as at TP 1 (fp32: <= 1e-5). The reverse-KL advantage is t - s, so with one update per step the
+    and DP 2 as at TP 1 (fp32: <= 1e-5), in the student's layout or in its own (``teacher.parallel``). The reverse-KL advantage is t - s, so with one update per step the
     policy loss at step 0 is mean(s - t), the reverse KL itself; the KL falls as the student learns."""
-    samples, metrics = _run_opd(tiny_pair, tmp_path, OPD_LAYOUTS[layout], nproc=2)
+    samples, metrics = _run_opd(tiny_pair, tmp_path, OPD_LAYOUTS[layout], nproc=RANKS.get(layout, 2))
     single_samples, single = single_rank_opd
     assert len(metrics) == 4 and all("distill/reverse_kl" in m for m in metrics)
     kl = [m["distill/reverse_kl"] for m in metrics]
-    if layout in ("dp2", "tp2", "gkd_on_policy_pp2", "gkd_on_policy_cp2"):  # fp32, one replica or two
+    if "teacher.parallel" in " ".join(OPD_LAYOUTS[layout]):  # the run read the teacher's own layout
+        assert load_config(RunConfig, tmp_path / "run" / "config.yaml").teacher.parallel is not None
+    if layout in FP32_LAYOUTS:
         assert [s["response"] for s in samples[:8]] == [s["response"] for s in single_samples[:8]]
         assert abs(kl[0] - single[0]["distill/reverse_kl"]) <= 1e-5
     if not layout.startswith("gkd"):

@@ -120,6 +120,33 @@ def test_a_judge_is_counted_in_its_own_dtype_and_phase(tmp_path):
         plan_memory(_config(reward={"judge": {"model_path": "/nowhere/judge"}}), SHAPE, Launch(world_size=2))
 
 
+def test_a_teacher_in_its_own_layout_is_counted_in_that_layout(tmp_path):
+    # the teacher is the toy itself (its config.json), bf16: 106816 parameters in the student's layout (DP 2);
+    # at TP 2 every matrix is halved, the 5 norms of 64 (2 a layer, the final one) are not: (106816 - 320) / 2 + 320
+    # = 53568;
+    # at PP 2 the heavier stage is the last: 1 layer (36992) + output (16384) + final norm (64) = 53440
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 256, "tie_word_embeddings": False}))
+    teacher = {"model_path": str(tmp_path)}
+    algorithm = {"estimator": "none", "kl_mode": "none", "distill": {"loss": "reverse_kl"}}
+
+    def teacher_bytes(**layout) -> list[int]:
+        config = _config(teacher={**teacher, **({"parallel": layout} if layout else {})}, algorithm=algorithm,
+                         reward={"functions": []})
+        return [st.components["teacher_weights"] for st in plan_memory(config, SHAPE, Launch(world_size=2)).stages]
+
+    assert teacher_bytes() == [2 * 106816]
+    assert teacher_bytes(tensor_model_parallel_size=2) == [2 * 53568]
+    assert teacher_bytes(pipeline_model_parallel_size=2) == [2 * 53440]
+    with pytest.raises(ValueError, match=r"teacher.parallel \(.*\): tensor_model_parallel_size=8 does not divide"):
+        plan_memory(_config(teacher={**teacher, "parallel": {"tensor_model_parallel_size": 8}}, algorithm=algorithm,
+                            reward={"functions": []}, train={"global_batch_size": 8}), SHAPE, Launch(world_size=8))
+    with pytest.raises(ValueError, match=r"teacher.parallel \(.*\): world size 2 is not divisible by tensor_model"):
+        teacher_bytes(tensor_model_parallel_size=4)
+
+
 def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="not divisible by tensor_model_parallel_size"):
         plan_memory(_config(parallel={"tensor_model_parallel_size": 2}), SHAPE, Launch(world_size=3))

@@ -85,19 +85,46 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_name(tmp_path, models):
 
     student, other_vocab, other_tokens = models
     tokenizer = AutoTokenizer.from_pretrained(student)
-    check_teacher(_config(tmp_path, student=student, teacher=student), tokenizer)
+    check_teacher(_config(tmp_path, student=student, teacher=student), tokenizer, 1)
     with pytest.raises(ConfigError, match=r"teacher.model_path='.*other_tokens' has another tokenizer than "
                                           r"model.path=.*\(2 tokens differ, e\.g\."):
-        check_teacher(_config(tmp_path, student=student, teacher=other_tokens), tokenizer)
-    check_teacher(_config(tmp_path, student=student, teacher=other_vocab), tokenizer)  # reverse_kl: sampled ids only
+        check_teacher(_config(tmp_path, student=student, teacher=other_tokens), tokenizer, 1)
+    check_teacher(_config(tmp_path, student=student, teacher=other_vocab), tokenizer, 1)  # reverse_kl: sampled ids only
     with pytest.raises(ConfigError, match=r"the teacher's vocab_size \(448, .*wider\) must equal the student's \(384\)"):
         check_teacher(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 4}", student=student,
-                              teacher=other_vocab), tokenizer)
+                              teacher=other_vocab), tokenizer, 1)
     with pytest.raises(ConfigError, match=r"algorithm.distill.top_k=385 is more than the vocabulary \(384 tokens\)"):
         check_teacher(_config(tmp_path, "algorithm.distill={loss: gkd, top_k: 385}", student=student,
-                              teacher=student), tokenizer)
+                              teacher=student), tokenizer, 1)
     with pytest.raises(ConfigError, match=r"teacher.model_path='/nowhere' is not an HF model directory"):
-        check_teacher(_config(tmp_path, student=student, teacher="/nowhere"), tokenizer)
+        check_teacher(_config(tmp_path, student=student, teacher="/nowhere"), tokenizer, 1)
+
+
+def test_a_teacher_layout_that_does_not_split_the_trainer_ranks_or_its_layers_is_refused(tmp_path, models):
+    """teacher.parallel is checked at start-up against the trainer ranks and the teacher's own heads and layers
+    (the tiny model has 4 heads and 2 layers), before any model is built."""
+    from transformers import AutoTokenizer
+
+    student = models[0]
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    config = _config(tmp_path, "teacher.parallel={tensor_model_parallel_size: 2}", student=student, teacher=student)
+    check_teacher(config, tokenizer, 2)
+    check_teacher(config, tokenizer, 4)  # TP 2 x DP 2
+    with pytest.raises(ConfigError, match=r"teacher.parallel \(teacher .*student, 3 trainer ranks\): world size 3 "
+                                          r"is not divisible by tensor_model_parallel_size \(2\)"):
+        check_teacher(config, tokenizer, 3)
+    deep = _config(tmp_path, "teacher.parallel={pipeline_model_parallel_size: 4}", student=student, teacher=student)
+    with pytest.raises(ConfigError, match=r"teacher.parallel .*pipeline_model_parallel_size=4 cannot split the "
+                                          r"model's 2 layers"):
+        check_teacher(deep, tokenizer, 4)
+    wide = _config(tmp_path, "teacher.parallel={tensor_model_parallel_size: 8}", student=student, teacher=student)
+    with pytest.raises(ConfigError, match=r"teacher.parallel .*tensor_model_parallel_size=8 does not divide "
+                                          r"num_attention_heads=4"):
+        check_teacher(wide, tokenizer, 8)
+    with pytest.raises(ConfigError, match=r"teacher.parallel.*tensor_model_parallel_size"):
+        _config(tmp_path, "teacher.parallel={tensor_model_parallel_size: 0}")
+    with pytest.raises(ConfigError, match=r"teacher.parallel.*data_parallel_size"):
+        _config(tmp_path, "teacher.parallel={data_parallel_size: 2}")  # unknown keys are errors
 
 
 def test_the_teacher_is_read_by_train_only(tmp_path, models):

@@ -1,0 +1,71 @@
+"""A second parallel layout in the run's own processes, for a model that is split differently from the
+trained ones (a distillation teacher larger than its student at a larger TP, say).
+
+Megatron-Core keeps one layout per process: its groups, sizes and ranks live in the module globals of
+``megatron.core.parallel_state``, which its layers read when they are built and its schedules read when they
+run. :class:`OwnLayout` makes a second set of those groups over the same (trainer) ranks at start-up, keeps
+them aside, and puts them in place only while its model is built or runs (:meth:`OwnLayout.active`); the
+run's own groups are put back after, whatever happens inside. Nothing else may run inside ``active``.
+
+Its :class:`~parallel.runtime.Runtime` has the layout's TP/PP/CP/DP groups and the run's ``world``,
+``trainers``, ``channel`` and ``payload``, so the collectives that megarlhf's own code makes (the log-prob
+op, the pipeline broadcast, context-parallel packing) follow the layout too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from contextlib import contextmanager
+
+from megarlhf.config.parallel import LayoutError, ParallelConfig
+from parallel import runtime as run_state
+from parallel.runtime import Runtime
+
+_MEGATRON_GLOBAL = re.compile(r"_[A-Z][A-Z0-9_]*")  # parallel_state's groups, sizes, ranks and rank lists
+
+
+def _megatron_state() -> dict:
+    """Every module global of Megatron's parallel state, plus megarlhf's uneven stage split."""
+    from megatron.core import parallel_state as ps
+
+    state = {name: value for name, value in vars(ps).items() if _MEGATRON_GLOBAL.fullmatch(name)}
+    return {"megatron": state, "stage_split": dict(run_state._STAGE_SPLIT)}
+
+
+def _put_back(state: dict) -> None:
+    from megatron.core import parallel_state as ps
+
+    for name, value in state["megatron"].items():
+        setattr(ps, name, value)
+    run_state._STAGE_SPLIT = dict(state["stage_split"])
+
+
+class OwnLayout:
+    """The groups of ``parallel`` over the trainer ranks of ``base`` (the run's runtime). Collective over the
+    trainer ranks to make; ``what`` names the setting in errors (``"teacher.parallel"``)."""
+
+    def __init__(self, parallel: ParallelConfig, base: Runtime, what: str):
+        try:
+            parallel.validate(base.trainers.size)
+        except LayoutError as err:
+            raise LayoutError(f"{what}: {err} (the trainer ranks)") from None
+        self.parallel, self.base, self.what = parallel, base, what
+        run_groups = _megatron_state()
+        try:
+            run_state._initialize_megatron(parallel, local_world_size=base.trainers.size)
+            own = run_state.build_runtime(base.launch, base.trainers)  # collective: the layout's replica groups
+            self.runtime = dataclasses.replace(own, world=base.world, channel=base.channel, payload=base.payload)
+            self.state = _megatron_state()
+        finally:
+            _put_back(run_groups)
+
+    @contextmanager
+    def active(self):
+        """Megatron's parallel state holds this layout's groups inside; the run's come back after. Yields
+        this layout's runtime."""
+        run_groups = _megatron_state()
+        _put_back(self.state)
+        try:
+            yield self.runtime
+        finally:
+            _put_back(run_groups)

@@ -1,0 +1,49 @@
+"""A teacher in a parallel layout of its own (``teacher.parallel``) over the same two ranks as the student.
+
+Reference: HF transformers on the same weights, fp32, the full log_softmax at the scoring temperature, its
+top-k and the log-sum of the rest, on each student replica's own rows (the two DP replicas' batches differ in
+rows and width). Student DP2 with the teacher at TP2, PP2 and CP2 (one teacher replica scoring both student
+replicas' rows) and in the student's own layout; student TP2 with the teacher at DP2 and PP2.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megarlhf.testing.launch import read_rank_results, run_torchrun
+
+from conftest import HERE
+
+SIZES = {1: {"same": [1, 1, 1, 2], "tp2": [2, 1, 1, 1], "pp2": [1, 2, 1, 1], "cp2": [1, 1, 2, 1]},
+         2: {"dp2": [1, 1, 1, 2], "pp2": [1, 2, 1, 1]}}  # [tp, pp, cp, dp] of the teacher's runtime
+
+
+@pytest.fixture(scope="module")
+def teacher_runs(tiny_dirs, tmp_path_factory):
+    cache = {}
+
+    def run(student_tp: int) -> list[dict]:
+        if student_tp not in cache:
+            out = tmp_path_factory.mktemp(f"teacher_tp{student_tp}")
+            run_torchrun(HERE / "_worker_teacher_layout.py", 2, [str(student_tp), str(tiny_dirs[0]), str(out)],
+                         timeout_s=600)
+            cache[student_tp] = read_rank_results(out, 2)
+        return cache[student_tp]
+
+    return run
+
+
+@pytest.mark.parametrize("student_tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["student_dp2", "student_tp2"])
+def test_a_teacher_in_its_own_layout_scores_each_replicas_rows_as_hf(teacher_runs, student_tp):
+    ranks = teacher_runs(student_tp)
+    if student_tp == 1:  # the two replicas hold different rows, of different widths
+        assert ranks[0]["width"] != ranks[1]["width"]
+    for rank in ranks:
+        assert set(rank["layouts"]) == set(SIZES[student_tp])
+        for name, r in rank["layouts"].items():
+            assert r["sizes"] == SIZES[student_tp][name], name
+            assert r["own_layout"] == (name != "same"), name
+            assert r["shapes_match"] and r["topk_ids_equal"], (name, r)
+            assert max(r["logprobs"], r["topk_logprobs"], r["rest"]) <= 1e-5, (name, r)
+            # the run's groups are back after the teacher was built and scored
+            assert (r["run_tp_after"], r["run_dp_after"]) == (student_tp, 2 // student_tp), (name, r)
+        assert rank["student_unchanged"]
