@@ -63,8 +63,9 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
                 return _convert(value, arm, path)
             except ConfigError as exc:
                 errors.append(str(exc))
-        if len(errors) == 1:
-            raise ConfigError(errors[0] + (" (or null)" if type(None) in args else ""))
+        if len(errors) == 1:  # "or null" only where the error is about this value, not a key inside it
+            about_this = errors[0].startswith(f"{_where(path)}:")
+            raise ConfigError(errors[0] + (" (or null)" if type(None) in args and about_this else ""))
         raise ConfigError(f"{_where(path)}: {value!r} is not a valid {_type_name(annotation)}")
     if origin is Literal:
         if value in args and any(type(value) is type(a) for a in args if a == value):

@@ -81,6 +81,9 @@ def test_yaml_file_then_overrides(tmp_path):
     ("leaves=[{name: a, weight: -1}]", r"leaves\.0\.weight must be >= 0, got -1\.0"),
     ("leaves=[{weight: 1}]", r"missing required config key\(s\): leaves\.0\.name"),
     ("path=null", r"path: expected str, got None"),
+    # a wrong key inside an optional section is about the key, not about the section being null
+    ("maybe.limt=3", r"allowed keys under maybe: mode, limit, ratio, flag$"),
+    ("maybe.limit=2.5", r"maybe\.limit: expected int, got 2\.5 \(float\) \(or null\)$"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
