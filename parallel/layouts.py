@@ -7,6 +7,11 @@ run. :class:`OwnLayout` makes a second set of those groups over the same (traine
 them aside, and puts them in place only while its model is built or runs (:meth:`OwnLayout.active`); the
 run's own groups are put back after, whatever happens inside. Nothing else may run inside ``active``.
 
+Making the second set never tears the first down: Megatron's ``destroy_model_parallel`` would destroy the
+run's gloo groups, which the distributed optimizer holds (its gathered checkpoint format uses them), so the
+globals are only unset before ``initialize_model_parallel`` runs again, and the layout makes no gloo groups
+(a frozen model has no optimizer to need them).
+
 Its :class:`~parallel.runtime.Runtime` has the layout's TP/PP/CP/DP groups and the run's ``world``,
 ``trainers``, ``channel`` and ``payload``, so the collectives that megarlhf's own code makes (the log-prob
 op, the pipeline broadcast, context-parallel packing) follow the layout too.
@@ -21,7 +26,8 @@ from megarlhf.config.parallel import LayoutError, ParallelConfig
 from parallel import runtime as run_state
 from parallel.runtime import Runtime
 
-_MEGATRON_GLOBAL = re.compile(r"_[A-Z][A-Z0-9_]*")  # parallel_state's groups, sizes, ranks and rank lists
+# parallel_state's groups, sizes, ranks and rank lists, and the list of every group it made
+_MEGATRON_GLOBAL = re.compile(r"_[A-Z][A-Z0-9_]*|_global_process_group_list")
 
 
 def _megatron_state() -> dict:
@@ -30,6 +36,13 @@ def _megatron_state() -> dict:
 
     state = {name: value for name, value in vars(ps).items() if _MEGATRON_GLOBAL.fullmatch(name)}
     return {"megatron": state, "stage_split": dict(run_state._STAGE_SPLIT)}
+
+
+def _unset(state: dict) -> dict:
+    """``state`` as parallel_state holds it before any layout is made (its one dict global empty, the rest
+    None), without destroying a group."""
+    return {"megatron": {name: {} if isinstance(value, dict) else None for name, value in state["megatron"].items()},
+            "stage_split": {}}
 
 
 def _put_back(state: dict) -> None:
@@ -52,12 +65,16 @@ class OwnLayout:
         self.parallel, self.base, self.what = parallel, base, what
         run_groups = _megatron_state()
         try:
-            run_state._initialize_megatron(parallel, local_world_size=base.trainers.size)
+            _put_back(_unset(run_groups))
+            run_state._initialize_megatron(parallel, local_world_size=base.trainers.size, gloo_groups=False)
             own = run_state.build_runtime(base.launch, base.trainers)  # collective: the layout's replica groups
             self.runtime = dataclasses.replace(own, world=base.world, channel=base.channel, payload=base.payload)
             self.state = _megatron_state()
         finally:
             _put_back(run_groups)
+        # (the run's data-parallel rank, this layout's) of every trainer rank, in trainer-rank order
+        self.dp_ranks: list[tuple[int, int]] = base.all_gather_objects((base.dp.rank, self.runtime.dp.rank),
+                                                                       over="trainers")
 
     @contextmanager
     def active(self):

@@ -320,8 +320,9 @@ def init_parallel(config: ParallelConfig, seed: int = 1234, backend: str | None 
     return build_runtime(launch)
 
 
-def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -> None:
-    """(Re)creates Megatron's groups for ``config`` over all ranks, or the first ``local_world_size``."""
+def _initialize_megatron(config: ParallelConfig, local_world_size: int | None, gloo_groups: bool = True) -> None:
+    """(Re)creates Megatron's groups for ``config`` over all ranks, or the first ``local_world_size``; without
+    ``gloo_groups`` Megatron makes none of its gloo twins of the data-parallel groups (the optimizer's)."""
     from megatron.core import parallel_state
 
     global _STAGE_SPLIT
@@ -333,6 +334,7 @@ def _initialize_megatron(config: ParallelConfig, local_world_size: int | None) -
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
         local_world_size=local_world_size,
+        create_gloo_process_groups=gloo_groups,
     )
     _STAGE_SPLIT = config.uneven_stages
 

@@ -19,6 +19,7 @@ from megarlhf.planner.suggest import suggest
 ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp32)"),
         ("actor_optimizer", "actor optimizer state"), ("reference_weights", "reference weights"),
         ("teacher_weights", "teacher weights"),
+        ("teacher_scores", "teacher scores"),
         ("critic_weights", "critic weights"), ("critic_grads", "critic gradients (fp32)"),
         ("critic_optimizer", "critic optimizer state"), ("reward_model_weights", "reward model weights"),
         ("activations", "activations"),
@@ -27,10 +28,11 @@ ROWS = [("actor_weights", "actor weights"), ("actor_grads", "actor gradients (fp
         ("judge_kv_cache", "judge KV cache")]
 
 
-def smallest_world(parallel) -> int:
-    """The fewest ranks ``parallel`` runs on: a multiple of both TP x PP x CP (one model copy) and TP x EP x PP
-    (one copy of the experts)."""
-    return math.lcm(parallel.model_parallel_size, parallel.expert_layout_size)
+def smallest_world(parallel, *others) -> int:
+    """The fewest ranks ``parallel`` (and each layout of ``others``: a teacher's own) runs on: a multiple of both
+    TP x PP x CP (one model copy) and TP x EP x PP (one copy of the experts) of each."""
+    layouts = [parallel, *(other for other in others if other is not None)]
+    return math.lcm(*(size for layout in layouts for size in (layout.model_parallel_size, layout.expert_layout_size)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +62,8 @@ def plan_from_args(args: argparse.Namespace):
     check_config(config)
     shape, source = resolve_shape(config.model.path, args.arch)
     reserve = args.reserve_gib if args.reserve_gib is not None else (3.0 if args.device == "gpu" else 0.0)
-    launch = Launch(world_size=args.gpus or smallest_world(config.parallel), device_memory_gib=args.gpu_mem_gib,
+    teacher_layout = config.teacher.parallel if config.teacher is not None else None
+    launch = Launch(world_size=args.gpus or smallest_world(config.parallel, teacher_layout), device_memory_gib=args.gpu_mem_gib,
                     device=args.device, reserve_gib=reserve, command=args.planned_command)
     return config, shape, source, launch, plan_memory(config, shape, launch)
 

@@ -61,9 +61,11 @@ What is counted, per rank (d = bytes of ``model.dtype``; P = this rank's paramet
   (its own config.json gives P_rm);
 * a teacher (``teacher``): its frozen weights in the trainer's layout or its own (``teacher.parallel``: its
   heaviest stage), ``P_teacher * d_teacher``
-  (``teacher.dtype``; its own config.json gives P_teacher), offloaded with the trainer state. Its scores
-  ([B, L] log-probs and, for GKD, [B, L, top_k] log-probs and ids) are not counted: they are the size of a
-  few log-prob fields of the experience, far below one micro-batch's activations;
+  (``teacher.dtype``; its own config.json gives P_teacher), offloaded with the trainer state; and its scores
+  of the step's rows at the full sequence length: a [rows, L] fp32 log-prob field and, for a top-k loss
+  (GKD), [rows, L, top_k] fp32 log-probs and int64 ids and the [rows, L] rest. In its own layout a teacher
+  replica scores the rows of up to min(student DP, its TP x PP x CP) student replicas at once, and each rank
+  keeps a copy of its own;
 * engine: the HF weights ``/ rollout.tensor_parallel_size`` and ``rollout.kv_cache_mb`` of KV cache;
   a sync bucket is ``max(rollout.weight_sync.bucket_mb, the largest HF tensor)``;
 * an LLM judge (``reward.judge``): one TP-1 engine per rank, its weights at ``judge.dtype`` (its own
@@ -318,6 +320,15 @@ def _teacher_weights(config: RunConfig, stage: int, world_size: int) -> int:
     return params * dtype_bytes(config.teacher.dtype or config.model.dtype)
 
 
+def _teacher_scores(config: RunConfig, dp: int, max_model_len: int) -> int:
+    """The teacher's scores on a rank while the step trains (the module docstring)."""
+    rows = config.train.global_batch_size * config.rollout.n_samples // dp
+    own, top_k = config.teacher.parallel, config.algorithm.distill.top_k
+    copies = 1 if own is None else min(dp, own.model_parallel_size) + 1
+    per_token = 4 + (top_k * (4 + 8) + 4 if top_k else 0)
+    return copies * rows * max_model_len * per_token
+
+
 def _judge_engine(config: RunConfig) -> dict[str, int]:
     """The judge engine's weights and KV cache on each rank (0 without ``reward.judge``)."""
     judge = config.reward.judge
@@ -348,6 +359,7 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
     comp["reward_model_weights"] = (0 if reward_shape is None else reward_shape.params_per_rank(
         tp, pp, stage, "value", ep if reward_shape.num_experts else 1, **par.uneven_stages) * d)
     comp["teacher_weights"] = _teacher_weights(config, stage, launch.world_size) if work.teacher else 0
+    comp["teacher_scores"] = _teacher_scores(config, dp, max_model_len) if work.teacher else 0
     critic = _trainable(shape, config, stage, d, shards, "value", expert_shards) if work.critic else {}
     comp.update({f"critic_{k}": critic.get(k, 0) for k in ("weights", "grads", "optimizer")})
     # a micro-batch holds at least one whole item: a sequence, or both sides of a preference pair
@@ -357,8 +369,10 @@ def _stage(shape: ModelShape, config: RunConfig, launch: Launch, stage: int, dp:
         act, act_recompute = max(act, critic_act), max(act_recompute, critic_recompute)
     comp["activations"] = act
     comp.update(engine)
-    trainer_state = sum(v for k, v in comp.items()
-                        if k.startswith(("actor_", "reference_", "critic_", "reward_model_", "teacher_")))
+    trainer_state = sum(v for k, v in comp.items()  # what is offloaded while the engines generate
+                        if k.startswith(("actor_", "reference_", "critic_", "reward_model_", "teacher_"))
+                        and k != "teacher_scores")
+    act += comp["teacher_scores"]  # like the activations, they exist while the step trains only
     if not work.engine:  # nothing is offloaded, nothing generates
         phases = {"train": trainer_state + act, "sync": 0, "generate": 0, "judge": 0}
     elif launch.device == "cpu":  # no vLLM sleep mode, and offload copies into the same (host) memory
@@ -415,7 +429,8 @@ def plan_memory(config: RunConfig, shape: ModelShape, launch: Launch) -> MemoryP
     if not with_engine:
         kv_tokens = per_engine = 0
     # during generation: the trainer state, and a judge's weights (asleep on the host all but the judge phase)
-    host = (max(s.phases["train"] - s.components["activations"] + s.components["judge_weights"] for s in stages)
+    host = (max(s.phases["train"] - s.components["activations"] - s.components["teacher_scores"]
+                + s.components["judge_weights"] for s in stages)
             if launch.device == "gpu" and with_engine else 0)
     plan = MemoryPlan(shape, launch, dp, stages, kv_tokens, max_model_len, per_engine, host_offload=host)
     if with_engine and max_model_len <= kv_tokens < per_engine * max_model_len:

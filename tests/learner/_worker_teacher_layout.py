@@ -7,7 +7,8 @@ teacher layout of :data:`TEACHER_LAYOUTS` the teacher is built with :func:`build
 rank's rows with the top-k (gkd's fields); the reference is HF transformers on the same weights, fp32: the
 full log_softmax at the scoring temperature, its top-k and the log-sum of the rest. Also records that the
 run's Megatron groups are back after building and scoring (the student's log-probs before and after are
-equal to the bit) and the teacher's own runtime sizes.
+equal to the bit; its gloo data-parallel group, which the distributed optimizer holds, still works) and the
+teacher's own runtime sizes.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def main() -> None:
     expected = hf_reference(model_dir, local.input_ids, config.rollout.temperature)
     student = build_frozen(config, runtime, "reference")
     before = compute_logprobs(student, local, config)
-    result = {"width": int(local.input_ids.shape[1]), "layouts": {}}
+    gloo = ps.get_data_parallel_group_gloo(with_context_parallel=True)  # the distributed optimizer's
+    result = {"rank": dist.get_rank(), "width": int(local.input_ids.shape[1]), "layouts": {}}
     for name, layout in TEACHER_LAYOUTS[student_tp].items():
         config.teacher = TeacherConfig(model_path=model_dir, parallel=layout)
         teacher = build_teacher(config, runtime)
@@ -80,9 +82,14 @@ def main() -> None:
             "rest": float((scores["teacher_topk_rest"] - expected["teacher_topk_rest"])[mask].abs().max()),
             "run_tp_after": ps.get_tensor_model_parallel_world_size(),
             "run_dp_after": ps.get_data_parallel_world_size(),
+            # what the ranks of one student replica hold must be the same numbers
+            "digest": [float(scores[k].double().sum()) for k in sorted(scores)],
         }
         del teacher
     result["student_unchanged"] = bool(torch.equal(before, compute_logprobs(student, local, config)))
+    alive = torch.ones(1)
+    dist.all_reduce(alive, group=gloo)  # raises if building a layout destroyed the run's gloo groups
+    result["run_gloo_group"] = [dist.get_process_group_ranks(gloo), float(alive)]
     write_rank_result(out_dir, dist.get_rank(), result)
 
 

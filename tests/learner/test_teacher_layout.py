@@ -47,3 +47,20 @@ def test_a_teacher_in_its_own_layout_scores_each_replicas_rows_as_hf(teacher_run
             # the run's groups are back after the teacher was built and scored
             assert (r["run_tp_after"], r["run_dp_after"]) == (student_tp, 2 // student_tp), (name, r)
         assert rank["student_unchanged"]
+        dp_group = [0, 1] if student_tp == 1 else [rank["rank"]]
+        assert rank["run_gloo_group"] == [dp_group, float(len(dp_group))]
+    if student_tp == 2:  # one student replica over both ranks: both hold the same scores, to the bit
+        for name in SIZES[2]:
+            assert ranks[0]["layouts"][name]["digest"] == ranks[1]["layouts"][name]["digest"], name
+
+
+def test_each_student_replica_is_scored_once_by_one_teacher_replica_and_read_from_one_rank():
+    """Megatron's rank grids for 6 ranks: a TP2 x DP3 student (dp = rank // 2) and a PP2 x DP3 teacher (dp = rank
+    % 3). Teacher replica 0 (ranks 0, 3) owns student replicas 0 and 1, replica 1 (ranks 1, 4) owns 2, replica 2
+    owns none; student replica 2 (ranks 4, 5) reads from rank 4, the one in its owner."""
+    from megarlhf.learner.teacher import _owners, _source_rank
+
+    dp_ranks = [(rank // 2, rank % 3) for rank in range(6)]
+    owners = _owners(dp_ranks)
+    assert owners == {0: 0, 1: 0, 2: 1}
+    assert [_source_rank(dp_ranks, student_dp, owners) for student_dp in range(3)] == [0, 3, 4]

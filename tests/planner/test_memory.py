@@ -140,11 +140,34 @@ def test_a_teacher_in_its_own_layout_is_counted_in_that_layout(tmp_path):
     assert teacher_bytes() == [2 * 106816]
     assert teacher_bytes(tensor_model_parallel_size=2) == [2 * 53568]
     assert teacher_bytes(pipeline_model_parallel_size=2) == [2 * 53440]
+    # its scores: 4 prompts x 2 samples over DP 2 = 4 rows a replica, 32 + 32 tokens, one fp32 log-prob each; in
+    # its own layout one teacher replica scores both student replicas' rows and each rank keeps its own copy
+    config = _config(teacher=teacher, algorithm=algorithm, reward={"functions": []})
+    st = plan_memory(config, SHAPE, Launch(world_size=2)).stages[0]
+    assert st.components["teacher_scores"] == 4 * 64 * 4
+    assert st.phases["train"] == sum(v for k, v in st.components.items() if not k.startswith("engine_"))
+    gkd = {**algorithm, "estimator": "none", "distill": {"loss": "gkd", "top_k": 8}}
+    own = _config(teacher={**teacher, "parallel": {"tensor_model_parallel_size": 2}}, algorithm=gkd,
+                  reward={"functions": []})
+    plan = plan_memory(own, SHAPE, Launch(world_size=2))
+    assert plan.stages[0].components["teacher_scores"] == (2 + 1) * 4 * 64 * (4 + 8 * 12 + 4)
+    assert plan.host_offload == plan.stages[0].phases["train"] - plan.stages[0].components["activations"] - (
+        plan.stages[0].components["teacher_scores"])  # the scores are not offloaded: they exist while training
     with pytest.raises(ValueError, match=r"teacher.parallel \(.*\): tensor_model_parallel_size=8 does not divide"):
         plan_memory(_config(teacher={**teacher, "parallel": {"tensor_model_parallel_size": 8}}, algorithm=algorithm,
                             reward={"functions": []}, train={"global_batch_size": 8}), SHAPE, Launch(world_size=8))
     with pytest.raises(ValueError, match=r"teacher.parallel \(.*\): world size 2 is not divisible by tensor_model"):
         teacher_bytes(tensor_model_parallel_size=4)
+
+
+def test_the_smallest_world_fits_a_teachers_own_layout_too():
+    from megarlhf.config.parallel import ParallelConfig
+    from megarlhf.planner.command import smallest_world
+
+    student = ParallelConfig(context_parallel_size=2)
+    assert smallest_world(student) == 2 and smallest_world(student, None) == 2
+    assert smallest_world(student, ParallelConfig(tensor_model_parallel_size=4)) == 4
+    assert smallest_world(student, ParallelConfig(pipeline_model_parallel_size=3)) == 6
 
 
 def test_layout_errors_name_the_problem():
