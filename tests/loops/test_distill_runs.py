@@ -139,7 +139,9 @@ OPD_LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_model_parallel_size=2"],
                "gkd_on_policy_cp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
                                      "parallel.context_parallel_size=2"],
                # the teacher in a layout of its own (teacher.parallel) over the same trainer ranks
-               "teacher_tp2_dp2": ["teacher.parallel={tensor_model_parallel_size: 2}"],
+               # (the gathered optimizer format uses the run's gloo groups, which the teacher's layout must leave)
+               "teacher_tp2_dp2": ["teacher.parallel={tensor_model_parallel_size: 2}",
+                                   "checkpoint.optimizer_format=fully_reshardable"],
                "gkd_teacher_pp2_dp2": ["algorithm.distill={loss: gkd, top_k: 16, beta: 0.5}",
                                        "teacher.parallel={pipeline_model_parallel_size: 2}"],
                "teacher_dp2_tp2": ["parallel.tensor_model_parallel_size=2", "teacher.parallel={}"],
