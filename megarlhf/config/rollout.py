@@ -61,6 +61,20 @@ class RolloutPlacementConfig:
 
     mode: Literal["colocate", "disaggregated"] = "colocate"
     num_engine_ranks: int = 0  # disaggregated only
+    # disaggregated: an engine whose processes die (or that stops answering) is replaced, at most this many
+    # times per engine rank in a run; its lost samples are generated again after a verified sync
+    max_engine_restarts: int = 2
+    # disaggregated: a generation that has not returned after this many seconds counts as a dead engine (0: none)
+    engine_timeout_s: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_engine_restarts, int) or isinstance(self.max_engine_restarts, bool) \
+                or self.max_engine_restarts < 0:
+            raise ConfigError(f"RolloutPlacementConfig.max_engine_restarts must be an int >= 0, got "
+                              f"{self.max_engine_restarts!r}")
+        if not isinstance(self.engine_timeout_s, (int, float)) or not 0 <= self.engine_timeout_s < float("inf"):
+            raise ConfigError(f"RolloutPlacementConfig.engine_timeout_s must be a number of seconds >= 0 (0: no "
+                              f"timeout), got {self.engine_timeout_s!r}")
 
     def validate(self, world_size: int) -> None:
         if self.mode not in ("colocate", "disaggregated"):

@@ -35,7 +35,7 @@ from megarlhf.core.errors import ConfigError
 from megarlhf.data.prompts import PromptExample, uses_chat_template
 from megarlhf.learner import TrainModel
 from megarlhf.rollout.colocate import ColocateScheduler, OffloadedModel
-from megarlhf.rollout.disaggregated.engine_side import EngineServer
+from megarlhf.rollout.disaggregated.engine_side import RESTARTS_METRIC, EngineServer, Restarts
 from megarlhf.rollout.disaggregated.protocol import Channel, merged_sampling
 from megarlhf.rollout.disaggregated.trainer_side import RemoteEngines
 from megarlhf.rollout.engines import EngineConfig, RolloutBatch, SamplingConfig, build_engine
@@ -211,7 +211,8 @@ class DisaggregatedPhase:
         metrics = self.rollout.sync() if sync_weights else {}
         request = self.rollout.launch(self._requests(prompts), dataclasses.replace(sampling, seed=seed), self.episodes)
         batch, timing = self.rollout.receive(request)
-        return batch, {**metrics, **{k: v for k, v in timing.items() if k.startswith("tools/")}}
+        kept = ("tools/", RESTARTS_METRIC, "time/engine_restart_sync_s")
+        return batch, {**metrics, **{k: v for k, v in timing.items() if k.startswith(kept)}}
 
     def _requests(self, prompts: list[PromptExample]) -> list:
         """What the engines are sent: token ids, or the examples whose episodes they run (multi-turn)."""
@@ -253,13 +254,19 @@ class DisaggregatedPhase:
 def serve_engine_rank(config: RunConfig, runtime: Runtime) -> None:
     """An engine rank of the disaggregated placement: serves the trainers until they stop it."""
     channel = Channel.of_run(config, runtime)
-    engine = build_engine(config.model.path, engine_config(config, in_process=False), runtime.device)
+    placement = config.rollout.placement
+
+    def rebuild():
+        return build_engine(config.model.path, engine_config(config, in_process=False), runtime.device)
+
+    engine = rebuild()
+    restarts = Restarts(rebuild, placement.max_engine_restarts, placement.engine_timeout_s)
     multi_turn = None
     if config.rollout.env is not None:  # the trainers loaded the same tokenizer already
         from transformers import AutoTokenizer
 
         multi_turn = _multi_turn(config, AutoTokenizer.from_pretrained(config.model.path))
-    EngineServer(channel, engine, multi_turn, adapter_only=adapter_only(config)).serve()
+    EngineServer(channel, engine, multi_turn, adapter_only=adapter_only(config), restarts=restarts).serve()
 
 
 def _multi_turn(config: RunConfig, tokenizer) -> MultiTurnRollout:

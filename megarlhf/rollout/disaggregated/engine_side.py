@@ -7,11 +7,22 @@ memory the bucket was received into. Weights are loaded in one load session per 
 the source's predicted fingerprints; the probe, the calibration's checks and generation run as the
 trainers ask (:mod:`.protocol`). With ``rollout.env`` the rank runs its share's whole multi-turn episodes,
 so a tool runs once per call whatever the trainers' layout.
+
+Engines that die are replaced (:class:`Restarts`, ``rollout.placement.max_engine_restarts``): a generation
+runs in a thread while the rank watches the engine's health (and, with ``engine_timeout_s``, the clock: an
+engine that stops answering is killed). An engine found dead is rebuilt from ``model.path``: before a sync it
+then loads the weights being sent, like any engine; during a generation its share comes back empty with the
+status ``restarted``, and the trainers sync the new engine (verified) and send that share again
+(:meth:`~megarlhf.rollout.disaggregated.trainer_side.RemoteEngines.receive`). An engine that cannot be
+replaced stops every rank with :class:`EngineFailedError` naming its rank.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from megarlhf.rollout.disaggregated.protocol import Channel
 from megarlhf.rollout.engines.api import RolloutEngine
@@ -21,13 +32,31 @@ from megarlhf.rollout.sync.calibration import CHECKPOINT_CHECK, checkpoint_probl
 from megarlhf.rollout.sync.weights import SYNC_CHECK, compare_fingerprints, probe_floor, probe_problems
 
 
+RESTARTS_METRIC = "rollout/engine_restarts"  # engines replaced so far in the run (all engine ranks)
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """How an engine rank replaces a dead engine: ``rebuild`` makes a fresh one (from ``model.path``), at most
+    ``limit`` times in a run; a generation that has not returned after ``timeout_s`` (0: never) is a dead
+    engine too (its processes are killed)."""
+
+    rebuild: Callable[[], RolloutEngine] | None = None
+    limit: int = 0
+    timeout_s: float = 0.0
+    poll_s: float = 0.5  # how often a running generation's engine is checked
+
+
 class EngineServer:
     """One engine rank: :meth:`serve` executes the source's commands until it says stop. ``multi_turn`` runs
-    whole episodes (None: single-turn runs); ``adapter_only``: LoRA adapters arrive instead of weights."""
+    whole episodes (None: single-turn runs); ``adapter_only``: LoRA adapters arrive instead of weights;
+    ``restarts``: how a dead engine is replaced (default: never)."""
 
-    def __init__(self, channel: Channel, engine: RolloutEngine, multi_turn=None, adapter_only: bool = False):
+    def __init__(self, channel: Channel, engine: RolloutEngine, multi_turn=None, adapter_only: bool = False,
+                 restarts: Restarts = Restarts()):
         self.channel, self.engine, self.multi_turn = channel, engine, multi_turn
         self.adapter_directory = AdapterDirectory() if adapter_only else None
+        self.restarts, self.restarted = restarts, 0
         self.handlers = {"sync": self._sync, "adapter": self._adapter, "layout": self._layout,
                          "checkpoint": self._checkpoint, "calibrate": self._calibrate, "generate": self._generate}
 
@@ -49,7 +78,7 @@ class EngineServer:
         self.channel.from_engines((self.engine.fused_parameters(), self.engine.placement(hf_shapes)))
 
     def _sync(self) -> None:
-        problems = []
+        problems = self._replace_if_dead()  # a fresh engine loads the weights being sent, like any other
         self.engine.begin_load()
         while (bucket := self.channel.receive_bucket()) is not None:
             try:
@@ -64,8 +93,11 @@ class EngineServer:
     def _adapter(self, adapter_config: dict) -> None:
         """Adapter-only sync: one bucket of PEFT tensors, written and loaded as the engine's adapter, its
         slots compared with the source's prediction (megarlhf.rollout.sync.adapters); then the probe."""
+        restart_problems = self._replace_if_dead()  # a fresh engine holds model.path: the adapters' base
         bucket = self.channel.receive_bucket()
-        if bucket is None:
+        if restart_problems:
+            report, problems = {}, restart_problems
+        elif bucket is None:
             report, problems = {}, ["the source sent no adapter tensors"]
         else:
             report, problems = load_problems(self.adapter_directory, self.engine, dict(bucket.tensors()),
@@ -91,20 +123,90 @@ class EngineServer:
 
     def _generate(self, prompts: list, sampling: SamplingConfig, episodes: bool) -> None:
         """This engine rank's share of a request (round-robin over the engine ranks): samples of token-id
-        prompts, or (``episodes``) whole multi-turn episodes of PromptExamples, with their tool counts."""
+        prompts, or (``episodes``) whole multi-turn episodes of PromptExamples, with their tool counts. The
+        reply's status is None, ``("restarted", why)`` (the engine died during the share and was replaced: no
+        samples; the trainers sync the new one and ask again) or ``("failed", why)`` (it could not be
+        replaced: every rank stops)."""
         ranks = self.channel.engine_ranks
         mine = list(range(ranks.index(self.channel.rank), len(prompts), len(ranks)))
-        samples, tools, start = [], {}, time.perf_counter()
+        samples, tools, start, status = [], {}, time.perf_counter(), None
         if mine:
             share, local = [prompts[i] for i in mine], sampling.for_prompts(mine)
-            if episodes:
-                batch, tools = self.multi_turn.run(self.engine.generate, share, local)
+            run = ((lambda: self.multi_turn.run(self.engine.generate, share, local)) if episodes
+                   else (lambda: (self.engine.generate(share, local), {})))
+            result, dead = self._watched(run)
+            if dead is not None:
+                problems = self._replace(dead)
+                status = ("failed", problems[0]) if problems else ("restarted", dead)
             else:
-                batch = self.engine.generate(share, local)
-            extras = (zip(batch.loss_masks, batch.env_rewards, batch.tool_calls) if episodes
-                      else itertools.repeat((None, None, None)))  # (loss mask, env reward, tool calls) of an episode
-            routing = batch.routed_experts or itertools.repeat(None)  # routing records (replay r3)
-            samples = [(mine[p], r, lp, f, *extra, record) for p, r, lp, f, extra, record in
-                       zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, extras,
-                           routing)]
-        self.channel.from_engines((samples, time.perf_counter() - start, tools))
+                batch, tools = result
+                samples = _samples(batch, mine, episodes)
+        tools = {**tools, RESTARTS_METRIC: float(self.restarted)}  # summed over the engines by the source
+        self.channel.from_engines((samples, time.perf_counter() - start, tools, status))
+        if status is not None and status[0] == "failed":
+            raise EngineFailedError(f"engine rank {self.channel.rank}: {status[1]}")
+
+    def _watched(self, call: Callable) -> tuple[object, str | None]:
+        """``call()`` (a generation) in a thread while this thread watches the engine: (its result, None), or
+        (None, why) when the engine died or stopped answering first (then its processes are killed and the
+        thread left behind). An exception raised by a healthy engine is raised here."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = call()
+            except BaseException as err:  # noqa: BLE001 - handed to the watching thread
+                box["error"] = err
+
+        thread = threading.Thread(target=run, name="engine-generate", daemon=True)
+        thread.start()
+        started, timeout = time.monotonic(), self.restarts.timeout_s
+        while True:
+            thread.join(self.restarts.poll_s)
+            health = self.engine.health()
+            if not health.ok:
+                return None, health.detail
+            if not thread.is_alive():
+                if "error" in box:
+                    raise box["error"]
+                return box["result"], None
+            if timeout and time.monotonic() - started > timeout:
+                self.engine.kill()
+                return None, f"no answer within rollout.placement.engine_timeout_s={timeout:g} s"
+
+    def _replace_if_dead(self) -> list[str]:
+        health = self.engine.health()
+        return [] if health.ok else self._replace(health.detail)
+
+    def _replace(self, why: str) -> list[str]:
+        """Replaces the dead engine by a fresh one; the problem (one line) when that cannot be done."""
+        limit = self.restarts.limit
+        if self.restarts.rebuild is None or self.restarted >= limit:
+            return [f"the engine died ({why}) and may not be replaced again (rollout.placement.max_engine_restarts="
+                    f"{limit}, {self.restarted} used)"]
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - a dead engine's close may fail; its replacement matters
+            pass
+        try:
+            self.engine = self.restarts.rebuild()
+        except Exception as err:  # noqa: BLE001 - every rank stops with it
+            return [f"the engine died ({why}) and a new one could not be started: {type(err).__name__}: {err}"]
+        self.restarted += 1
+        print(f"engine rank {self.channel.rank}: the engine died ({why}); replaced it "
+              f"({self.restarted} of {limit} restarts)", flush=True)
+        return []
+
+
+class EngineFailedError(RuntimeError):
+    """An engine died and could not be replaced; the message names its rank."""
+
+
+def _samples(batch, mine: list[int], episodes: bool) -> list[tuple]:
+    """The reply's samples: (prompt's index in the request, response, log-probs, finish, loss mask, env
+    reward, tool calls, routing record), the episode fields None for single turns."""
+    extras = (zip(batch.loss_masks, batch.env_rewards, batch.tool_calls) if episodes
+              else itertools.repeat((None, None, None)))  # (loss mask, env reward, tool calls) of an episode
+    routing = batch.routed_experts or itertools.repeat(None)  # routing records (replay r3)
+    return [(mine[p], r, lp, f, *extra, record) for p, r, lp, f, extra, record in
+            zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, extras, routing)]

@@ -109,6 +109,11 @@ class InFlight:
     replicas: dict[int, list]  # each replica's prompts (token ids, or PromptExamples of multi-turn episodes)
     max_new_tokens: dict[int, int]  # each replica's own limit (the engines generate for the largest)
     episodes: bool = False  # whole multi-turn episodes of PromptExamples, not single samples of token ids
+    sampling: SamplingConfig | None = None  # the merged sampling sent (to ask again for a restarted engine's share)
+
+    def sent(self) -> list:
+        """The prompts in sending order."""
+        return [self.replicas[dp][i] for dp, i in self.order]
 
 
 def merged_sampling(samplings: dict[int, SamplingConfig], order: list[tuple[int, int]]) -> SamplingConfig:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.core.dtypes import torch_dtype
+from megarlhf.rollout.disaggregated.engine_side import RESTARTS_METRIC, EngineFailedError
 from megarlhf.rollout.disaggregated.protocol import Channel, InFlight, merged_sampling
 from megarlhf.rollout.engines.fingerprint import to_host
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
@@ -188,29 +189,61 @@ class RemoteEngines:
                                  f"from its data-parallel replica {dp}'s (its model-parallel peers must agree)")
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
         merged = merged_sampling(samplings, order)  # on every trainer rank: a refusal raises on all of them
+        request = InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()}, episodes, merged)
         if self.channel.is_source:
-            self.channel.broadcast(("generate", [replicas[dp][i] for dp, i in order], merged, episodes))
-        return InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()}, episodes)
+            self.channel.broadcast(("generate", request.sent(), merged, episodes))
+        return request
 
     def receive(self, request: InFlight) -> tuple[RolloutBatch, dict[str, float]]:
         """Waits for the batch :meth:`launch` asked for; returns this rank's share (``prompt_index`` indexes
         its prompts), ``time/rollout_wait_s`` (how long the trainers waited here) and
         ``time/engine_generate_s`` (the slowest engine's generation time)."""
-        start, samples = time.perf_counter(), None
-        if self.channel.is_source:
-            parts = self.channel.from_engines()
-            tools: dict[str, float] = {}
-            for _, _, part in parts:
-                for name, value in part.items():
-                    tools[name] = tools.get(name, 0.0) + value
-            samples = (sorted((s for part, _, _ in parts for s in part), key=lambda s: s[0]),
-                       max(seconds for _, seconds, _ in parts), tools)
-        samples, generate_s, tools = self.channel.to_trainers(samples)
+        start, asked = time.perf_counter(), list(range(len(request.order)))  # the request's prompts asked for
+        samples, generate_s, tools, restart_s = [], 0.0, {}, 0.0
+        while True:
+            answer = self._answers(asked) if self.channel.is_source else None
+            found, seconds, their_tools, lost, failed = self.channel.to_trainers(answer)
+            samples += found
+            generate_s += seconds
+            tools = {**{k: tools.get(k, 0.0) + v for k, v in their_tools.items() if k != RESTARTS_METRIC},
+                     RESTARTS_METRIC: their_tools.get(RESTARTS_METRIC, 0.0)}  # the last answer's count: a total
+            if failed:
+                raise EngineFailedError(f"disaggregated rollout: {failed}")
+            if not lost:
+                break
+            # a replaced engine holds model.path: sync it (verified) and ask for its share again, seeds kept
+            begin = time.perf_counter()
+            self.held.forget()
+            self.sync()
+            restart_s += time.perf_counter() - begin
+            asked = lost
+            if self.channel.is_source:
+                self.channel.broadcast(("generate", [request.sent()[i] for i in lost],
+                                        request.sampling.for_prompts(lost), request.episodes))
+        samples.sort(key=lambda s: s[0])
         batch = _replica_batch(samples, request, self.runtime.dp.rank)
         # the engines' totals, reported once: replica 0's ranks carry them, the others zeros (summed over replicas)
         tools = {name: value if self.runtime.dp.rank == 0 else 0.0 for name, value in tools.items()}
         return batch, {"time/rollout_wait_s": time.perf_counter() - start, "time/engine_generate_s": generate_s,
-                       **tools}
+                       "time/engine_restart_sync_s": restart_s, **tools}
+
+    def _answers(self, asked: list[int]) -> tuple[list, float, dict[str, float], list[int], str | None]:
+        """Source: the engines' answers to a request for the prompts ``asked`` (indices into the request, in
+        the order sent): their samples (indexed into the request), the slowest engine's seconds, the tool and
+        restart counts summed over the engines, the prompts of engines that were replaced meanwhile (to ask
+        again), and the first failure (an engine that could not be replaced), naming its rank."""
+        samples, tools, lost, failed = [], {}, [], None
+        parts = self.channel.from_engines()
+        for engine, (part, _, counts, status) in enumerate(parts):
+            for name, value in counts.items():
+                tools[name] = tools.get(name, 0.0) + value
+            if status is None:
+                samples += [(asked[s[0]], *s[1:]) for s in part]
+            elif status[0] == "restarted":
+                lost += asked[engine::len(parts)]  # its round-robin share (engine_side.EngineServer._generate)
+            elif failed is None:
+                failed = f"engine rank {self.channel.engine_ranks[engine]}: {status[1]}"
+        return samples, max(seconds for _, seconds, _, _ in parts), tools, sorted(lost), failed
 
     def stop_engines(self) -> None:
         """Ends the engines' serve loop (call once, from every trainer rank)."""

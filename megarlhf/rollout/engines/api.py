@@ -21,7 +21,8 @@ The contract, one engine per rank (or one rank's part of a tensor-parallel engin
 * **sleep / wake_up** of weights and KV cache, where the backend can free them.
 * **abort**: from another thread, stops the generation in flight; its unfinished samples come back with
   finish reason ``"abort"`` and the tokens (and log-probs) generated so far.
-* **health**: whether the engine can still serve (:class:`EngineHealth`).
+* **health**: whether the engine can still serve (:class:`EngineHealth`); **kill** ends an engine that runs
+  in processes of its own at once (one that stopped answering), so that it can be replaced.
 """
 from __future__ import annotations
 
@@ -175,6 +176,9 @@ class RolloutEngine(abc.ABC):
 
     def health(self) -> EngineHealth:
         return EngineHealth(True)
+
+    def kill(self) -> None:
+        """Kills the engine's own processes (its health then says so); an engine in this process has none."""
 
     def close(self) -> None:
         """Releases what the engine holds beyond its memory (processes, threads)."""

@@ -402,6 +402,10 @@ class VLLMEngine(RolloutEngine):
             return EngineHealth(False, f"vLLM's engine core process died ({codes or 'marked dead by vLLM'})")
         return EngineHealth(True)
 
+    def kill(self) -> None:
+        for proc in self.engine_processes():
+            proc.kill()
+
     def engine_processes(self) -> list:
         """The processes of an engine core that runs out of this process (none in process)."""
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
