@@ -72,7 +72,8 @@ class RolloutPlacementConfig:
                 or self.max_engine_restarts < 0:
             raise ConfigError(f"RolloutPlacementConfig.max_engine_restarts must be an int >= 0, got "
                               f"{self.max_engine_restarts!r}")
-        if not isinstance(self.engine_timeout_s, (int, float)) or not 0 <= self.engine_timeout_s < float("inf"):
+        if isinstance(self.engine_timeout_s, bool) or not isinstance(self.engine_timeout_s, (int, float)) \
+                or not 0 <= self.engine_timeout_s < float("inf"):
             raise ConfigError(f"RolloutPlacementConfig.engine_timeout_s must be a number of seconds >= 0 (0: no "
                               f"timeout), got {self.engine_timeout_s!r}")
 

@@ -36,21 +36,26 @@ def _run(tmp_path, assets, mode: str, die_at: int = 3) -> tuple[list[dict], list
 def runs(rl_assets, tmp_path_factory):
     cache = {}
 
-    def run(mode: str):
-        if mode not in cache:
-            cache[mode] = _run(tmp_path_factory.mktemp(f"restarts_{mode}"), rl_assets, mode)
-        return cache[mode]
+    def run(mode: str, die_at: int = 3):
+        if (mode, die_at) not in cache:
+            where = tmp_path_factory.mktemp(f"restarts_{mode}_{die_at}")
+            cache[mode, die_at] = _run(where, rl_assets, mode, die_at)
+        return cache[mode, die_at]
 
     return run
 
 
-@pytest.mark.parametrize("mode", ["during", pytest.param("between", marks=pytest.mark.slow)])
-def test_a_dead_engine_is_replaced_and_the_run_trains_on_every_prompt_once(runs, mode):
+@pytest.mark.parametrize("mode,die_at", [("during", 3), ("during", 1), pytest.param("between", 3, marks=pytest.mark.slow)],
+                         ids=["during_step2", "during_step0", "between_steps"])
+def test_a_dead_engine_is_replaced_and_the_run_trains_on_every_prompt_once(runs, mode, die_at):
+    """Dying at step 0 (its first generation) too: the new engine gets the very weights of the checkpoint the
+    engines' own load was proven to hold, so the step-0 gate still measures its natural floor (the metrics
+    compared below include the calibration's)."""
     whole_samples, whole = runs("none")
-    samples, metrics = runs(mode)
+    samples, metrics = runs(mode, die_at)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert whole[-1]["rollout/engine_restarts"] == 0.0 and metrics[-1]["rollout/engine_restarts"] == 1.0
-    assert metrics[0]["rollout/engine_restarts"] == 0.0  # it died at its third generation: after step 0's
+    assert metrics[0]["rollout/engine_restarts"] == (1.0 if die_at == 1 else 0.0)
     key = lambda s: (s["step"], s["prompt"], s["response"])  # noqa: E731
     assert sorted(map(key, samples)) == sorted(map(key, whole_samples))
     per_step = {}

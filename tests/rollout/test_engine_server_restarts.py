@@ -96,3 +96,63 @@ def test_placement_restart_settings_are_checked():
         RolloutPlacementConfig(max_engine_restarts=-1)
     with pytest.raises(ConfigError, match=r"engine_timeout_s must be a number of seconds >= 0"):
         RolloutPlacementConfig(engine_timeout_s=float("inf"))
+
+
+class ScriptedChannel:
+    """The engine rank's end of a sync as the source drives it: two buckets, the expected fingerprints, a
+    verdict (recorded, not raised)."""
+
+    rank, engine_ranks = 3, [2, 3]
+
+    def __init__(self):
+        self.buckets = ["bucket 1", "bucket 2", None]
+        self.verdicts = []
+
+    def receive_bucket(self):
+        return self.buckets.pop(0)
+
+    def broadcast(self, obj=None):
+        return {}  # the source's expected fingerprints
+
+    def engine_verdict(self, problems, what, metric=None):
+        self.verdicts.append((list(problems), what))
+
+
+class DeadOnArrival(StandIn):
+    """A dead engine core: every call into it raises, as vLLM's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive = False
+
+    def begin_load(self):
+        raise RuntimeError("EngineDeadError")
+
+    load_bucket = finish_load = begin_load
+
+
+def test_a_dead_engine_that_may_not_be_replaced_at_a_sync_drains_the_stream_and_reports_the_verdict():
+    """Not an exception out of the serve loop (the trainers would wait in their broadcast): the buckets are
+    read and dropped, and the verdict every rank raises together names the problem."""
+    channel = ScriptedChannel()
+    server = EngineServer(channel, DeadOnArrival(), restarts=Restarts(limit=0))
+    server._probe = lambda: None  # the verdict is what is checked here
+    server._sync()
+    assert channel.buckets == [] and len(channel.verdicts) == 1
+    problems, _ = channel.verdicts[0]
+    assert problems == ["the engine died (EngineCore_0 exit code -9) and may not be replaced again "
+                        "(rollout.placement.max_engine_restarts=0, 0 used)"]
+
+
+def test_an_engine_in_this_process_that_stops_answering_is_not_replaced():
+    class InProcess(StandIn):
+        def kill(self):  # nothing of its own to kill
+            pass
+
+    engine, release = InProcess(), threading.Event()
+    server = _server(engine, timeout_s=0.1, rebuild=StandIn, limit=2)
+    _, why = server._watched(lambda: release.wait(10))
+    release.set()
+    problems = server._replace(why)
+    assert problems and "runs in this rank's own process: it cannot be killed" in problems[0]
+    assert server.engine is engine and server.restarted == 0

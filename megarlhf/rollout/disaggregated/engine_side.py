@@ -57,6 +57,7 @@ class EngineServer:
         self.channel, self.engine, self.multi_turn = channel, engine, multi_turn
         self.adapter_directory = AdapterDirectory() if adapter_only else None
         self.restarts, self.restarted = restarts, 0
+        self.unkillable = False  # a generation timed out on an engine that runs in this process
         self.handlers = {"sync": self._sync, "adapter": self._adapter, "layout": self._layout,
                          "checkpoint": self._checkpoint, "calibrate": self._calibrate, "generate": self._generate}
 
@@ -79,14 +80,19 @@ class EngineServer:
 
     def _sync(self) -> None:
         problems = self._replace_if_dead()  # a fresh engine loads the weights being sent, like any other
-        self.engine.begin_load()
+        usable = not problems  # else a dead engine: the stream is drained unread, to reach the verdict
+        if usable:
+            self.engine.begin_load()
         while (bucket := self.channel.receive_bucket()) is not None:
+            if not usable:
+                continue
             try:
                 self.engine.load_bucket(bucket)
             except Exception as err:  # keep draining the stream so that every rank reaches the verdict
                 problems.append(f"the engine failed to load the bucket with {bucket.meta[0][0]}...: {err}")
-        report = self.engine.finish_load()
-        problems += compare_fingerprints(self.channel.broadcast(), report)  # the source's expected fingerprints
+        expected = self.channel.broadcast()  # the source's expected fingerprints
+        if usable:
+            problems += compare_fingerprints(expected, self.engine.finish_load())
         self.channel.engine_verdict(problems, SYNC_CHECK)
         self._probe()
 
@@ -172,6 +178,8 @@ class EngineServer:
                 return box["result"], None
             if timeout and time.monotonic() - started > timeout:
                 self.engine.kill()
+                if self.engine.health().ok:  # nothing of its own to kill: it still runs in this process
+                    self.unkillable = True
                 return None, f"no answer within rollout.placement.engine_timeout_s={timeout:g} s"
 
     def _replace_if_dead(self) -> list[str]:
@@ -181,6 +189,9 @@ class EngineServer:
     def _replace(self, why: str) -> list[str]:
         """Replaces the dead engine by a fresh one; the problem (one line) when that cannot be done."""
         limit = self.restarts.limit
+        if self.unkillable:
+            return [f"the engine stopped answering ({why}) and runs in this rank's own process: it cannot be killed, "
+                    f"so it is not replaced (a second engine would compete with it)"]
         if self.restarts.rebuild is None or self.restarted >= limit:
             return [f"the engine died ({why}) and may not be replaced again (rollout.placement.max_engine_restarts="
                     f"{limit}, {self.restarted} used)"]

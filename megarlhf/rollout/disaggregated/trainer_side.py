@@ -55,6 +55,7 @@ class RemoteEngines:
         self.held = HeldWeights(actor.model, self.runtime)  # what the engines hold (full syncs only)
         self.floor: tuple[float, float] | None = None  # the probe's calibration floor (calibration sets both)
         self.natural_deferred = False
+        self.calibrating = False  # the actor's LoRA adapters are off (calibrate)
 
     def _engine_layout(self) -> dict[str, tuple[str, int]] | None:
         """Source: where each HF tensor sits in the engines' parameters (asked once; every engine runs the
@@ -70,8 +71,12 @@ class RemoteEngines:
         holds the checkpoint it loaded itself; ``prompts`` (token ids, the same on every rank) are sampled for
         the natural floor (unless ``natural_at_step0`` leaves it to step 0). Returns the calibration metrics.
         The actor computes with its LoRA adapters off (the engines hold model.path, the base)."""
-        with adapters_disabled(self.actor.model):
-            return self._calibrate(prompts, stop_token_ids, natural_at_step0)
+        self.calibrating = True
+        try:
+            with adapters_disabled(self.actor.model):
+                return self._calibrate(prompts, stop_token_ids, natural_at_step0)
+        finally:
+            self.calibrating = False
 
     def _calibrate(self, prompts, stop_token_ids, natural_at_step0: bool) -> dict[str, float]:
         channel, checked = self.channel, checks_checkpoint(self.config)
@@ -88,6 +93,7 @@ class RemoteEngines:
                 channel.broadcast(("calibrate", self.probe, trainer))
                 floor = worst_of(channel.from_engines())
             floor = channel.to_trainers(floor)
+            self.tolerances = run_tolerances(self.config, floor)  # a probe after a restart (natural sampling)
         if prompts and not decide_natural_floor(self, prompts, natural_at_step0):
             # each replica sends its share (an empty one asks for nothing) and scores what it received
             mine, indices = replica_share(list(prompts), self.runtime)
@@ -205,16 +211,15 @@ class RemoteEngines:
             found, seconds, their_tools, lost, failed = self.channel.to_trainers(answer)
             samples += found
             generate_s += seconds
-            tools = {**{k: tools.get(k, 0.0) + v for k, v in their_tools.items() if k != RESTARTS_METRIC},
-                     RESTARTS_METRIC: their_tools.get(RESTARTS_METRIC, 0.0)}  # the last answer's count: a total
+            for name, value in their_tools.items():  # the restart count is a total: the last answer's
+                tools[name] = value if name == RESTARTS_METRIC else tools.get(name, 0.0) + value
             if failed:
                 raise EngineFailedError(f"disaggregated rollout: {failed}")
             if not lost:
                 break
             # a replaced engine holds model.path: sync it (verified) and ask for its share again, seeds kept
             begin = time.perf_counter()
-            self.held.forget()
-            self.sync()
+            self._resync()
             restart_s += time.perf_counter() - begin
             asked = lost
             if self.channel.is_source:
@@ -226,6 +231,17 @@ class RemoteEngines:
         tools = {name: value if self.runtime.dp.rank == 0 else 0.0 for name, value in tools.items()}
         return batch, {"time/rollout_wait_s": time.perf_counter() - start, "time/engine_generate_s": generate_s,
                        "time/engine_restart_sync_s": restart_s, **tools}
+
+    def _resync(self) -> dict[str, float]:
+        """After an engine was replaced: the trainers' weights to every engine again, verified. During the
+        calibration the engines compute with the base (adapters off): an adapter-only run's new engine loaded it
+        itself, and a merged LoRA run's base sent now is not the policy a later sync must not skip."""
+        if self.adapter_only:
+            return {} if self.calibrating else self.sync()
+        metrics = self.held.resend(self._send_and_verify)
+        if self.calibrating and self.config.model.lora is not None:
+            self.held.forget()
+        return metrics
 
     def _answers(self, asked: list[int]) -> tuple[list, float, dict[str, float], list[int], str | None]:
         """Source: the engines' answers to a request for the prompts ``asked`` (indices into the request, in

@@ -403,8 +403,17 @@ class VLLMEngine(RolloutEngine):
         return EngineHealth(True)
 
     def kill(self) -> None:
-        for proc in self.engine_processes():
+        processes = self.engine_processes()
+        for proc in processes:
             proc.kill()
+        for proc in processes:  # gone before a replacement asks for their memory
+            proc.join(timeout=30)
+
+    def close(self) -> None:
+        """Stops an engine core in child processes (its sockets and threads too); one in this process goes
+        with the engine."""
+        if getattr(self.llm.llm_engine.engine_core, "resources", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown(timeout=10)
 
     def engine_processes(self) -> list:
         """The processes of an engine core that runs out of this process (none in process)."""

@@ -60,6 +60,18 @@ class HeldWeights:
             changed = (self.prints != prints).any().to(torch.float64).view(1)
         return self.runtime.all_reduce_on_device(changed, op="max", over="trainers").item() == 0  # host: verdict
 
+    def resend(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Runs ``send`` even when the engines held the weights (an engine was replaced and lost them). When they
+        held their own load of the checkpoint and no rank's parameters changed since, the verified send gives
+        them those very bits again: :attr:`own_load` stays. Collective over the trainer ranks."""
+        prints = self.current()
+        own_load = self.own_load and self.unchanged(prints)
+        self.forget()
+        metrics = send()
+        self.synced(prints)
+        self.own_load = own_load
+        return metrics
+
     def sync_unless_held(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Runs ``send`` (a sync that sends the actor's weights and verifies them) unless the engines hold them
         already; returns its metrics with ``weight_sync/skipped`` (1.0: nothing sent, ``time/weight_sync_s``
