@@ -2,7 +2,8 @@
 
 The ``dying`` backend (``_worker_engine_restarts.py``) is the fake engine, whose samples depend on their seeds
 alone, dying once on the last engine rank: during a generation (its share comes back empty, the trainers sync a
-fresh engine and ask for that share again) or between two (the next sync finds it dead and fills a fresh one).
+fresh engine and ask for that share again), between two (the next sync finds it dead and fills a fresh one) or
+during a sync's load (the stream is drained, a fresh engine made, and the trainers send everything again).
 Against the same run whose engine never dies, every step trains on the same prompts and the same samples, each
 exactly once, and every learning number is the same to the bit; one restart is logged.
 """
@@ -45,8 +46,9 @@ def runs(rl_assets, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("mode,die_at", [("during", 3), ("during", 1), pytest.param("between", 3, marks=pytest.mark.slow)],
-                         ids=["during_step2", "during_step0", "between_steps"])
+@pytest.mark.parametrize("mode,die_at", [("during", 3), ("during", 1), ("load", 1),
+                                         pytest.param("between", 3, marks=pytest.mark.slow)],
+                         ids=["during_step2", "during_step0", "during_a_sync", "between_steps"])
 def test_a_dead_engine_is_replaced_and_the_run_trains_on_every_prompt_once(runs, mode, die_at):
     """Dying at step 0 (its first generation) too: the new engine gets the very weights of the checkpoint the
     engines' own load was proven to hold, so the step-0 gate still measures its natural floor (the metrics
@@ -55,7 +57,7 @@ def test_a_dead_engine_is_replaced_and_the_run_trains_on_every_prompt_once(runs,
     samples, metrics = runs(mode, die_at)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert whole[-1]["rollout/engine_restarts"] == 0.0 and metrics[-1]["rollout/engine_restarts"] == 1.0
-    assert metrics[0]["rollout/engine_restarts"] == (1.0 if die_at == 1 else 0.0)
+    assert metrics[0]["rollout/engine_restarts"] == (1.0 if (mode, die_at) == ("during", 1) else 0.0)
     key = lambda s: (s["step"], s["prompt"], s["response"])  # noqa: E731
     assert sorted(map(key, samples)) == sorted(map(key, whole_samples))
     per_step = {}

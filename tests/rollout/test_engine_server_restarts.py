@@ -56,7 +56,7 @@ def test_an_engine_that_dies_during_a_generation_is_reported_without_waiting_for
 
 def test_an_engine_that_stops_answering_is_killed_at_the_timeout():
     engine, release = StandIn(), threading.Event()
-    result, why = _server(engine, timeout_s=0.2)._watched(lambda: release.wait(10))
+    result, why = _server(engine, timeout_s=0.2)._watched(lambda: release.wait(10), timeout=0.2)
     release.set()
     assert result is None and engine.killed
     assert why == "no answer within rollout.placement.engine_timeout_s=0.2 s"
@@ -151,7 +151,7 @@ def test_an_engine_in_this_process_that_stops_answering_is_not_replaced():
 
     engine, release = InProcess(), threading.Event()
     server = _server(engine, timeout_s=0.1, rebuild=StandIn, limit=2)
-    _, why = server._watched(lambda: release.wait(10))
+    _, why = server._watched(lambda: release.wait(10), timeout=0.1)
     release.set()
     problems = server._replace(why)
     assert problems and "runs in this rank's own process: it cannot be killed" in problems[0]

@@ -79,46 +79,73 @@ class EngineServer:
         self.channel.from_engines((self.engine.fused_parameters(), self.engine.placement(hf_shapes)))
 
     def _sync(self) -> None:
-        problems = self._replace_if_dead()  # a fresh engine loads the weights being sent, like any other
-        usable = not problems  # else a dead engine: the stream is drained unread, to reach the verdict
-        if usable:
-            self.engine.begin_load()
-        while (bucket := self.channel.receive_bucket()) is not None:
-            if not usable:
-                continue
+        """Loads the weights being sent. A dead engine found first is replaced (its replacement loads them);
+        one that dies during the load is replaced after the stream is drained, and the verdict's metric tells
+        the trainers to send everything again (:data:`RESTARTED`)."""
+        problems, died = self._replace_if_dead(), None
+        if not problems:
             try:
-                self.engine.load_bucket(bucket)
+                self._call(self.engine.begin_load)
+            except EngineDied as death:
+                died = death.why
+        while (bucket := self.channel.receive_bucket()) is not None:
+            if problems or died:
+                continue  # drained unread, to reach the verdict
+            try:
+                self._call(lambda: self.engine.load_bucket(bucket))
+            except EngineDied as death:
+                died = death.why
             except Exception as err:  # keep draining the stream so that every rank reaches the verdict
                 problems.append(f"the engine failed to load the bucket with {bucket.meta[0][0]}...: {err}")
         expected = self.channel.broadcast()  # the source's expected fingerprints
-        if usable:
-            problems += compare_fingerprints(expected, self.engine.finish_load())
-        self.channel.engine_verdict(problems, SYNC_CHECK)
+        if not (problems or died):
+            try:
+                problems += compare_fingerprints(expected, self._call(self.engine.finish_load))
+            except EngineDied as death:
+                died = death.why
+        self.channel.engine_verdict(problems, SYNC_CHECK, metric=self._after_death(died, problems))
         self._probe()
 
     def _adapter(self, adapter_config: dict) -> None:
         """Adapter-only sync: one bucket of PEFT tensors, written and loaded as the engine's adapter, its
         slots compared with the source's prediction (megarlhf.rollout.sync.adapters); then the probe."""
-        restart_problems = self._replace_if_dead()  # a fresh engine holds model.path: the adapters' base
-        bucket = self.channel.receive_bucket()
-        if restart_problems:
-            report, problems = {}, restart_problems
-        elif bucket is None:
-            report, problems = {}, ["the source sent no adapter tensors"]
-        else:
-            report, problems = load_problems(self.adapter_directory, self.engine, dict(bucket.tensors()),
-                                             adapter_config)
+        problems = self._replace_if_dead()  # a fresh engine holds model.path: the adapters' base
+        bucket, report, died = self.channel.receive_bucket(), {}, None
+        if not problems and bucket is None:
+            problems = ["the source sent no adapter tensors"]
+        elif not problems:
+            try:
+                report, problems = self._call(lambda: load_problems(self.adapter_directory, self.engine,
+                                                                    dict(bucket.tensors()), adapter_config))
+            except EngineDied as death:
+                died = death.why
         expected = self.channel.broadcast()  # the source's expected slots
-        self.channel.engine_verdict(problems or slot_problems(expected, report), SLOTS_CHECK)
+        if not (problems or died):
+            problems = slot_problems(expected, report)
+        self.channel.engine_verdict(problems, SLOTS_CHECK, metric=self._after_death(died, problems))
         self._probe()
 
     def _probe(self) -> None:
         probe, gaps, problems = self.channel.broadcast(), (float("nan"), float("nan")), []
         if probe is not None:
             ids, trainer, tolerances = probe
-            worst, mean, problems = probe_problems(trainer, self.engine.prompt_logprobs(ids), tolerances)
-            gaps = (worst, mean)
+            try:
+                logprobs = self._call(lambda: self.engine.prompt_logprobs(ids))
+            except EngineDied as death:
+                gaps = self._after_death(death.why, problems)
+            else:
+                worst, mean, problems = probe_problems(trainer, logprobs, tolerances)
+                gaps = (worst, mean)
         self.channel.engine_verdict(problems, "probe forward", metric=gaps)
+
+    def _after_death(self, why: str | None, problems: list[str]):
+        """After an engine died during a load or the probe (``why``; None: it did not): replaced, the verdict's
+        metric :data:`RESTARTED` (the trainers send everything again); else the problem is added."""
+        if why is None:
+            return None
+        failed = self._replace(why)
+        problems += failed
+        return None if failed else RESTARTED
 
     def _checkpoint(self, expected: dict[str, tuple[int, int]]) -> None:
         """The calibration's bitwise check: the engine reloads model.path from disk and compares."""
@@ -140,7 +167,7 @@ class EngineServer:
             share, local = [prompts[i] for i in mine], sampling.for_prompts(mine)
             run = ((lambda: self.multi_turn.run(self.engine.generate, share, local)) if episodes
                    else (lambda: (self.engine.generate(share, local), {})))
-            result, dead = self._watched(run)
+            result, dead = self._watched(run, self.restarts.timeout_s)
             if dead is not None:
                 problems = self._replace(dead)
                 status = ("failed", problems[0]) if problems else ("restarted", dead)
@@ -152,7 +179,14 @@ class EngineServer:
         if status is not None and status[0] == "failed":
             raise EngineFailedError(f"engine rank {self.channel.rank}: {status[1]}")
 
-    def _watched(self, call: Callable) -> tuple[object, str | None]:
+    def _call(self, call: Callable):
+        """``call()`` on the engine, watched (:meth:`_watched`, no timeout): raises :class:`EngineDied`."""
+        result, dead = self._watched(call, timeout=0.0)
+        if dead is not None:
+            raise EngineDied(dead)
+        return result
+
+    def _watched(self, call: Callable, timeout: float = 0.0) -> tuple[object, str | None]:
         """``call()`` (a generation) in a thread while this thread watches the engine: (its result, None), or
         (None, why) when the engine died or stopped answering first (then its processes are killed and the
         thread left behind). An exception raised by a healthy engine is raised here."""
@@ -166,7 +200,7 @@ class EngineServer:
 
         thread = threading.Thread(target=run, name="engine-generate", daemon=True)
         thread.start()
-        started, timeout = time.monotonic(), self.restarts.timeout_s
+        started = time.monotonic()
         while True:
             thread.join(self.restarts.poll_s)
             health = self.engine.health()
@@ -211,6 +245,17 @@ class EngineServer:
 
 class EngineFailedError(RuntimeError):
     """An engine died and could not be replaced; the message names its rank."""
+
+
+class EngineDied(Exception):
+    """The engine died (or stopped answering) during a call; ``why`` says how."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+RESTARTED = "restarted"  # a verdict's metric: the engine was replaced during a load or the probe
 
 
 def _samples(batch, mine: list[int], episodes: bool) -> list[tuple]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megarlhf.data.prompts import PromptExample
 from megarlhf.core.dtypes import torch_dtype
-from megarlhf.rollout.disaggregated.engine_side import RESTARTS_METRIC, EngineFailedError
+from megarlhf.rollout.disaggregated.engine_side import RESTARTED, RESTARTS_METRIC, EngineFailedError
 from megarlhf.rollout.disaggregated.protocol import Channel, InFlight, merged_sampling
 from megarlhf.rollout.engines.fingerprint import to_host
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
@@ -111,10 +111,22 @@ class RemoteEngines:
         """Pushes the actor's weights to every engine, verified; returns metrics. Raises
         :class:`~megarlhf.rollout.sync.weights.WeightSyncError` on every rank if any engine got something else."""
         if self.adapter_only:
-            return {**self._sync_adapter(), **self._probe_forward()}
+            return self._until_no_engine_restarted(self._sync_adapter)
         return self.held.sync_unless_held(self._send_and_verify)  # nothing sent if the engines hold it
 
     def _send_and_verify(self) -> dict[str, float]:
+        return self._until_no_engine_restarted(self._send_weights)
+
+    def _until_no_engine_restarted(self, send) -> dict[str, float]:
+        """``send()`` (a sync: its metrics and whether an engine was replaced during it) and the probe forward,
+        again while an engine was replaced during either (the new one holds model.path: it must get it all)."""
+        while True:
+            metrics, restarted = send()
+            probe, probe_restarted = self._probe_forward(skip=restarted)
+            if not (restarted or probe_restarted):
+                return {**metrics, **probe}
+
+    def _send_weights(self) -> tuple[dict[str, float], bool]:
         channel, sent, stats = self.channel, [], {}
         if channel.is_source:
             expected = ExpectedFingerprints(self._engine_layout(), self.engine_dtype)
@@ -131,17 +143,18 @@ class RemoteEngines:
             channel.end_buckets()
             channel.broadcast(expected.result())
             problems = layout_problems(sent, set(self.hf_shapes))
-        channel.trainer_verdict(problems, SYNC_CHECK)
+        restarted = RESTARTED in channel.trainer_verdict(problems, SYNC_CHECK)
         metrics = channel.to_trainers(sync_metrics(stats, len(sent), time.perf_counter() - start)
                                       if channel.is_source else None)
         rounding = merge_rounding(self.actor.model)  # this trainer rank's adapters (LoRA), as in colocated syncs
         if rounding is not None:
             metrics["weight_sync/lora_merge_rounding"] = rounding
-        return {**metrics, **self._probe_forward()}
+        return metrics, restarted
 
-    def _sync_adapter(self) -> dict[str, float]:
+    def _sync_adapter(self) -> tuple[dict[str, float], bool]:
         """Adapter-only sync (megarlhf.rollout.sync.adapters): the source sends the adapters as one bucket and
-        its prediction of every engine's adapter slots; returns the sync's metrics."""
+        its prediction of every engine's adapter slots; returns the sync's metrics and whether an engine was
+        replaced during it."""
         channel, lora = self.channel, self.config.model.lora
         if channel.is_source:
             self._engine_layout()
@@ -157,24 +170,26 @@ class RemoteEngines:
             channel.broadcast(("adapter", peft_config(self.actor.provider, lora, self.config.model.path)))
             channel.send_bucket(list(tensors.items()))  # from the trainer's device, as weight buckets travel
             channel.broadcast(expected)
-        channel.trainer_verdict(problems, SLOTS_CHECK)
+        restarted = RESTARTED in channel.trainer_verdict(problems, SLOTS_CHECK)
         return channel.to_trainers(adapter_metrics(tensors, time.perf_counter() - start) if channel.is_source
-                                   else None)
+                                   else None), restarted
 
-    def _probe_forward(self) -> dict[str, float]:
-        """The probe forward after a sync (every engine against the trainers' log-probs)."""
+    def _probe_forward(self, skip: bool = False) -> tuple[dict[str, float], bool]:
+        """The probe forward after a sync (every engine against the trainers' log-probs; ``skip``: none, the
+        sync is sent again); its metrics and whether an engine was replaced during it."""
         metrics, start, probe = {}, time.perf_counter(), None
-        if self.sync_config.probe_sequences:
+        if self.sync_config.probe_sequences and not skip:
             trainer = trainer_probe_logprobs(self.actor, self.probe, self.config)  # every trainer rank
             probe = (self.probe, trainer, self.tolerances)
         if self.channel.is_source:
             self.channel.broadcast(probe)
-        gaps = self.channel.trainer_verdict([], "probe forward")
-        if probe is not None:
+        answers = self.channel.trainer_verdict([], "probe forward")
+        gaps = [gap for gap in answers if gap != RESTARTED]
+        if probe is not None and gaps:
             metrics.update({"weight_sync/probe_max_abs_diff": max(g[0] for g in gaps),
                             "weight_sync/probe_mean_abs_diff": max(g[1] for g in gaps),
                             "time/weight_sync_probe_s": time.perf_counter() - start})
-        return metrics
+        return metrics, RESTARTED in answers
 
     def launch(self, prompts: list, sampling: SamplingConfig, episodes: bool = False) -> InFlight:
         """Sends this replica's ``prompts`` to the engines and returns at once (module docstring). Ranks of
