@@ -187,9 +187,10 @@ class EngineServer:
         return result
 
     def _watched(self, call: Callable, timeout: float = 0.0) -> tuple[object, str | None]:
-        """``call()`` (a generation) in a thread while this thread watches the engine: (its result, None), or
-        (None, why) when the engine died or stopped answering first (then its processes are killed and the
-        thread left behind). An exception raised by a healthy engine is raised here."""
+        """``call()`` (a generation, a load, the probe) in a thread while this thread watches the engine: (its
+        result, None), or (None, why) when the engine died, or stopped answering within ``timeout`` seconds (0:
+        no limit; then its processes are killed), first; the thread is left behind. An exception raised by a
+        healthy engine is raised here."""
         box: dict = {}
 
         def run():
@@ -198,7 +199,7 @@ class EngineServer:
             except BaseException as err:  # noqa: BLE001 - handed to the watching thread
                 box["error"] = err
 
-        thread = threading.Thread(target=run, name="engine-generate", daemon=True)
+        thread = threading.Thread(target=run, name="engine-call", daemon=True)
         thread.start()
         started = time.monotonic()
         while True:
