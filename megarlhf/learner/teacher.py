@@ -75,9 +75,11 @@ def _score_in_own_layout(teacher: TrainModel, outputs: Outputs, batch: Experienc
     student, own = layout.base, layout.runtime
     owners = _owners(layout.dp_ranks)
     mine = owners[student.dp.rank] == own.dp.rank
-    host = (batch.input_ids.cpu(), batch.lengths.cpu(), batch.response_mask.cpu())  # host: pickled to the peers
-    replicas = dict(item for item in own.all_gather_objects((student.dp.rank, host) if mine else None,
-                                                            over="replica") if item is not None)
+    sent = None  # only a rank in its replica's owner sends that replica's rows
+    if mine:
+        host = (batch.input_ids.cpu(), batch.lengths.cpu(), batch.response_mask.cpu())  # host: pickled to the peers
+        sent = (student.dp.rank, host)
+    replicas = dict(item for item in own.all_gather_objects(sent, over="replica") if item is not None)
     shape = tuple(batch.input_ids.shape)
     fields = None
     if replicas:  # the same on every rank of this teacher replica: it scores them together

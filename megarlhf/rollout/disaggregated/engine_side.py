@@ -8,13 +8,15 @@ the source's predicted fingerprints; the probe, the calibration's checks and gen
 trainers ask (:mod:`.protocol`). With ``rollout.env`` the rank runs its share's whole multi-turn episodes,
 so a tool runs once per call whatever the trainers' layout.
 
-Engines that die are replaced (:class:`Restarts`, ``rollout.placement.max_engine_restarts``): a generation
-runs in a thread while the rank watches the engine's health (and, with ``engine_timeout_s``, the clock: an
-engine that stops answering is killed). An engine found dead is rebuilt from ``model.path``: before a sync it
-then loads the weights being sent, like any engine; during a generation its share comes back empty with the
-status ``restarted``, and the trainers sync the new engine (verified) and send that share again
+Engines that die are replaced (:class:`Restarts`, ``rollout.placement.max_engine_restarts``): every call into
+the engine after start-up (a sync's loads, the probe, a generation) runs in a thread while the rank watches the
+engine's health (and, generating with ``engine_timeout_s``, the clock: an engine that stops answering is
+killed). An engine found dead is rebuilt from ``model.path``: before a sync it then loads the weights being
+sent, like any engine; during a sync's load or its probe the verdict's metric says :data:`RESTARTED` and the
+trainers send everything again; during a generation its share comes back empty with the status ``restarted``,
+and the trainers sync the new engine (verified) and send that share again
 (:meth:`~megarlhf.rollout.disaggregated.trainer_side.RemoteEngines.receive`). An engine that cannot be
-replaced stops every rank with :class:`EngineFailedError` naming its rank.
+replaced stops every rank naming its rank (:class:`EngineFailedError`; at a sync, the sync's verdict).
 """
 from __future__ import annotations
 
@@ -39,12 +41,12 @@ RESTARTS_METRIC = "rollout/engine_restarts"  # engines replaced so far in the ru
 class Restarts:
     """How an engine rank replaces a dead engine: ``rebuild`` makes a fresh one (from ``model.path``), at most
     ``limit`` times in a run; a generation that has not returned after ``timeout_s`` (0: never) is a dead
-    engine too (its processes are killed)."""
+    engine too (its processes are killed). ``poll_s``: how often the engine of a running call is checked."""
 
     rebuild: Callable[[], RolloutEngine] | None = None
     limit: int = 0
     timeout_s: float = 0.0
-    poll_s: float = 0.5  # how often a running generation's engine is checked
+    poll_s: float = 0.5
 
 
 class EngineServer:

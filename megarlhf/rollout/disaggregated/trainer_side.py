@@ -238,8 +238,9 @@ class RemoteEngines:
             restart_s += time.perf_counter() - begin
             asked = lost
             if self.channel.is_source:
-                self.channel.broadcast(("generate", [request.sent()[i] for i in lost],
-                                        request.sampling.for_prompts(lost), request.episodes))
+                sent = request.sent()
+                self.channel.broadcast(("generate", [sent[i] for i in lost], request.sampling.for_prompts(lost),
+                                        request.episodes))
         samples.sort(key=lambda s: s[0])
         batch = _replica_batch(samples, request, self.runtime.dp.rank)
         # the engines' totals, reported once: replica 0's ranks carry them, the others zeros (summed over replicas)
