@@ -7,11 +7,13 @@ replicas' rows) and in the student's own layout; student TP2 with the teacher at
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megarlhf.testing.launch import read_rank_results, run_torchrun
 
-from conftest import HERE
+HERE = Path(__file__).parent  # not from conftest: another directory's conftest may hold that module name
 
 SIZES = {1: {"same": [1, 1, 1, 2], "tp2": [2, 1, 1, 1], "pp2": [1, 2, 1, 1], "cp2": [1, 1, 2, 1]},
          2: {"dp2": [1, 1, 1, 2], "pp2": [1, 2, 1, 1]}}  # [tp, pp, cp, dp] of the teacher's runtime
