@@ -60,6 +60,9 @@ class TrainModel:
     # a model in a parallel layout of its own (parallel.layouts.OwnLayout; a teacher's): it is built and runs
     # inside layout.active(), and ``runtime`` is that layout's (None: the run's layout)
     layout: Any = None
+    # an actor's: the policy version of its weights, the number of RL steps whose updates they hold (set by the
+    # loop at each step's start; the rollout phase stamps every sampled token with the version it synced)
+    policy_version: int = 0
 
     @property
     def kind(self) -> str:

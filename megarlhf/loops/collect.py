@@ -162,8 +162,8 @@ def fill_groups(run: RunContext, got: Collected, sampler, prompts, step: int, be
 def _groups(examples: list[PromptExample], rollout: RolloutBatch, rewards: list[float],
             runtime: Runtime) -> list[tuple]:
     """Every replica's groups of one round, in global prompt order:
-    ``(informative, example, prompt_ids, responses, logprobs, finish_reasons, rewards, routing records)``
-    (the records empty unless the engine records routing: replay r3)."""
+    ``(informative, example, prompt_ids, responses, logprobs, finish_reasons, rewards, routing records, policy
+    versions)`` (the records empty unless the engine records routing: replay r3)."""
     by_prompt: dict[int, list[int]] = {}
     for k, p in enumerate(rollout.prompt_index):
         by_prompt.setdefault(p, []).append(k)
@@ -176,7 +176,8 @@ def _groups(examples: list[PromptExample], rollout: RolloutBatch, rewards: list[
         local.append((samples[0] in kept, examples[p], rollout.prompt_ids[samples[0]],
                       [rollout.response_ids[k] for k in samples], [rollout.logprobs[k] for k in samples],
                       [rollout.finish_reasons[k] for k in samples], [rewards[k] for k in samples],
-                      [rollout.routed_experts[k] for k in samples] if rollout.routed_experts else []))
+                      [rollout.routed_experts[k] for k in samples] if rollout.routed_experts else [],
+                      [rollout.policy_versions[k] for k in samples] if rollout.policy_versions else []))
     return [group for part in runtime.all_gather_objects(local, over="dp") for group in part]
 
 
@@ -189,8 +190,10 @@ def _choose(rounds: list[list[tuple]], size: int) -> list[tuple]:
 
 def _as_collected(groups: list[tuple], offset: int, metrics: dict[str, float]) -> Collected:
     rollout, rewards, informative = RolloutBatch(), [], []
-    for p, (useful, _, prompt_ids, responses, logprobs, finishes, group_rewards, records) in enumerate(groups):
+    for p, group in enumerate(groups):
+        useful, _, prompt_ids, responses, logprobs, finishes, group_rewards, records, versions = group
         rollout.routed_experts += records
+        rollout.policy_versions += versions
         for response, lps, finish, r in zip(responses, logprobs, finishes, group_rewards):
             rollout.prompt_index.append(p)
             rollout.prompt_ids.append(prompt_ids)

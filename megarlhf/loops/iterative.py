@@ -224,6 +224,7 @@ def train_iterative(config: RunConfig, mode: str) -> Path | None:
         start = time.perf_counter()
         metrics = scheduled_eval(run, eval_prompts, step)
         metrics.update(_round(run, mode, collect(run, sampler, prompts, step), step, kept_log))
+        run.actor.policy_version = step + 1
         metrics["time/step_s"] = time.perf_counter() - start
         run.log_step(step, metrics)
         run.save(step + 1, lambda: {"sampler": sampler.state_dict()})

@@ -22,8 +22,10 @@ Dynamic sampling (DAPO) off-policy: batch ``t`` is scored first; its extra round
 groups are informative) are generated at once, with the engines' weights brought up to the trainers'
 (staleness 0 for those samples), and batch ``t+1`` is launched after them.
 
-Metrics: ``rollout/staleness`` (updates between the weights that sampled the batch and those that train
-on it), ``time/rollout_wait_s`` (trainers waiting for the batch), ``time/engine_generate_s`` and
+Metrics: ``rollout/staleness`` and ``rollout/staleness_mean`` (policy versions between the weights that
+sampled each token and those that train on it, the largest and the mean over tokens: a share generated
+again after an engine was replaced has the trainers' weights of then, :mod:`megarlhf.loops.rollout_metrics`),
+``time/rollout_wait_s`` (trainers waiting for the batch), ``time/engine_generate_s`` and
 ``time/rollout_overlap_s`` (the part of the generation that ran while the trainers worked).
 
 Resume. The batch in flight when a checkpoint is written is taken from the engines first and saved in
@@ -78,15 +80,14 @@ class OffPolicyBatches:
             again = self.regenerate[1] if self.regenerate is not None and self.regenerate[0] == step else None
             self.regenerate = None
             metrics = self._launch(step, trainer_version=step, indices=again)
-        (_, version, indices), self.launched = self.launched, None
+        (_, _, indices), self.launched = self.launched, None
         rollout, timing = self.taken if self.taken is not None else self.phase.receive()
         self.taken = None
         dynamic = self.config.algorithm.dynamic_sampling.enabled
         if not dynamic and step + 1 < self.config.train.steps:  # launched now: it overlaps the scoring too
             metrics.update(self._launch(step + 1, trainer_version=step))
         wait, generate = timing.get("time/rollout_wait_s", 0.0), timing.get("time/engine_generate_s", 0.0)
-        metrics.update({**timing, "rollout/staleness": float(step - version),
-                        "time/rollout_overlap_s": max(generate - wait, 0.0)})
+        metrics.update({**timing, "time/rollout_overlap_s": max(generate - wait, 0.0)})
         examples = [self.prompts[i] for i in indices]
         got = score_round(self.run, examples, rollout, metrics)
         if not dynamic:
@@ -145,6 +146,8 @@ class OffPolicyBatches:
                            len(saved["replicas"]), self.runtime.dp.size)
             return
         indices, rollout, metrics = saved["replicas"][self.runtime.dp.rank]
+        if not getattr(rollout, "policy_versions", None):  # saved before samples carried their versions
+            rollout.stamp_versions(saved["version"])
         self.launched, self.last_version = (step, saved["version"], list(indices)), None
         self.taken = (rollout, metrics)
 

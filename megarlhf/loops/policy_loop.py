@@ -17,7 +17,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, step0_gate: bool =
                      **recorder_options) -> tuple[PromptSampler, int]:
     """Once ``run``'s models are built: its reward (with a learned reward model, if configured), the
     evaluation reward, the rollout engines, the checkpointer, the recorder. Returns the sampler and the
-    first step, restored from a checkpoint when resuming. ``step0_gate``: the loop checks the step-0 gate
+    first step, restored from a checkpoint when resuming (and the actor's policy version with it). ``step0_gate``: the loop checks the step-0 gate
     (which may then measure the natural floor itself: :mod:`megarlhf.rollout.sync.calibration`).
 
     The engines are built (and the gates calibrated, on the run's first prompts) while actor and engines
@@ -32,6 +32,7 @@ def open_policy_loop(run: RunContext, prompts: PromptDataset, step0_gate: bool =
     run.rollout = build_rollout_phase(config, run.actor, offloaded, run.tokenizer, calibration)
     run.checkpointer = RunCheckpointer(config, run.trained_models(), run.command)
     sampler, first_step = run.resume(len(prompts))
+    run.actor.policy_version = first_step  # the updates of steps 0..first_step-1 (the loop counts the next ones)
     run.open_recorder(first_step, **recorder_options)
     return sampler, first_step
 

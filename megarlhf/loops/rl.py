@@ -40,6 +40,7 @@ from megarlhf.loops.experience import build_experience, compute_advantages, scor
 from megarlhf.loops.pipeline import make_batches
 from megarlhf.loops.policy_loop import open_policy_loop, scheduled_eval
 from megarlhf.loops.rewarding import score_rewards
+from megarlhf.loops.rollout_metrics import staleness_metrics
 from megarlhf.records.host_syncs import StepSyncLog
 from megarlhf.records.sample_log import SampleLog
 from megarlhf.rollout.engines.sampling import greedy_sampling
@@ -79,9 +80,11 @@ def train_rl(config: RunConfig) -> Path | None:
             run.samples.write(step, "train", got.examples, got.rollout, got.rewards)
             baseline = greedy_baseline(run, got, step)
             rollout_s = time.perf_counter() - rollout_start
+            metrics.update(staleness_metrics(got.rollout, step, run.runtime))
             batch = build_experience(got.rollout, got.group_offset, run.pad_id, run.runtime.device)
             train_start = time.perf_counter()
             metrics.update(rl_update(run, got, batch, step, baseline))  # 7-9
+            run.actor.policy_version = step + 1  # a sync before the next step (the checkpoint's) sends these
             metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - train_start,
                             "time/step_s": time.perf_counter() - start})
             run.log_step(step, metrics)  # 10

@@ -1,4 +1,5 @@
-"""A rollout's metrics over all data-parallel replicas: rewards, lengths, truncation, multi-turn counts.
+"""A rollout's metrics over all data-parallel replicas: rewards, lengths, truncation, multi-turn counts, the
+staleness of its tokens.
 
 Each rank holds its replica's share of the global batch; these reduce the shares so that every rank logs
 the numbers of the whole batch (means weighted by each replica's samples, counts summed).
@@ -50,3 +51,20 @@ def rollout_metrics(rollout: RolloutBatch, rewards: list[float], runtime: Runtim
     return {"reward/mean": mean, "reward/std": std,
             "response_len/mean": len_sum / n, "response_len/max": peak,
             "response/truncated_fraction": trunc / n}
+
+
+def staleness_metrics(rollout: RolloutBatch, trained_version: int, runtime: Runtime) -> dict[str, float]:
+    """How many policy versions the sampled tokens lag the weights that train on them (``trained_version``),
+    over the global batch: ``rollout/staleness`` the largest lag of any token, ``rollout/staleness_mean`` the
+    mean over tokens (each generated token counts once: observation tokens of multi-turn episodes do not).
+    {} when no sample carries its versions (a step on dataset responses); 0 when no token was generated.
+    Collective over the replicas."""
+    lags = []
+    for k, versions in enumerate(rollout.policy_versions):
+        mask = rollout.loss_masks[k] if rollout.loss_masks else [1] * len(versions)
+        lags += [trained_version - v for v, m in zip(versions, mask) if m]
+    samples, tokens, lag_sum = runtime.all_reduce([len(rollout.policy_versions), len(lags), sum(lags)])
+    peak = runtime.all_reduce([max(lags, default=0)], op="max")[0]
+    if not samples:
+        return {}
+    return {"rollout/staleness": peak, "rollout/staleness_mean": lag_sum / max(tokens, 1.0)}

@@ -4,8 +4,9 @@ Metrics say how much reward a run collects, not how; a policy that games its ver
 question's expression as "the answer", an empty response that a lenient checker accepts) shows up here
 first. Every step the main rank writes the first ``logging.samples_per_step`` training samples and, at
 each evaluation, as many evaluation samples: prompt, response (decoded with special tokens, so tool
-calls and observations of multi-turn episodes are visible), reward, ground truth, finish reason and
-length. "First" is over the whole batch in data-parallel order, not over the main rank's share: each
+calls and observations of multi-turn episodes are visible), reward, ground truth, finish reason, length
+and the policy versions of its tokens (``[[version, tokens], ...]`` in token order, a version being the
+number of RL steps whose updates the sampling weights held; null for a dataset response). "First" is over the whole batch in data-parallel order, not over the main rank's share: each
 replica's first samples are gathered to it, so the file does not depend on the data-parallel layout
 (at DP=2 an evaluation of 4 prompts with one sample each still records 4). A resumed run cuts the file
 back to the steps its checkpoint completed, like ``metrics.jsonl``.
@@ -65,4 +66,17 @@ class SampleLog:
                             "reward": rewards[k], "ground_truth": example.ground_truth,
                             "finish_reason": rollout.finish_reasons[k] if rollout.finish_reasons else None,
                             "response_tokens": len(response)})
+            records[-1]["policy_versions"] = (version_runs(rollout.policy_versions[k]) if rollout.policy_versions
+                                              else None)
         return records
+
+
+def version_runs(versions: list[int]) -> list[list[int]]:
+    """A response's per-token policy versions as runs ``[[version, tokens], ...]`` in token order."""
+    runs: list[list[int]] = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs

@@ -100,6 +100,7 @@ class RolloutPhase:
                                                calibration.natural_at_step0)
         self.scheduler = ColocateScheduler(self.engine, self.sync, OffloadedModel.of(actor),
                                            [OffloadedModel.of(m) for m in others if not m.shares_actor])
+        self.actor, self.engine_version = actor, actor.policy_version  # the engine holds model.path
 
     @property
     def tolerances(self):
@@ -123,6 +124,8 @@ class RolloutPhase:
             share = list(range(len(prompts)))
         local_sampling = dataclasses.replace(sampling, seed=seed).for_prompts(share)
         metrics = self.scheduler.enter_rollout(sync_weights)
+        if sync_weights:  # verified (or skipped: the engine held these very weights)
+            self.engine_version = self.actor.policy_version
         tools = {}
         try:
             mine = [prompts[i] for i in share]
@@ -136,6 +139,7 @@ class RolloutPhase:
         finally:
             metrics.update(self.scheduler.exit_rollout())
         local.prompt_index = [share[i] for i in local.prompt_index]
+        local.stamp_versions(self.engine_version)
         if tools:  # this replica's totals on each of its ranks
             metrics.update(dict(zip(tools, self.runtime.all_reduce(list(tools.values()), over="replica"))))
         return (local if self.engine_spans_ranks else self._gather(local)), metrics

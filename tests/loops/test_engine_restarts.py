@@ -23,12 +23,13 @@ SETTINGS = ["rollout.placement={mode: disaggregated, num_engine_ranks: 2}", "rol
 MEASURED = ("time/", "weight_sync/", "memory/", "rollout/engine_restarts")  # what a restart may change
 
 
-def _run(tmp_path, assets, mode: str, die_at: int = 3) -> tuple[list[dict], list[dict]]:
+def _run(tmp_path, assets, mode: str, die_at: int = 3, extra: tuple = ()) -> tuple[list[dict], list[dict]]:
     from pathlib import Path
 
     run = tmp_path / mode
     recipe = write_recipe(tmp_path / f"{mode}.yaml", assets, "grpo", run)
-    run_torchrun(Path(__file__).with_name(WORKER), 4, [mode, str(die_at), str(recipe), *SETTINGS], timeout_s=900)
+    run_torchrun(Path(__file__).with_name(WORKER), 4, [mode, str(die_at), str(recipe), *SETTINGS, *extra],
+                 timeout_s=900)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     return [s for s in samples if s["kind"] == "train"], read_metrics(run / "metrics.jsonl")
 
@@ -37,11 +38,11 @@ def _run(tmp_path, assets, mode: str, die_at: int = 3) -> tuple[list[dict], list
 def runs(rl_assets, tmp_path_factory):
     cache = {}
 
-    def run(mode: str, die_at: int = 3):
-        if (mode, die_at) not in cache:
+    def run(mode: str, die_at: int = 3, extra: tuple = ()):
+        if (mode, die_at, extra) not in cache:
             where = tmp_path_factory.mktemp(f"restarts_{mode}_{die_at}")
-            cache[mode, die_at] = _run(where, rl_assets, mode, die_at)
-        return cache[mode, die_at]
+            cache[mode, die_at, extra] = _run(where, rl_assets, mode, die_at, extra)
+        return cache[mode, die_at, extra]
 
     return run
 
@@ -134,3 +135,30 @@ def test_a_vllm_engine_core_killed_mid_run_is_replaced(rl_assets, tmp_path):
     for step in range(4):
         prompts = [s["prompt"] for s in samples if s["kind"] == "train" and s["step"] == step]
         assert len(prompts) == 16 and all(prompts.count(p) == 4 for p in prompts), step
+
+
+@pytest.mark.parametrize("found_at", ["step2", pytest.param("checkpoint", marks=pytest.mark.slow)])
+def test_a_share_generated_again_in_a_pipelined_run_is_stamped_with_the_newer_weights(runs, found_at):
+    """rollout.max_staleness=1: batch 2 is launched during step 1 with the weights of version 1, and the last
+    engine dies generating it (its 3rd generation). Its lost share is generated again with the trainers' weights
+    of when the death is found, version 2: at step 2 when it takes the batch, or (checkpoint.every=2) when the
+    checkpoint after step 1's update takes it first. Those samples are not stale at all and the others one version:
+    samples.jsonl says which, and the staleness metrics count tokens, not the batch's launch."""
+    pipelined = ("rollout.max_staleness=1",) + (("checkpoint.every=2",) if found_at == "checkpoint" else ())
+    whole_samples, whole = runs("none", 3, ("rollout.max_staleness=1",))
+    samples, metrics = runs("during", 3, pipelined)
+    restarts = [m["rollout/engine_restarts"] for m in metrics]
+    assert restarts == [0.0, 0.0, 1.0, 1.0]  # found at the checkpoint: logged with the batch, at step 2
+    key = lambda s: (s["step"], s["prompt"], s["response"])  # noqa: E731
+    assert sorted(map(key, samples)) == sorted(map(key, whole_samples))  # the fake engine's depend on seeds alone
+    assert [m["rollout/staleness"] for m in whole] == [0.0, 1.0, 1.0, 1.0] == [m["rollout/staleness"] for m in metrics]
+    assert [m["rollout/staleness_mean"] for m in whole] == [0.0, 1.0, 1.0, 1.0]
+    versions = {s["step"]: set() for s in samples}
+    for s in samples:
+        assert sum(n for _, n in s["policy_versions"]) == s["response_tokens"]
+        versions[s["step"]] |= {v for v, _ in s["policy_versions"]}
+    assert versions == {0: {0}, 1: {0}, 2: {1, 2}, 3: {2}}
+    fresh = [s["response_tokens"] for s in samples if s["step"] == 2 and s["policy_versions"][0][0] == 2]
+    stale = [s["response_tokens"] for s in samples if s["step"] == 2 and s["policy_versions"][0][0] == 1]
+    assert len(fresh) == len(stale) == 8  # the round-robin halves of 2 engines
+    assert metrics[2]["rollout/staleness_mean"] == sum(stale) / (sum(stale) + sum(fresh))

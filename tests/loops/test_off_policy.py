@@ -3,6 +3,7 @@ t+1's batch while the trainers update on step t's; with k=1 every batch after st
 and the importance weights see it, the overlap is measured, and a resumed run trains on exactly the batch
 the uninterrupted one trained on (the batch in flight is saved in the checkpoint); k=2 bounds the
 staleness and skips syncs; dynamic sampling's extra rounds sample with fresh weights."""
+import json
 import shutil
 
 import pytest
@@ -34,6 +35,7 @@ def uninterrupted(rl_assets, tmp_path_factory):
 def test_staleness_overlap_and_off_policy_gap(uninterrupted):
     assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3]
     assert [r["rollout/staleness"] for r in uninterrupted] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["rollout/staleness_mean"] for r in uninterrupted] == [0.0, 1.0, 1.0, 1.0]
     step0, later = uninterrupted[0], uninterrupted[1:]
     assert step0["mismatch/step0_logprob_gap_max"] < 1e-4 and abs(step0["actor/ppo_kl"]) < 1e-6
     # sampled by the policy one update behind: the trainer's log-probs differ from the behaviour policy's,
@@ -74,6 +76,13 @@ def test_staleness_is_a_bound_that_saves_syncs(rl_assets, tmp_path):
     _run.assets = rl_assets
     records = _run(tmp_path, "k2", "rollout.max_staleness=2")
     assert [r["rollout/staleness"] for r in records] == [0.0, 1.0, 2.0, 1.0]
+    # each sample says which weights sampled it: those of the checkpoint (version 0) for batches 0-2, those after
+    # step 1's update (version 2: the updates of steps 0 and 1) for batch 3
+    samples = [json.loads(line) for line in (tmp_path / "k2" / "samples.jsonl").read_text().splitlines()]
+    train = [s for s in samples if s["kind"] == "train"]
+    assert sorted({s["step"] for s in train}) == [0, 1, 2, 3]
+    assert all(s["policy_versions"] == ([[[0, 0, 0, 2][s["step"]], s["response_tokens"]]] if s["response_tokens"]
+                                        else []) for s in train)
     assert ["weight_sync/tensors" in r for r in records] == [False, False, True, False]  # step 0's sent nothing
     gap = records[0]["mismatch/step0_logprob_gap_max"]
     assert all(r["mismatch/logprob_abs_diff_max"] > 100 * gap and r["mismatch/is_weight_mean"] != 1.0

@@ -68,6 +68,9 @@ def test_rl_run_records_metrics_and_passes_step0_gate(tmp_path, rl_assets, estim
     assert [(r["step"], r["kind"]) for r in samples[::4]] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]
     assert all(r["response"] and r["prompt"] and r["ground_truth"] is not None and r["reward"] in (0.0, 1.0)
                and r["finish_reason"] in ("stop", "length") for r in samples)
+    # colocated, synchronous: every token sampled by the weights of its step (the final evaluation's: after 2)
+    assert all(r["policy_versions"] == [[r["step"], r["response_tokens"]]] for r in samples)
+    assert [(r["rollout/staleness"], r["rollout/staleness_mean"]) for r in records[:2]] == [(0.0, 0.0)] * 2
     assert (run / "curves.png").is_file() and any((run / "tensorboard").iterdir())
     assert (run / "config.yaml").is_file()
     from transformers import AutoModelForCausalLM
@@ -152,5 +155,6 @@ def test_multi_turn_rollouts_pass_step0_gate(tmp_path, rl_assets, layout, ranks,
     if "rollout.max_staleness=1" in overrides:
         steps = records[:2]  # the last record holds the final evaluation only
         assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0]
+        assert [r["rollout/staleness_mean"] for r in steps] == [0.0, 1.0]  # the observation tokens not counted
         assert all(r["tools/call_rate"] == 1.0 and r["tools/not_run"] == r["tools/samples"] for r in steps)
         assert steps[1]["mismatch/is_weight_mean"] != 1.0  # sampled one update behind, and corrected for it

@@ -31,9 +31,9 @@ def test_writes_the_first_samples_of_a_step(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert records == [
         {"step": 0, "kind": "train", "prompt": "What is 1 + 2?", "response": "t1 t2", "reward": 1.0,
-         "ground_truth": "3", "finish_reason": "stop", "response_tokens": 2},
+         "ground_truth": "3", "finish_reason": "stop", "response_tokens": 2, "policy_versions": None},
         {"step": 0, "kind": "train", "prompt": "What is 1 + 2?", "response": "t3", "reward": 0.0,
-         "ground_truth": "3", "finish_reason": "length", "response_tokens": 1}]
+         "ground_truth": "3", "finish_reason": "length", "response_tokens": 1, "policy_versions": None}]
 
 
 def test_zero_per_step_writes_nothing(tmp_path):
@@ -62,3 +62,13 @@ def test_resume_cuts_back_to_the_checkpointed_steps(tmp_path):
     SampleLog(tmp_path, _Tokenizer(), per_step=1, resume_after_step=1)
     steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+def test_records_the_policy_versions_of_each_token_as_runs(tmp_path):
+    """A sample whose tokens came from two policy versions (a partial rollout, a share generated again): its
+    versions are written as [version, tokens] runs in token order."""
+    examples, rollout, rewards = _batch()
+    rollout.policy_versions = [[3, 3], [4], [3, 4, 4]]
+    SampleLog(tmp_path, _Tokenizer(), per_step=3).write(5, "train", examples, rollout, rewards)
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["policy_versions"] for r in records] == [[[3, 2]], [[4, 1]], [[3, 1], [4, 2]]]

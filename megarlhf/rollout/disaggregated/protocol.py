@@ -110,6 +110,7 @@ class InFlight:
     max_new_tokens: dict[int, int]  # each replica's own limit (the engines generate for the largest)
     episodes: bool = False  # whole multi-turn episodes of PromptExamples, not single samples of token ids
     sampling: SamplingConfig | None = None  # the merged sampling sent (to ask again for a restarted engine's share)
+    version: int = 0  # the policy version the engines held when it was sent
 
     def sent(self) -> list:
         """The prompts in sending order."""

@@ -56,6 +56,7 @@ class RemoteEngines:
         self.floor: tuple[float, float] | None = None  # the probe's calibration floor (calibration sets both)
         self.natural_deferred = False
         self.calibrating = False  # the actor's LoRA adapters are off (calibrate)
+        self.version = actor.policy_version  # the policy version the engines hold (model.path: the start's)
 
     def _engine_layout(self) -> dict[str, tuple[str, int]] | None:
         """Source: where each HF tensor sits in the engines' parameters (asked once; every engine runs the
@@ -111,8 +112,11 @@ class RemoteEngines:
         """Pushes the actor's weights to every engine, verified; returns metrics. Raises
         :class:`~megarlhf.rollout.sync.weights.WeightSyncError` on every rank if any engine got something else."""
         if self.adapter_only:
-            return self._until_no_engine_restarted(self._sync_adapter)
-        return self.held.sync_unless_held(self._send_and_verify)  # nothing sent if the engines hold it
+            metrics = self._until_no_engine_restarted(self._sync_adapter)
+        else:
+            metrics = self.held.sync_unless_held(self._send_and_verify)  # nothing sent if the engines hold it
+        self.version = self.actor.policy_version
+        return metrics
 
     def _send_and_verify(self) -> dict[str, float]:
         return self._until_no_engine_restarted(self._send_weights)
@@ -210,21 +214,22 @@ class RemoteEngines:
                                  f"from its data-parallel replica {dp}'s (its model-parallel peers must agree)")
         order = [(dp, i) for dp in sorted(replicas) for i in range(len(replicas[dp]))]
         merged = merged_sampling(samplings, order)  # on every trainer rank: a refusal raises on all of them
-        request = InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()}, episodes, merged)
+        request = InFlight(order, replicas, {dp: s.max_new_tokens for dp, s in samplings.items()}, episodes, merged,
+                           self.version)
         if self.channel.is_source:
             self.channel.broadcast(("generate", request.sent(), merged, episodes))
         return request
 
     def receive(self, request: InFlight) -> tuple[RolloutBatch, dict[str, float]]:
         """Waits for the batch :meth:`launch` asked for; returns this rank's share (``prompt_index`` indexes
-        its prompts), ``time/rollout_wait_s`` (how long the trainers waited here) and
-        ``time/engine_generate_s`` (the slowest engine's generation time)."""
+        its prompts; each sample stamped with the policy version that generated it), ``time/rollout_wait_s`` (how
+        long the trainers waited here) and ``time/engine_generate_s`` (the slowest engine's generation time)."""
         start, asked = time.perf_counter(), list(range(len(request.order)))  # the request's prompts asked for
-        samples, generate_s, tools, restart_s = [], 0.0, {}, 0.0
+        samples, generate_s, tools, restart_s, version = [], 0.0, {}, 0.0, request.version
         while True:
             answer = self._answers(asked) if self.channel.is_source else None
             found, seconds, their_tools, lost, failed = self.channel.to_trainers(answer)
-            samples += found
+            samples += [(*sample, version) for sample in found]
             generate_s += seconds
             for name, value in their_tools.items():  # the restart count is a total: the last answer's
                 tools[name] = value if name == RESTARTS_METRIC else tools.get(name, 0.0) + value
@@ -236,7 +241,7 @@ class RemoteEngines:
             begin = time.perf_counter()
             self._resync()
             restart_s += time.perf_counter() - begin
-            asked = lost
+            asked, version = lost, self.version  # the share is generated again with the trainers' weights of now
             if self.channel.is_source:
                 sent = request.sent()
                 self.channel.broadcast(("generate", [sent[i] for i in lost], request.sampling.for_prompts(lost),
@@ -257,6 +262,7 @@ class RemoteEngines:
         metrics = self.held.resend(self._send_and_verify)
         if self.calibrating and self.config.model.lora is not None:
             self.held.forget()
+        self.version = self.actor.policy_version
         return metrics
 
     def _answers(self, asked: list[int]) -> tuple[list, float, dict[str, float], list[int], str | None]:
@@ -287,7 +293,7 @@ def _replica_batch(samples: list[tuple], request: InFlight, dp_rank: int) -> Rol
     """The samples of replica ``dp_rank``'s prompts, in the engines' (stable) order; a sample generated for
     another replica's larger ``max_new_tokens`` is cut at this replica's own."""
     batch, episodes, limit = RolloutBatch(), request.episodes, request.max_new_tokens.get(dp_rank)
-    for item, response, logprobs, finish, mask, env_reward, calls, record in samples:
+    for item, response, logprobs, finish, mask, env_reward, calls, record, version in samples:
         dp, i = request.order[item]
         if dp != dp_rank:
             continue
@@ -302,6 +308,7 @@ def _replica_batch(samples: list[tuple], request: InFlight, dp_rank: int) -> Rol
         batch.response_ids.append(list(response))
         batch.logprobs.append(list(logprobs))
         batch.finish_reasons.append(finish)
+        batch.policy_versions.append([version] * len(response))
         if episodes:
             batch.loss_masks.append(list(mask))
             batch.env_rewards.append(env_reward)

@@ -27,10 +27,19 @@ class RolloutBatch:
     # an engine recording routing (routing replay R3) only, else empty: per sample its routing record,
     # int16 [prompt + response tokens, moe_layers, top_k] on the host (megarlhf.rollout.engines.routing)
     routed_experts: list = field(default_factory=list)
+    # per response token, the policy version of the weights that sampled it (the number of RL steps whose
+    # updates they hold; an observation token of a multi-turn episode: the version of the turn it follows);
+    # stamped by the rollout phase (an engine knows no versions), empty when unknown (dataset responses)
+    policy_versions: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(r) for r in self.response_ids)
+
+    def stamp_versions(self, version: int) -> "RolloutBatch":
+        """Every response token was sampled by the weights of policy ``version``; returns the batch."""
+        self.policy_versions = [[version] * len(r) for r in self.response_ids]
+        return self
 
 
 def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_model_len: int | None = None,
