@@ -36,11 +36,12 @@ def test_every_backend_is_registered_with_its_declarations():
 
 
 def test_a_backend_is_one_subclass_of_the_contract():
-    """What an engine must provide: every abstract method of RolloutEngine (the fake adds only generate)."""
+    """What an engine must provide: every abstract method of RolloutEngine (the fake adds generate, and a load that
+    first scores the streamed tokens generated so far)."""
     assert RolloutEngine.__abstractmethods__ == {"generate", "prompt_logprobs", "placement", "begin_load",
                                                  "load_bucket", "finish_load", "checkpoint_report", "abort"}
     assert issubclass(FakeEngine, RolloutEngine) and set(vars(FakeEngine)) & RolloutEngine.__abstractmethods__ == \
-        {"generate"}
+        {"generate", "begin_load"}
 
 
 def test_fake_samples_come_from_their_seeds_alone(fake, tiny_qwen2, tmp_path):

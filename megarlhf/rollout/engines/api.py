@@ -11,6 +11,11 @@ The contract, one engine per rank (or one rank's part of a tensor-parallel engin
   the sampling/scoring contract defines it (:mod:`megarlhf.config.rollout`): ``log softmax(logits / T)``
   over the whole vocabulary, ``T`` the sampling temperature (1 when greedy). Seeds are per sample
   (:class:`~megarlhf.rollout.engines.sampling.SamplingConfig`), so a sample never depends on its batch.
+* **stream**: :meth:`RolloutEngine.submit` single samples (each with its own seed and token limit) to the
+  generation under way, :meth:`RolloutEngine.advance` until some finished, :meth:`RolloutEngine.interrupt`
+  the rest with their tokens so far (:mod:`megarlhf.rollout.engines.streaming`); a backend that only
+  generates in batches gets :class:`~megarlhf.rollout.engines.streaming.BatchStream`. While any is in flight
+  nothing else may use the engine (no batch generation, load, probe or sleep: interrupt first).
 * **prompt_logprobs**: teacher-forced log-probs at temperature 1 (the weight sync's probe).
 * **load weights**: full HF-named tensors, streamed in :class:`WeightBucket`\\ s inside one load session
   (:meth:`begin_load`, :meth:`load_bucket`, :meth:`finish_load`), or adapter-only
@@ -35,6 +40,7 @@ import torch
 from megarlhf.config.rollout import RolloutConfig
 from megarlhf.core.registry import Registry
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
+from megarlhf.rollout.engines.streaming import BatchStream, SampleOutput, SampleRequest
 
 TAGS = ("weights", "kv_cache")  # what wake_up re-allocates
 
@@ -118,6 +124,28 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         """``sampling.n`` samples per prompt, prompt-major; with TP > 1 every rank passes the same prompts."""
+
+    def submit(self, requests: list[SampleRequest], sampling: SamplingConfig) -> None:
+        """Adds single samples to the streamed generation (``sampling``: temperature, stop tokens; its n, seeds and
+        limit are the requests'). Until none is in flight only streaming calls may use the engine."""
+        self._batch_stream().submit(requests, sampling)
+
+    def advance(self) -> list[SampleOutput]:
+        """Generates until at least one streamed sample finished (none in flight: returns at once); those."""
+        return self._batch_stream().advance()
+
+    def interrupt(self) -> list[SampleOutput]:
+        """Stops every streamed sample in flight; returns each with its tokens so far (finish reason "abort")."""
+        return self._batch_stream().interrupt()
+
+    def in_flight(self) -> int:
+        """How many streamed samples are submitted and not yet returned."""
+        return self._batch_stream().in_flight()
+
+    def _batch_stream(self) -> BatchStream:
+        if getattr(self, "_stream", None) is None:
+            self._stream = BatchStream(self)
+        return self._stream
 
     @abc.abstractmethod
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -7,20 +7,51 @@ length falls short of the limit) and reports the log-prob of every sampled token
 holds, as the contract defines it (``log_softmax(logits / T)``, one teacher-forced forward per batch). So
 the weight sync, its probe and the step-0 gate check it as they check a real engine, while the samples do
 not change as the policy trains. Weights, fingerprints, sleep and wake-up are the transformers engine's.
+
+Streamed samples (:mod:`megarlhf.rollout.engines.streaming`) are drawn the same way when submitted (an
+unseeded one from the next of a counter's seeds) and come out in the order a continuously batching engine
+would finish them: each :meth:`FakeEngine.advance` moves every sample in flight by as many tokens as the
+shortest of them still needs, and scores the tokens of those that finished. As with vLLM, nothing else may
+use the engine while samples are in flight (a load is refused).
 """
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass, field
+from typing import Hashable
+
 from megarlhf.rollout.engines.api import ENGINES, EngineSpec
 from megarlhf.rollout.engines.hf import HFEngine
 from megarlhf.rollout.engines.sampling import RolloutBatch, SamplingConfig
+from megarlhf.rollout.engines.streaming import SampleOutput, SampleRequest
 
 _BASE_SEED = 0x5EED  # the seed of sample 0 of prompt 0 when a call gives none
 
 
+@dataclass
+class _Streamed:
+    """A streamed sample in flight: all its tokens, drawn at submission, and how many were generated so far."""
+
+    key: Hashable
+    prompt: list[int]
+    tokens: list[int]
+    finish: str
+    temperature: float
+    generated: int = 0
+    logprobs: list[float] = field(default_factory=list)  # of the first len(logprobs) tokens
+
+    def output(self, finish: str) -> SampleOutput:
+        return SampleOutput(self.key, self.tokens[:self.generated], self.logprobs, finish)
+
+
 class FakeEngine(HFEngine):
     """Seeded token draws, scored by the held weights (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._streamed: list[_Streamed] = []  # the streamed samples in flight
+        self._unseeded = 0  # unseeded streamed samples so far (each draws from a seed of its own)
 
     @classmethod
     def from_config(cls, hf_dir, config, device) -> "FakeEngine":
@@ -31,8 +62,11 @@ class FakeEngine(HFEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         sampling.validate(len(prompts))
         self._check_prompts(prompts)
+        if self._streamed:
+            raise RuntimeError(f"FakeEngine.generate: {len(self._streamed)} streamed samples are in flight; "
+                               "interrupt them first")
         self._abort.clear()
-        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
+        stop_ids = self._stop_ids(sampling)
         rows = []  # (prompt index, response ids, finish reason)
         for i, prompt in enumerate(prompts):
             seed = sampling.prompt_seed(i)
@@ -54,6 +88,56 @@ class FakeEngine(HFEngine):
             batch.logprobs.append(logprobs)
             batch.finish_reasons.append(reason)
         return batch
+
+    def _stop_ids(self, sampling: SamplingConfig) -> set[int]:
+        return set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
+
+    # ---- streaming (module docstring) -----------------------------------------------------------------
+    def submit(self, requests: list[SampleRequest], sampling: SamplingConfig) -> None:
+        self._check_prompts([list(r.prompt_ids) for r in requests])
+        stop_ids = self._stop_ids(sampling)
+        for r in requests:
+            limit = min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids))
+            seed = r.seed
+            if seed is None:
+                seed, self._unseeded = _BASE_SEED + 2**20 + self._unseeded, self._unseeded + 1
+            self._streamed.append(_Streamed(r.key, list(r.prompt_ids), *self._draw(seed, limit, stop_ids),
+                                      sampling.temperature or 1.0))
+
+    def advance(self) -> list[SampleOutput]:
+        streamed = self._streamed
+        if not streamed:
+            return []
+        steps = min(len(s.tokens) - s.generated for s in streamed)
+        for s in streamed:
+            s.generated += steps
+        done = [s for s in streamed if s.generated == len(s.tokens)]
+        self._score(done)
+        self._streamed = [s for s in streamed if s.generated < len(s.tokens)]
+        return [s.output(s.finish) for s in done]
+
+    def interrupt(self) -> list[SampleOutput]:
+        streamed, self._streamed = self._streamed, []
+        self._score(streamed)
+        return [s.output("abort") for s in streamed]
+
+    def in_flight(self) -> int:
+        return len(self._streamed)
+
+    def begin_load(self) -> None:
+        if self._streamed:
+            raise RuntimeError(f"FakeEngine.begin_load: {len(self._streamed)} streamed samples are in flight; "
+                               "interrupt them first")
+        super().begin_load()
+
+    def _score(self, streamed: list[_Streamed]) -> None:
+        """The log-probs of the generated tokens not yet scored, under the weights held."""
+        todo = [s for s in streamed if len(s.logprobs) < s.generated]
+        for temperature in {s.temperature for s in todo}:
+            group = [s for s in todo if s.temperature == temperature]
+            scored = self.teacher_forced([s.prompt + s.tokens[:s.generated] for s in group], temperature)
+            for s, logprobs in zip(group, scored):
+                s.logprobs += logprobs[len(s.prompt) - 1 + len(s.logprobs):]
 
     def _draw(self, seed: int, limit: int, stop_ids: set[int]) -> tuple[list[int], str]:
         """One sample's tokens and finish reason, from its seed alone."""

