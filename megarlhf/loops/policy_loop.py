@@ -15,10 +15,11 @@ from megarlhf.run.context import RunContext
 
 def open_policy_loop(run: RunContext, prompts: PromptDataset, step0_gate: bool = False,
                      **recorder_options) -> tuple[PromptSampler, int]:
-    """Once ``run``'s models are built: its reward (with a learned reward model, if configured), the
-    evaluation reward, the rollout engines, the checkpointer, the recorder. Returns the sampler and the
-    first step, restored from a checkpoint when resuming (and the actor's policy version with it). ``step0_gate``: the loop checks the step-0 gate
-    (which may then measure the natural floor itself: :mod:`megarlhf.rollout.sync.calibration`).
+    """Once ``run``'s models are built: its reward (with a learned reward model, if configured), the evaluation
+    reward, the rollout engines, the checkpointer, the recorder. Returns the sampler and the first step,
+    restored from a checkpoint when resuming (and the actor's policy version with it). ``step0_gate``: the loop
+    checks the step-0 gate (which may then measure the natural floor itself:
+    :mod:`megarlhf.rollout.sync.calibration`).
 
     The engines are built (and the gates calibrated, on the run's first prompts) while actor and engines
     both hold the checkpoint at ``model.path``: before the resume loads other weights.

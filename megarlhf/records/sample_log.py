@@ -1,15 +1,15 @@
 """Generated text of a run, for reading what the policy does: ``samples.jsonl`` in the run directory.
 
-Metrics say how much reward a run collects, not how; a policy that games its verifier (restating the
-question's expression as "the answer", an empty response that a lenient checker accepts) shows up here
-first. Every step the main rank writes the first ``logging.samples_per_step`` training samples and, at
-each evaluation, as many evaluation samples: prompt, response (decoded with special tokens, so tool
-calls and observations of multi-turn episodes are visible), reward, ground truth, finish reason, length
-and the policy versions of its tokens (``[[version, tokens], ...]`` in token order, a version being the
-number of RL steps whose updates the sampling weights held; null for a dataset response). "First" is over the whole batch in data-parallel order, not over the main rank's share: each
-replica's first samples are gathered to it, so the file does not depend on the data-parallel layout
-(at DP=2 an evaluation of 4 prompts with one sample each still records 4). A resumed run cuts the file
-back to the steps its checkpoint completed, like ``metrics.jsonl``.
+Metrics say how much reward a run collects, not how; a policy that games its verifier (restating the question's
+expression as "the answer", an empty response that a lenient checker accepts) shows up here first. Every step
+the main rank writes the first ``logging.samples_per_step`` training samples and, at each evaluation, as many
+evaluation samples: prompt, response (decoded with special tokens, so tool calls and observations of multi-turn
+episodes are visible), reward, ground truth, finish reason, length and the policy versions of its tokens
+(``[[version, tokens], ...]`` in token order, a version being the number of RL steps whose updates the sampling
+weights held; null for a dataset response). "First" is over the whole batch in data-parallel order, not over the
+main rank's share: each replica's first samples are gathered to it, so the file does not depend on the
+data-parallel layout (at DP=2 an evaluation of 4 prompts with one sample each still records 4). A resumed run
+cuts the file back to the steps its checkpoint completed, like ``metrics.jsonl``.
 """
 from __future__ import annotations
 

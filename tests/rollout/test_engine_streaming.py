@@ -83,7 +83,8 @@ def test_an_interrupt_returns_the_tokens_so_far_and_new_weights_reach_the_sample
     engine.submit([SampleRequest("again", prompt, 20 - len(o.token_ids), 7)], SAMPLING)
     (again,) = [o for r in _drain(engine) for o in r]
     checkpoint = build_engine(str(tiny_qwen2), config("fake"), torch.device("cpu"))  # the old weights
-    new, old = (e.teacher_forced([list(prompt) + again.token_ids], 1.0)[0][len(prompt) - 1:] for e in (engine, checkpoint))
+    new, old = (e.teacher_forced([list(prompt) + again.token_ids], 1.0)[0][len(prompt) - 1:]
+                for e in (engine, checkpoint))
     torch.testing.assert_close(again.logprobs, new, rtol=0, atol=1e-5)
     assert again.token_ids and len(again.token_ids) <= 20 - len(o.token_ids)
     assert max(abs(a - b) for a, b in zip(new, old)) > 1e-3
@@ -142,7 +143,8 @@ def test_vllm_streams_continuously_and_refuses_to_load_under_samples_in_flight(t
                 rounds.append([[o.key, o.token_ids, o.finish_reason] for o in engine.advance()])
             engine.submit(requests, sampling)
             engine.advance()  # the first to finish; the others are interrupted
-            refused = [refusal(lambda: engine.generate(prompts, sampling)), refusal(lambda: engine.load_weights(weights)),
+            refused = [refusal(lambda: engine.generate(prompts, sampling)),
+                       refusal(lambda: engine.load_weights(weights)),
                        refusal(lambda: engine.prompt_logprobs([[5, 9, 11]]))]
             partial = [[o.key, o.token_ids, o.finish_reason] for o in engine.interrupt()]
             engine.load_weights([(name, t * 1.25) for name, t in weights])

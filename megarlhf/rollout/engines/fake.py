@@ -16,10 +16,10 @@ use the engine while samples are in flight (a load is refused).
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass, field
 from typing import Hashable
+
+import torch
 
 from megarlhf.rollout.engines.api import ENGINES, EngineSpec
 from megarlhf.rollout.engines.hf import HFEngine

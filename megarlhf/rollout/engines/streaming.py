@@ -86,8 +86,8 @@ class BatchStream:
         self.pending += [(r, sampling) for r in requests]
 
     def advance(self) -> list[SampleOutput]:
-        """Everything submitted, generated as batches of the requests that share a sampling and a limit (a batch
-        that fails leaves itself and the ones after it pending)."""
+        """Everything submitted, generated as batches of the requests that share a sampling and a limit (a failure
+        leaves every request pending)."""
         batches: dict[tuple, list[SampleRequest]] = {}
         for request, sampling in self.pending:
             batches.setdefault((sampling, request.max_new_tokens), []).append(request)
@@ -97,8 +97,7 @@ class BatchStream:
             routing = batch.routed_experts or [None] * len(requests)
             out += [SampleOutput(requests[i].key, ids, logprobs, finish, record) for i, ids, logprobs, finish, record
                     in zip(batch.prompt_index, batch.response_ids, batch.logprobs, batch.finish_reasons, routing)]
-            done = {id(r) for r in requests}
-            self.pending = [(r, s) for r, s in self.pending if id(r) not in done]
+        self.pending = []
         return out
 
     def interrupt(self) -> list[SampleOutput]:
