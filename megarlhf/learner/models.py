@@ -61,7 +61,7 @@ class TrainModel:
     # inside layout.active(), and ``runtime`` is that layout's (None: the run's layout)
     layout: Any = None
     # an actor's: the policy version of its weights, the number of RL steps whose updates they hold (set by the
-    # loop at each step's start; the rollout phase stamps every sampled token with the version it synced)
+    # loop at resume and after each update; the rollout phase stamps every sampled token with the version it synced)
     policy_version: int = 0
 
     @property

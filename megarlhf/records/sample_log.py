@@ -13,6 +13,7 @@ cuts the file back to the steps its checkpoint completed, like ``metrics.jsonl``
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -73,10 +74,4 @@ class SampleLog:
 
 def version_runs(versions: list[int]) -> list[list[int]]:
     """A response's per-token policy versions as runs ``[[version, tokens], ...]`` in token order."""
-    runs: list[list[int]] = []
-    for version in versions:
-        if runs and runs[-1][0] == version:
-            runs[-1][1] += 1
-        else:
-            runs.append([version, 1])
-    return runs
+    return [[version, len(list(run))] for version, run in itertools.groupby(versions)]

@@ -142,6 +142,13 @@ class RolloutEngine(abc.ABC):
         """How many streamed samples are submitted and not yet returned."""
         return self._batch_stream().in_flight()
 
+    def _idle(self, what: str) -> None:
+        """Refuses ``what`` while streamed samples are in flight (vLLM's engine core in a process of its own would
+        step them under a load's half-replaced weights, a probe's requests, a sleep)."""
+        if self.in_flight():
+            raise RuntimeError(f"{type(self).__name__}.{what}: {self.in_flight()} streamed samples are in flight; "
+                               "interrupt them first (and submit them again as prompt + tokens so far)")
+
     def _batch_stream(self) -> BatchStream:
         if getattr(self, "_stream", None) is None:
             self._stream = BatchStream(self)

@@ -62,9 +62,7 @@ class FakeEngine(HFEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutBatch:
         sampling.validate(len(prompts))
         self._check_prompts(prompts)
-        if self._streamed:
-            raise RuntimeError(f"FakeEngine.generate: {len(self._streamed)} streamed samples are in flight; "
-                               "interrupt them first")
+        self._idle("generate")
         self._abort.clear()
         stop_ids = self._stop_ids(sampling)
         rows = []  # (prompt index, response ids, finish reason)
@@ -125,9 +123,7 @@ class FakeEngine(HFEngine):
         return len(self._streamed)
 
     def begin_load(self) -> None:
-        if self._streamed:
-            raise RuntimeError(f"FakeEngine.begin_load: {len(self._streamed)} streamed samples are in flight; "
-                               "interrupt them first")
+        self._idle("begin_load")
         super().begin_load()
 
     def _score(self, streamed: list[_Streamed]) -> None:

@@ -266,12 +266,6 @@ class VLLMEngine(RolloutEngine):
                                         lora_request=self.lora_request)
         return request
 
-    def _idle(self, what: str) -> None:
-        """Refuses ``what`` while streamed samples are in flight (an engine core in a process of its own steps them)."""
-        if self._streamed:
-            raise RuntimeError(f"VLLMEngine.{what}: {len(self._streamed)} streamed samples are in flight; interrupt "
-                               "them first (and submit them again as prompt + tokens so far)")
-
     # ---- streaming (megarlhf.rollout.engines.streaming) -----------------------------------------------
     def submit(self, requests: list[SampleRequest], sampling: SamplingConfig) -> None:
         check_prompt_ids([r.prompt_ids for r in requests], self.vocab_size, self.config.max_model_len,
